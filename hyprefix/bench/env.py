@@ -1,0 +1,91 @@
+"""Facts about the machine and libraries a benchmark ran on, for its JSON record."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import hyprefix
+
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hyprefix": hyprefix.__version__,
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "torch_num_threads": torch.get_num_threads(),
+        "load_average_at_start": load_average(),
+    }
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes spent busy since boot (from /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """How much CPU *other* processes used while the benchmark ran: machine-wide busy
+    time minus this process's own CPU time. ``other_cores_avg`` near 0 means a quiet
+    machine; near the core count means the arms were sharing the CPU."""
+
+    def __init__(self) -> None:
+        self._t0 = self._own0 = 0.0
+        self._busy0: float | None = None
+
+    def start(self) -> None:
+        self._t0, self._busy0 = time.perf_counter(), _busy_cpu_seconds()
+        t = os.times()
+        self._own0 = t.user + t.system
+
+    def stop(self) -> dict[str, float | None]:
+        wall = time.perf_counter() - self._t0
+        t = os.times()
+        own = t.user + t.system - self._own0
+        busy1 = _busy_cpu_seconds()
+        other = None if busy1 is None or self._busy0 is None else max(0.0, busy1 - self._busy0 - own)
+        return {"wall_seconds": round(wall, 2), "own_cpu_seconds": round(own, 2),
+                "other_cpu_seconds": None if other is None else round(other, 2),
+                "other_cores_avg": None if other is None or wall <= 0 else round(other / wall, 2)}

@@ -1,0 +1,1 @@
+"""Cache bookkeeping: pure Python, imports no torch."""

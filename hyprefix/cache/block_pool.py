@@ -1,0 +1,118 @@
+"""A fixed pool of KV blocks with ref counts, a hash index and an O(1) LRU free list.
+
+Invariants (see ``check_invariants``):
+- a block is in the free list iff its ref count is 0;
+- every hash in the index names a block that carries that hash;
+- free blocks that carry a hash stay findable until they are reused; reuse takes
+  the least recently freed block first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: the first key is reused next.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_index: dict[bytes, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no request references (some may still be findable by hash)."""
+        return len(self._free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks off the free list (ref count 1), or None and no change."""
+        if n > len(self._free):
+            return None
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._drop_hash(block)
+            block.ref_cnt = 1
+            ids.append(block_id)
+        return ids
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks found in the cache (taking free ones off the list)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a reference; blocks reaching 0 join the free list in the order given
+        (pass a chain tail first so tails are evicted before heads)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"block {block_id} released with ref count 0"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._hash_index.get(block_hash)
+
+    def publish(self, block_id: int, block_hash: bytes) -> bool:
+        """Make a block findable under ``block_hash``. A hash already in the index
+        keeps its block; the new one stays private. Returns whether it was added."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._hash_index:
+            return False
+        block.block_hash = block_hash
+        self._hash_index[block_hash] = block_id
+        return True
+
+    def reset_cache(self) -> int:
+        """Forget the hash of every free block; returns how many were dropped."""
+        dropped = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                dropped += 1
+        return dropped
+
+    def _drop_hash(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self._hash_index.get(block.block_hash) == block.block_id:
+                del self._hash_index[block.block_hash]
+            block.block_hash = None
+
+    def check_invariants(self, expected_refs: dict[int, int]) -> None:
+        """``expected_refs`` maps block id -> number of block tables holding it."""
+        for block in self.blocks:
+            want = expected_refs.get(block.block_id, 0)
+            assert block.ref_cnt == want, (
+                f"block {block.block_id}: ref count {block.ref_cnt}, held by {want} tables")
+            assert (block.ref_cnt == 0) == (block.block_id in self._free), (
+                f"block {block.block_id}: ref count {block.ref_cnt} but free={block.block_id in self._free}")
+        for block_hash, block_id in self._hash_index.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"stale hash for block {block_id}"

@@ -1,0 +1,55 @@
+"""Engine arguments: built and validated once, never mutated afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything ``LLM(...)`` and ``hyprefix serve`` accept.
+
+    ``model`` None means the built-in demo model. ``num_kv_blocks`` overrides the
+    pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
+    the model's ``max_position_embeddings``.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    num_kv_blocks: int | None = None
+    max_kv_blocks: int = 1 << 16
+    mamba_cache_memory_gb: float = 1.0
+    seed: int = 0
+    log_stats_interval: float = 5.0
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("kv_cache_memory_gb", "mamba_cache_memory_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be > 0 when num_kv_blocks is not given")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

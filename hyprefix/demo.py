@@ -1,0 +1,222 @@
+"""Deterministic random-weight demo models in the Hugging Face layout.
+
+They are for tests and benchmarks: the weights are random (their answers are nonsense)
+but bit-for-bit reproducible, and they load with plain ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+# Bump whenever the recipe (configs, init, tokenizer, files written) changes: the cache
+# directory name includes it, so old cached models are not reused.
+DEMO_VERSION = "1"
+
+ARCHS = ("dense", "hybrid")
+SIZES = ("tiny", "bench")
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+TOKENIZER_JSON = ASSETS_DIR / "tokenizer.json"
+
+TOKENIZER_VOCAB_SIZE = 4096
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+_DENSE_SHAPES: dict[str, dict[str, Any]] = {
+    # Answers in milliseconds on CPU; stored in float32.
+    "tiny": {
+        "vocab_size": TOKENIZER_VOCAB_SIZE,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "intermediate_size": 768,
+        "max_position_embeddings": 4096,
+        # Large init so greedy decoding has a peaked, non-flat distribution.
+        "initializer_range": 0.1,
+    },
+    # Qwen3-0.6B shapes; stored in bfloat16.
+    "bench": {
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "initializer_range": 0.02,
+    },
+}
+_DTYPES = {"tiny": torch.float32, "bench": torch.bfloat16}
+_SEED = 0
+
+
+def _check(arch: str, size: str) -> None:
+    if arch == "hybrid":
+        raise ValueError("hybrid demo model: not implemented yet")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown demo size {size!r}; valid: {', '.join(SIZES)}")
+
+
+def _dense_config(size: str) -> Qwen3Config:
+    shape = _DENSE_SHAPES[size]
+    note = "random weights, deterministic (seed 0)"
+    if shape["vocab_size"] != TOKENIZER_VOCAB_SIZE:
+        note += (
+            f"; vocab_size {shape['vocab_size']} > tokenizer vocab {TOKENIZER_VOCAB_SIZE}: "
+            f"ids >= {TOKENIZER_VOCAB_SIZE} have embeddings but no tokens"
+        )
+    return Qwen3Config(
+        **shape,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        max_window_layers=shape["num_hidden_layers"],
+        use_cache=True,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        hyprefix_demo={
+            "recipe_version": DEMO_VERSION,
+            "arch": "dense",
+            "size": size,
+            "seed": _SEED,
+            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
+            "note": note,
+        },
+    )
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer(out: Path, model_max_length: int) -> None:
+    shutil.copyfile(TOKENIZER_JSON, out / "tokenizer.json")
+    added = {
+        str(i): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, tok in enumerate((ENDOFTEXT, IM_START, IM_END))
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": added,
+            "bos_token": None,
+            "eos_token": IM_END,
+            "pad_token": ENDOFTEXT,
+            "unk_token": None,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+            "split_special_tokens": False,
+        },
+    )
+    _write_json(out / "special_tokens_map.json", {"eos_token": IM_END, "pad_token": ENDOFTEXT})
+
+
+def make_demo_model(arch: str, out_dir: str | Path, *, size: str = "tiny") -> Path:
+    """Write a deterministic random-weight demo model to ``out_dir`` and return its path.
+
+    Files: config.json, model.safetensors, generation_config.json, tokenizer.json,
+    tokenizer_config.json, special_tokens_map.json. The same (arch, size) always gives
+    byte-identical files for a given torch/transformers install.
+    """
+    _check(arch, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _dense_config(size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        # _from_config builds directly in the target dtype (no float32 copy of the bench model).
+        model = Qwen3ForCausalLM._from_config(config, dtype=_DTYPES[size])
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        do_sample=False,
+    )
+    # transformers 5 always writes safetensors; one shard keeps the name model.safetensors.
+    model.save_pretrained(out, max_shard_size="100GB")
+    del model
+    _write_tokenizer(out, config.max_position_embeddings)
+    return out
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HYPREFIX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hyprefix"
+
+
+def demo_model_path(arch: str = "dense", size: str = "tiny") -> Path:
+    """Return the cached demo model directory, building it on first use.
+
+    The model is built in a temporary sibling directory and renamed into place, so a
+    directory with the final name is always complete, even with concurrent callers.
+    """
+    _check(arch, size)
+    root = cache_dir()
+    final = root / f"demo-{arch}-{size}-v{DEMO_VERSION}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root, final.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
+    try:
+        make_demo_model(arch, tmp, size=size)
+        tmp.chmod(0o755)  # mkdtemp (and transformers' file writes) use owner-only modes
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():  # not a lost race with another builder
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp(root: Path, name: str, max_age_s: float = 24 * 3600) -> None:
+    # Leftovers of killed builds; young ones may belong to a build still in progress.
+    now = time.time()
+    for p in root.glob(f".{name}.*.tmp"):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass

@@ -1,0 +1,58 @@
+"""Incremental detokenization and stop-string matching for one sequence."""
+
+from __future__ import annotations
+
+# Prompt tokens kept as left context so the first generated tokens decode with the
+# spacing they have in the full text (SentencePiece-style tokenizers need this).
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text, never emitting a broken UTF-8 character.
+
+    Text is only extended when the decoded tail does not end in U+FFFD (a partial
+    multi-byte character). ``stop`` strings end the text before the match; while
+    running, ``visible_text`` holds back the last ``max(len(stop)) - 1`` characters
+    so a stream never shows the start of a stop string it later removes.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self._ids: list[int] = list(context)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.text = ""
+        self.stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def append(self, token_id: int) -> str | None:
+        """Add one token; returns the stop string that matched, if any (text is cut there)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        if not self.stop:
+            return None
+        search_from = max(0, len(self.text) - len(delta) - self._hold)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        self.text = self.text[:best[0]]
+        return best[1]
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or self._hold == 0:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold)]

@@ -1,0 +1,297 @@
+"""Engine: validates and admits requests, runs scheduler -> runner -> update steps,
+and turns per-sequence progress into ``RequestOutput`` objects."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hyprefix.cache.kv import KVCacheManager
+from hyprefix.config import EngineArgs
+from hyprefix.detokenizer import IncrementalDetokenizer
+from hyprefix.models.loader import load_model, load_tokenizer
+from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hyprefix.request import Request
+from hyprefix.runner.model_runner import ModelRunner
+from hyprefix.sampling import SamplingParams
+from hyprefix.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("hyprefix")
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class _Sample:
+    request: Request
+    detok: IncrementalDetokenizer
+
+
+@dataclass
+class _Parent:
+    """A user request: ``n`` sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class Engine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        model_path = args.model
+        if model_path is None:
+            from hyprefix.demo import demo_model_path
+
+            model_path = str(demo_model_path("dense"))
+        t0 = time.perf_counter()
+        loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision)
+        self.model_path = loaded.path
+        self.model_identity = loaded.identity
+        self.hf_config = loaded.hf_config
+        self.dtype = loaded.dtype
+        self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
+        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.max_model_len = args.max_model_len or loaded.max_position_embeddings
+        self.eos_token_ids = self._eos_ids()
+
+        bytes_per_block = ModelRunner.kv_bytes_per_block(loaded.model, self.dtype, args.block_size)
+        if args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks
+        else:
+            num_blocks = min(int(args.kv_cache_memory_gb * 2**30) // bytes_per_block, args.max_kv_blocks)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
+                    f"({bytes_per_block} bytes)")
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv)
+        self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        log.info(
+            "loaded %s (%s, %s) in %.1fs: weights %.1f MiB, KV pool %d blocks x %d tokens = %.1f MiB",
+            loaded.path, type(loaded.model).__name__, str(self.dtype).replace("torch.", ""),
+            time.perf_counter() - t0, weight_bytes / 2**20, num_blocks, args.block_size,
+            num_blocks * bytes_per_block / 2**20)
+        self._parents: dict[str, _Parent] = {}
+        self._samples: dict[str, tuple[_Parent, _Sample]] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._last_log = time.monotonic()
+        self._logged_tokens = (0, 0)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config, self._generation_config()):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    def _generation_config(self):
+        try:
+            from transformers import GenerationConfig
+
+            return GenerationConfig.from_pretrained(str(self.model_path))
+        except (OSError, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ intake
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt) of one prompt; raises ValueError on bad input."""
+        salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt)), salt
+        if isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt token ids must be integers")
+            return None, ids, salt
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Every user error raises ValueError before
+        anything is allocated."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for child_id in child_ids:  # e.g. "a#1" given by the user, then "a" with n=2
+            if child_id in self._samples or child_id in self.scheduler.requests:
+                raise ValueError(f"request id {request_id!r} clashes with request {child_id!r} in use")
+        text, ids, salt = self.tokenize_prompt(prompt)
+        self._validate(ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        samples = []
+        for i, child_id in enumerate(child_ids):
+            request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
+                              eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival)
+            samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, ids, params.stop_list)))
+        parent = _Parent(request_id, text, ids, samples, arrival)
+        self._parents[request_id] = parent
+        for sample in samples:
+            self._samples[sample.request.request_id] = (parent, sample)
+            self.scheduler.add_request(sample.request)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len={self.max_model_len}")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens can never fit in the KV pool "
+                f"({self.kv.num_blocks} blocks = {capacity} tokens)")
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its samples); its blocks are freed at once. Returns
+        whether it was known and unfinished."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for sample in parent.samples:
+            if not sample.request.is_finished:
+                self.scheduler.finish(sample.request.request_id, "abort")
+        self._pending_outputs.append(self._output(parent))
+        self._forget(parent)
+        return True
+
+    def _forget(self, parent: _Parent) -> None:
+        del self._parents[parent.request_id]
+        for sample in parent.samples:
+            self._samples.pop(sample.request.request_id, None)
+
+    # -------------------------------------------------------------------- step
+    def has_unfinished(self) -> bool:
+        return bool(self._parents) or bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that progressed."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_ids:
+            return outputs
+        sampled = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, sampled)
+        touched: dict[str, _Parent] = {}
+        for request in advanced:
+            if request.request_id not in self._samples:
+                continue
+            parent, sample = self._samples[request.request_id]
+            # As in vLLM, the token that stopped the request (EOS or one of
+            # stop_token_ids) is kept in token_ids but not added to the text.
+            stopped_by_token = request.is_finished and request.finish_reason == "stop"
+            matched = None if stopped_by_token else sample.detok.append(request.output_token_ids[-1])
+            if matched is not None:
+                if not request.is_finished:
+                    self.scheduler.finish(request.request_id, "stop")
+                request.finish_reason, request.stop_reason = "stop", matched
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            outputs.append(self._output(parent))
+            if parent.finished:
+                self._forget(parent)
+        self._maybe_log()
+        return outputs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for i, sample in enumerate(parent.samples):
+            request = sample.request
+            finished = request.is_finished
+            completions.append(CompletionOutput(
+                index=i, text=sample.detok.visible_text(finished),
+                token_ids=list(request.output_token_ids),
+                finish_reason=request.finish_reason if finished else None,
+                stop_reason=request.stop_reason if finished else None))
+        reqs = [s.request for s in parent.samples]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=_min_time(r.first_scheduled_time for r in reqs),
+            first_token_time=_min_time(r.first_token_time for r in reqs),
+            finished_time=max((r.finished_time or 0.0) for r in reqs) if parent.finished else None,
+        )
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+            finished=parent.finished, num_cached_tokens=min(r.num_cached_tokens for r in reqs),
+            metrics=metrics)
+
+    # ------------------------------------------------------------------- stats
+    def get_stats(self) -> dict[str, int | float]:
+        pool = self.kv.pool
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "prefill_computed_tokens": self.scheduler.prefill_computed_tokens,
+            "decode_tokens": self.scheduler.decode_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": pool.num_cached_free,
+            "kv_blocks_free": pool.num_free - pool.num_cached_free,
+        }
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.args.log_stats_interval <= 0 or now - self._last_log < self.args.log_stats_interval:
+            return
+        dt = now - self._last_log
+        prefill, decode = self.scheduler.prefill_computed_tokens, self.scheduler.decode_tokens
+        p0, d0 = self._logged_tokens
+        pool = self.kv.pool
+        log.info(
+            "running %d, waiting %d | prefill %.0f tok/s, decode %.0f tok/s | KV blocks used %d/%d",
+            self.scheduler.num_running, self.scheduler.num_waiting, (prefill - p0) / dt,
+            (decode - d0) / dt, pool.num_used, pool.num_blocks)
+        self._last_log, self._logged_tokens = now, (prefill, decode)
+
+
+def _min_time(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None

@@ -1,0 +1,106 @@
+"""Offline API: ``LLM(model=...).generate(prompts, params)`` with a tqdm progress bar."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from hyprefix.config import EngineArgs
+from hyprefix.engine import Engine, PromptInput
+from hyprefix.outputs import RequestOutput
+from hyprefix.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        self.engine = Engine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one raises
+        ValueError and leaves the engine untouched.
+        """
+        if isinstance(prompts, str | dict) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+        for prompt, p in zip(prompts, params_list, strict=True):
+            _, ids, _ = self.engine.tokenize_prompt(prompt)
+            self.engine._validate(ids, p)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(done):
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def get_stats(self) -> dict[str, int | float]:
+        return self.engine.get_stats()
+
+    def check_invariants(self) -> None:
+        self.engine.check_invariants()

@@ -1,0 +1,125 @@
+"""Shared layers: RMSNorm, rotary embedding, gated MLP and paged attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.runner.batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    """torch's fused RMSNorm: statistics in float32 (opmath) whatever the model dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to ``max_positions`` (HF rotate-half layout).
+
+    ``inv_freq`` and ``scaling`` come from transformers' own RoPE init functions, so
+    default, linear, llama3, yarn and longrope scaling follow the checkpoint config.
+    Only the first ``rotary_dim`` channels of each head rotate (partial rotary).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = int(emb.shape[-1])
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width cos/sin [T, 1, rotary_dim/2] for the batch, gathered once per step."""
+        cached = batch.cache.get(id(self))
+        if cached is None:
+            half = self.rotary_dim // 2
+            cached = (self.cos[batch.positions, :half][:, None, :], self.sin[batch.positions, :half][:, None, :])
+            batch.cache[id(self)] = cached
+        return cached
+
+    def forward(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] (rotate-half layout, as HF)."""
+        cos, sin = self.tables(batch)
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim != x.shape[-1]:
+            parts.append(x[..., self.rotary_dim:])
+        return torch.cat(parts, dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device)
+        self.down = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+    Returns [T, H, D] in the batch's token order (decodes first, then prefills).
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, batch.slot_mapping, k)
+    flat_v.index_copy_(0, batch.slot_mapping, v)
+
+    outs: list[torch.Tensor] = []
+    if batch.num_decode:
+        n = batch.num_decode
+        tables = batch.decode_block_tables
+        assert tables is not None
+        # One query token per sequence: fold the query heads of a KV group into the
+        # "query length" axis so no K/V repeat is needed.
+        qd = q[:n].view(n, num_kv_heads, group, head_dim)
+        kd = k_cache[tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache[tables].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
+        outs.append(od.reshape(n, -1, head_dim))
+    for i, span in enumerate(batch.prefills):
+        qs = q[span.token_slice].transpose(0, 1).unsqueeze(0)
+        mask = batch.prefill_mask(i, window)
+        if span.start_pos == 0:
+            ks, vs = k[span.token_slice], v[span.token_slice]
+        else:
+            ks = k_cache[span.block_table].view(-1, num_kv_heads, head_dim)[: span.context_len]
+            vs = v_cache[span.block_table].view(-1, num_kv_heads, head_dim)[: span.context_len]
+        ks = ks.transpose(0, 1).unsqueeze(0)
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1)
+        outs.append(os_[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

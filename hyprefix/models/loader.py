@@ -1,0 +1,101 @@
+"""Load an HF checkpoint (local directory or hub id): config, safetensors weights, tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hyprefix.models.registry import model_class
+
+log = logging.getLogger("hyprefix")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    path: Path
+    identity: str  # names the checkpoint and its weights (for cache hashing)
+    dtype: torch.dtype
+    max_position_embeddings: int
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ValueError(f"model path {model!r} is not a directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            model, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]))
+    except Exception as exc:  # network off, unknown id, gated repo ...
+        raise ValueError(f"cannot find model {model!r} locally or on the hub: {exc}") from exc
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        dtype = _DTYPES[name]
+    else:
+        raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+        dtype = raw if isinstance(raw, torch.dtype) else _DTYPES.get(str(raw).replace("torch.", ""),
+                                                                    torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        log.info("float16 is slow on CPU; using bfloat16")
+        dtype = torch.bfloat16
+    return dtype
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_identity(path: Path) -> str:
+    """A digest of the config and the weight files' names, sizes and mtimes: a
+    different checkpoint or weight version gets a different identity."""
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        st = file.stat()
+        h.update(f"{file.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
+               revision: str | None = None) -> LoadedModel:
+    from transformers import AutoConfig
+
+    path = resolve_model_dir(model, revision)
+    hf_config = AutoConfig.from_pretrained(str(path))
+    cls = model_class(hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+    net = cls(hf_config, torch_dtype, device, max_positions or max_pos)
+    net.load_weights(iter_safetensors(path))
+    net.eval()
+    return LoadedModel(net, hf_config, path, checkpoint_identity(path), torch_dtype, max_pos)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,85 @@
+"""Plain dataclasses that cross stage boundaries (scheduler -> runner -> engine -> user)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyprefix.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute ``token_ids`` at positions
+    ``start_pos .. start_pos + len(token_ids) - 1``, reading earlier K/V through
+    ``block_table``; sample one token afterwards when ``sample`` is set."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams
+    num_generated: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, int]
+
+
+@dataclass
+class RequestMetrics:
+    """Lifecycle timestamps (``time.time()`` seconds) of a request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

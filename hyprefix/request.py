@@ -1,0 +1,91 @@
+"""Per-request state owned by the scheduler (plain data, no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from hyprefix.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One sequence: prompt tokens plus the tokens generated so far.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the request's blocks.
+    A request samples a token whenever a step brings ``num_computed_tokens`` up to
+    ``len(all_token_ids)``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Token-level stop checks; sets the finish reason and returns True on a stop."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", None
+        elif self.params.stop_token_ids and last in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", last
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        else:
+            return False
+        return True

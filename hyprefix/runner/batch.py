@@ -1,0 +1,136 @@
+"""Per-step forward metadata: token positions, KV slots, block tables and masks.
+
+Token order inside a step: every single-token sequence (decodes) first, then the
+multi-token sequences (prefill chunks), each contiguous. The runner keeps that
+order; attention relies on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hyprefix.outputs import ScheduledSeq
+
+
+@dataclass
+class PrefillSpan:
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_table: torch.Tensor  # long [num_blocks]
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def token_slice(self) -> slice:
+        return slice(self.token_start, self.token_start + self.num_tokens)
+
+
+@dataclass
+class ForwardBatch:
+    seqs: list[ScheduledSeq]
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    slot_mapping: torch.Tensor  # long [T]
+    block_size: int
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None  # long [D]
+    prefills: list[PrefillSpan]
+    logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
+    sample_seqs: list[ScheduledSeq]
+    _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+    cache: dict[int, object] = field(default_factory=dict)  # per-step tensors layers share
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """Bool [D, 1, 1, L]: key j is visible to a decode token at position p when
+        j <= p and (no window or j > p - window)."""
+        key = ("decode", 0, window)
+        if key not in self._masks:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            max_len = self.decode_block_tables.shape[1] * self.block_size
+            j = torch.arange(max_len, device=self.input_ids.device)
+            ctx = self.decode_context_lens[:, None]
+            mask = j[None, :] < ctx
+            if window is not None:
+                mask &= j[None, :] > ctx - 1 - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        """Bool [n, context] for a prefill span, or None when plain causal attention
+        over the span's own tokens is exact (no earlier context, no window cut)."""
+        span = self.prefills[index]
+        if span.start_pos == 0 and (window is None or span.num_tokens <= window):
+            return None
+        key = ("prefill", index, window)
+        if key not in self._masks:
+            device = self.input_ids.device
+            q_pos = torch.arange(span.start_pos, span.context_len, device=device)[:, None]
+            k_pos = torch.arange(span.context_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
+    decodes = [s for s in seqs if s.num_tokens == 1]
+    prefills = [s for s in seqs if s.num_tokens > 1]
+    ordered = decodes + prefills
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    sample_seqs: list[ScheduledSeq] = []
+    spans: list[PrefillSpan] = []
+    for seq in ordered:
+        start = len(input_ids)
+        input_ids.extend(seq.token_ids)
+        table = seq.block_table
+        for pos in range(seq.start_pos, seq.context_len):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if seq.sample:
+            logits_indices.append(len(input_ids) - 1)
+            sample_seqs.append(seq)
+        if seq.num_tokens > 1:
+            n_blocks = -(-seq.context_len // block_size)
+            spans.append(PrefillSpan(
+                token_start=start, num_tokens=seq.num_tokens, start_pos=seq.start_pos,
+                block_table=torch.tensor(table[:n_blocks], dtype=torch.long, device=device)))
+
+    decode_tables = decode_lens = None
+    if decodes:
+        width = max(-(-s.context_len // block_size) for s in decodes)
+        padded = [s.block_table[: -(-s.context_len // block_size)] for s in decodes]
+        padded = [t + [0] * (width - len(t)) for t in padded]
+        decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        decode_lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long, device=device)
+
+    def as_long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        seqs=ordered,
+        input_ids=as_long(input_ids),
+        positions=as_long(positions),
+        slot_mapping=as_long(slots),
+        block_size=block_size,
+        num_decode=len(decodes),
+        decode_block_tables=decode_tables,
+        decode_context_lens=decode_lens,
+        prefills=spans,
+        logits_indices=as_long(logits_indices),
+        sample_seqs=sample_seqs,
+    )

@@ -1,0 +1,73 @@
+"""Sampling parameters and their validation (user errors raise ValueError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one prompt's completions.
+
+    temperature 0 means greedy. ``seed`` makes a request's samples reproducible
+    whatever else is in the batch; with ``n > 1`` sample ``i`` uses ``seed + i``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               f"n must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+               and (self.top_k == -1 or self.top_k >= 1),
+               f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+               and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.stop is None or isinstance(self.stop, str | list | tuple),
+               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(all(isinstance(s, str) and s for s in stop),
+               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)),
+               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_list", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of an ``n``-sample request."""
+        seed = None if self.seed is None else self.seed + index
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
+            max_tokens=self.max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, n=1,
+        )
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x and x not in (
+        float("inf"), float("-inf"))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,179 @@
+"""Continuous-batching step planner (plain data in, plain data out; no torch).
+
+Each step has a token budget (``max_num_batched_tokens``) and a request cap
+(``max_num_seqs``). Running requests (decodes and unfinished prefill chunks) are
+served first, in admission order, then waiting requests FCFS. Long prompts are
+prefilled in chunks that fit the budget. When the KV pool runs out, the newest
+running request is preempted: its blocks are freed and it is recomputed later
+(prompt plus the tokens it already generated), so nothing crashes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from hyprefix.cache.kv import KVCacheManager
+from hyprefix.outputs import ScheduledSeq, SchedulerOutput
+from hyprefix.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_schedule: list[str] = []
+        self.num_preemptions = 0
+        self.prefill_computed_tokens = 0
+        self.decode_tokens = 0
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --------------------------------------------------------------- planning
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                planned.append((request, n))
+                budget -= n
+                i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            planned.append((request, n))
+            budget -= n
+
+        seqs = [self._seq(request, n) for request, n in planned]
+        finished, self._finished_since_schedule = self._finished_since_schedule, []
+        return SchedulerOutput(
+            seqs=seqs,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=preempted,
+            finished_ids=finished,
+        )
+
+    def _seq(self, request: Request, n: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.tokens_in(start, start + n),
+            start_pos=start,
+            block_table=list(self.kv.block_table(request.request_id)),
+            sample=start + n == request.num_tokens,
+            params=request.params,
+            num_generated=len(request.output_token_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = Status.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------------- update
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance requests by what the step computed; returns the requests that got a
+        new token (finished ones included, already freed)."""
+        now = time.time()
+        advanced: list[Request] = []
+        for seq in output.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != Status.RUNNING:
+                continue
+            # A decode computes the one token sampled last step; everything else
+            # (prompt chunks, recomputation after preemption) is prefill work.
+            if seq.num_tokens == 1 and request.output_token_ids and seq.start_pos == request.num_tokens - 1:
+                self.decode_tokens += 1
+            else:
+                self.prefill_computed_tokens += seq.num_tokens
+            request.num_computed_tokens += seq.num_tokens
+            if not seq.sample:
+                continue
+            request.append_token(sampled[seq.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.check_stop():
+                self.finish(request.request_id, request.finish_reason or "stop")
+            advanced.append(request)
+        return advanced
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """Finish (or abort, with reason "abort") a request and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == Status.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.finished_time = time.time()
+        self._finished_since_schedule.append(request_id)
+        return request
+
+    # ------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.waiting:
+            assert not self.kv.holds(request.request_id), f"waiting {request.request_id} holds blocks"
+            assert request.num_computed_tokens == 0
+        for request in self.running:
+            table = self.kv.block_table(request.request_id)
+            assert len(table) * self.kv.block_size >= request.num_computed_tokens
+        if not self.running:
+            assert self.kv.pool.num_used == 0, "blocks referenced while nothing runs"

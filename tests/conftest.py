@@ -1,0 +1,78 @@
+"""Tiny random-weight HF checkpoints for tests (built once per session with transformers)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.2, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+    )
+    if arch == "llama":
+        # llama3 RoPE scaling, untied head
+        return LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False)
+    if arch == "qwen2":
+        # q/k/v bias, tied embeddings, linear RoPE scaling
+        return Qwen2Config(**common, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    if arch == "qwen3":
+        # QK-norm, explicit head_dim different from hidden/heads
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        # a sliding window short enough that test prompts cross it
+        return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def build_tiny_model(arch: str, out: Path, seed: int = 0):
+    """Write a tiny HF checkpoint (float32) with the project's tokenizer; returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
+    if getattr(model.config, "attention_bias", False) or arch == "qwen2":
+        with torch.no_grad():  # make biases non-zero so they matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    model.save_pretrained(out)
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    }))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """arch -> (checkpoint dir, HF reference model)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_models) -> Path:
+    return tiny_models["qwen3"][0]
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 4096) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
