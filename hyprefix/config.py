@@ -13,7 +13,8 @@ class EngineArgs:
 
     ``model`` None means the built-in demo model. ``num_kv_blocks`` overrides the
     pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
-    the model's ``max_position_embeddings``.
+    the model's ``max_position_embeddings``. ``enforce_eager`` turns off the
+    ``torch.compile``d elementwise kernels used for large steps.
     """
 
     model: str | None = None
@@ -30,6 +31,7 @@ class EngineArgs:
     max_kv_blocks: int = 1 << 16
     mamba_cache_memory_gb: float = 1.0
     seed: int = 0
+    enforce_eager: bool = False
     log_stats_interval: float = 5.0
     revision: str | None = None
 

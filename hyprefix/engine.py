@@ -77,12 +77,12 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv)
-        self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed)
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
+                                  compile_enabled=not args.enforce_eager)
         log.info(
             "loaded %s (%s, %s) in %.1fs: weights %.1f MiB, KV pool %d blocks x %d tokens = %.1f MiB",
             loaded.path, type(loaded.model).__name__, str(self.dtype).replace("torch.", ""),
-            time.perf_counter() - t0, weight_bytes / 2**20, num_blocks, args.block_size,
+            time.perf_counter() - t0, loaded.weight_bytes / 2**20, num_blocks, args.block_size,
             num_blocks * bytes_per_block / 2**20)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}

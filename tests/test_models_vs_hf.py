@@ -35,7 +35,7 @@ def our_last_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
         seqs = [ScheduledSeq(f"t{i}", p[a:b], a, kv.block_table(f"t{i}"), True, params)
                 for i, (p, (a, b)) in enumerate(zip(prompts, spans, strict=True))]
         with torch.inference_mode():
-            batch = build_batch(seqs, kv.block_size, runner.device)
+            batch = build_batch(seqs, kv.block_size, runner.device, runner.kernels)
             hidden = runner.model(batch, runner.kv_caches)
             logits = runner.model.compute_logits(hidden[batch.logits_indices])
         order = {s.request_id: j for j, s in enumerate(batch.sample_seqs)}
@@ -77,3 +77,35 @@ def test_greedy_matches_hf_generate(tiny_models, arch, block_size):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens), f"{arch} len {len(p)}"
         assert out.outputs[0].finish_reason == "length"
     llm.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_eager_path_logits_close(tiny_models, arch):
+    """The same forward with the torch.compile'd elementwise kernels turned off."""
+    path, hf = tiny_models[arch]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, enforce_eager=True)
+    prompts = random_prompts(LENGTHS, seed=3)
+    ours = our_last_logits(llm, prompts)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        assert (ours[i] - ref).abs().max().item() < LOGIT_ATOL
+
+
+def test_bfloat16_packed_path_close_to_float32_reference(tiny_models):
+    """bf16 uses prepacked oneDNN matmuls with fused SiLU*up on CPU; its logits must
+    stay within bf16 rounding of the float32 reference."""
+    path, hf = tiny_models["qwen3"]
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
+    model = llm.engine.runner.model
+    if torch.backends.mkldnn.is_available():
+        assert model.layers[0].mlp._packed is not None and model.layers[0].attn.qkv._packed is not None
+    prompts = random_prompts(LENGTHS, seed=4)
+    ours = our_last_logits(llm, prompts)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        scale = ref.abs().max().item()
+        err = (ours[i] - ref).abs().max().item()
+        assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"
+        assert ours[i].argmax() == ref.argmax() or ref.topk(2).values.diff().abs().item() < 0.05 * scale

@@ -69,7 +69,10 @@ def _busy_cpu_seconds() -> float | None:
 class CpuMeter:
     """How much CPU *other* processes used while the benchmark ran: machine-wide busy
     time minus this process's own CPU time. ``other_cores_avg`` near 0 means a quiet
-    machine; near the core count means the arms were sharing the CPU."""
+    machine; near the core count means the arms were sharing the CPU. /proc/stat counts
+    in clock ticks (10 ms), so spans shorter than ``min_seconds`` report None."""
+
+    min_seconds = 0.5
 
     def __init__(self) -> None:
         self._t0 = self._own0 = 0.0
@@ -88,4 +91,4 @@ class CpuMeter:
         other = None if busy1 is None or self._busy0 is None else max(0.0, busy1 - self._busy0 - own)
         return {"wall_seconds": round(wall, 2), "own_cpu_seconds": round(own, 2),
                 "other_cpu_seconds": None if other is None else round(other, 2),
-                "other_cores_avg": None if other is None or wall <= 0 else round(other / wall, 2)}
+                "other_cores_avg": None if other is None or wall < self.min_seconds else round(other / wall, 2)}

@@ -9,7 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyprefix.models.layers import GatedMLP, RMSNorm, Rotary, paged_attention
+from hyprefix.models import fused
+from hyprefix.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    Rotary,
+    mkldnn_packing_available,
+    pack_weight,
+    packed_linear,
+    paged_attention,
+)
 from hyprefix.runner.batch import ForwardBatch
 
 
@@ -53,9 +63,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.window = _layer_window(cfg, layer_idx)
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias,
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias,
                              dtype=dtype, device=device)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device)
         # QK-norm (Qwen3): one weight row per q head then per k head, filled at load.
         self.qk_norm_eps = cfg.rms_norm_eps
         self.qk_norm_weight = nn.Parameter(torch.ones(
@@ -68,9 +78,8 @@ class Attention(nn.Module):
         # q and k are adjacent columns of qkv: normalise and rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm_weight is not None:
-            qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps) * self.qk_norm_weight
-        qk = rotary(batch, qk)
+        cos, sin = rotary.tables(batch)
+        qk = batch.kernels.qk_norm_rope(qk, self.qk_norm_weight, cos, sin, self.qk_norm_eps, rotary.rotary_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -97,9 +106,16 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False),
                             dtype, device)
 
-    def forward(self, x, batch, rotary, kv_cache):
-        x = x + self.attn(self.input_norm(x), batch, rotary, kv_cache)
-        return x + self.mlp(self.post_norm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rotary: Rotary,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream); their sum is the hidden state."""
+        if residual is None:
+            h, residual = self.input_norm(x, batch), x
+        else:
+            h, residual = self.input_norm.add_forward(x, residual, batch)
+        h = self.attn(h, batch, rotary, kv_cache)
+        h, residual = self.post_norm.add_forward(h, residual, batch)
+        return self.mlp(h), residual
 
 
 # HF parameter suffix -> (our fused parameter, shard index)
@@ -142,23 +158,44 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, i, dtype, device, **attn_kw) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie else nn.Linear(
+        self.lm_head = None if self.tie else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         head_dim = self.layers[0].attn.head_dim
+        self.max_positions = max_positions
         self.rotary = rope_tables(cfg, max_positions, dtype, device, head_dim)
         self.kv_layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
         self.requires_grad_(False)
 
+    def materialize(self, device: torch.device) -> None:
+        """After construction on the meta device: allocate parameters (uninitialised;
+        ``load_weights`` fills every one) and compute the rotary tables."""
+        self.to_empty(device=device)
+        self.rotary = rope_tables(self.config, self.max_positions, self.dtype, device, self.kv_layout.head_dim)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed(batch.input_ids)
+        x, residual = self.embed(batch.input_ids), None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, self.rotary, kv)
-        return x
+            x, residual = layer(x, residual, batch, self.rotary, kv)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the selected hidden states; float32 logits."""
+        hidden = fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        return F.linear(hidden, weight).float()
+
+    _packed_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Switch linears to prepacked oneDNN weights where that is faster (CPU bf16).
+        A tied LM head gets its own packed copy; the embedding keeps the plain one."""
+        for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
+            if isinstance(module, Linear | GatedMLP):
+                module.pack()
+        if self.lm_head is None and mkldnn_packing_available(self.embed.weight):
+            self._packed_head = pack_weight(self.embed.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -26,6 +26,7 @@ class LoadedModel:
     identity: str  # names the checkpoint and its weights (for cache hashing)
     dtype: torch.dtype
     max_position_embeddings: int
+    weight_bytes: int
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
@@ -89,10 +90,14 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-    net = cls(hf_config, torch_dtype, device, max_positions or max_pos)
+    # Built on the meta device so no time is spent initialising weights we overwrite.
+    net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
+    net.materialize(device)
     net.load_weights(iter_safetensors(path))
     net.eval()
-    return LoadedModel(net, hf_config, path, checkpoint_identity(path), torch_dtype, max_pos)
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    net.pack_weights()
+    return LoadedModel(net, hf_config, path, checkpoint_identity(path), torch_dtype, max_pos, weight_bytes)
 
 
 def load_tokenizer(path: str | os.PathLike):

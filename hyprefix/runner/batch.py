@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyprefix.models.fused import Kernels
 from hyprefix.outputs import ScheduledSeq
 
 
@@ -43,6 +44,7 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
     sample_seqs: list[ScheduledSeq]
+    kernels: Kernels
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
     cache: dict[int, object] = field(default_factory=dict)  # per-step tensors layers share
 
@@ -83,7 +85,8 @@ class ForwardBatch:
         return self._masks[key]
 
 
-def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
+def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
+                kernels: Kernels) -> ForwardBatch:
     decodes = [s for s in seqs if s.num_tokens == 1]
     prefills = [s for s in seqs if s.num_tokens > 1]
     ordered = decodes + prefills
@@ -133,4 +136,5 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device)
         prefills=spans,
         logits_indices=as_long(logits_indices),
         sample_seqs=sample_seqs,
+        kernels=kernels,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hyprefix.models.fused import Kernels
 from hyprefix.outputs import SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.sampler import Sampler
@@ -11,7 +12,7 @@ from hyprefix.runner.sampler import Sampler
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, seed: int) -> None:
+                 num_blocks: int, block_size: int, seed: int, compile_enabled: bool = True) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -22,6 +23,7 @@ class ModelRunner:
             for _ in range(layout.num_layers)
         ]
         self.sampler = Sampler(seed, device)
+        self.kernels = Kernels(compile_enabled)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> int:
@@ -34,7 +36,7 @@ class ModelRunner:
         self.sampler.forget(output.finished_ids)
         if output.is_empty:
             return {}
-        batch = build_batch(output.seqs, self.block_size, self.device)
+        batch = build_batch(output.seqs, self.block_size, self.device, self.kernels)
         hidden = self.model(batch, self.kv_caches)
         if not batch.sample_seqs:
             return {}
