@@ -25,7 +25,7 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/hyprefix bench --workload throughput
+	$(BIN)/hyprefix bench --workload throughput --repeats 3 --out bench-out/throughput.json
 
 clean:
 	rm -rf $(VENV)

@@ -87,7 +87,10 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if not outputs and not self.engine.scheduler.has_unfinished():
+                    raise RuntimeError(f"engine went idle with {len(ids) - len(done)} requests unfinished")
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
