@@ -74,7 +74,7 @@ class Engine:
                 raise ValueError(
                     f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
                     f"({bytes_per_block} bytes)")
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
@@ -261,18 +261,30 @@ class Engine:
 
     # ------------------------------------------------------------------- stats
     def get_stats(self) -> dict[str, int | float]:
-        pool = self.kv.pool
+        """Cumulative token counters and current pool usage (see README)."""
+        sched, pool = self.scheduler, self.kv.pool
         return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "prefill_computed_tokens": self.scheduler.prefill_computed_tokens,
-            "decode_tokens": self.scheduler.decode_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+            "prefix_cache_hit_rate": sched.prefix_cache_hits / max(1, sched.prefix_cache_queries),
+            "prefill_computed_tokens": sched.prefill_computed_tokens,
+            "prefill_skipped_tokens": sched.prefill_skipped_tokens,
+            "decode_tokens": sched.decode_tokens,
+            "num_preemptions": sched.num_preemptions,
+            "sibling_waits": sched.sibling_waits,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used,
             "kv_blocks_cached": pool.num_cached_free,
             "kv_blocks_free": pool.num_free - pool.num_cached_free,
         }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no running request holds; returns how many."""
+        dropped = self.kv.reset_cache()
+        log.info("reset the prefix cache: dropped %d cached blocks", dropped)
+        return dropped
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
@@ -281,15 +293,17 @@ class Engine:
         now = time.monotonic()
         if self.args.log_stats_interval <= 0 or now - self._last_log < self.args.log_stats_interval:
             return
+        sched, pool = self.scheduler, self.kv.pool
         dt = now - self._last_log
-        prefill, decode = self.scheduler.prefill_computed_tokens, self.scheduler.decode_tokens
         p0, d0 = self._logged_tokens
-        pool = self.kv.pool
+        computed, decode = sched.prefill_computed_tokens, sched.decode_tokens
         log.info(
-            "running %d, waiting %d | prefill %.0f tok/s, decode %.0f tok/s | KV blocks used %d/%d",
-            self.scheduler.num_running, self.scheduler.num_waiting, (prefill - p0) / dt,
-            (decode - d0) / dt, pool.num_used, pool.num_blocks)
-        self._last_log, self._logged_tokens = now, (prefill, decode)
+            "running %d, waiting %d | prefill %.0f tok/s, decode %.0f tok/s | prefill tokens computed %d, "
+            "skipped %d | prefix hit rate %.1f%% | KV blocks used %d, cached %d, free %d of %d",
+            sched.num_running, sched.num_waiting, (computed - p0) / dt, (decode - d0) / dt, computed,
+            sched.prefill_skipped_tokens, 100 * sched.prefix_cache_hits / max(1, sched.prefix_cache_queries),
+            pool.num_used, pool.num_cached_free, pool.num_free - pool.num_cached_free, pool.num_blocks)
+        self._last_log, self._logged_tokens = now, (computed, decode)
 
 
 def _min_time(values) -> float | None:

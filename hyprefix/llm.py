@@ -105,5 +105,9 @@ class LLM:
     def get_stats(self) -> dict[str, int | float]:
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request holds; returns how many were dropped."""
+        return self.engine.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         self.engine.check_invariants()

@@ -20,6 +20,7 @@ class ScheduledSeq:
     sample: bool
     params: SamplingParams
     num_generated: int = 0
+    write_kv: bool = True  # False: the tokens' K/V already sit in shared blocks (full prefix hit)
 
     @property
     def num_tokens(self) -> int:

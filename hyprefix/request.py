@@ -38,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, filled by the KV manager
+    waiting_on: str | None = None  # id of the request computing this one's next blocks
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -6,6 +6,10 @@ served first, in admission order, then waiting requests FCFS. Long prompts are
 prefilled in chunks that fit the budget. When the KV pool runs out, the newest
 running request is preempted: its blocks are freed and it is recomputed later
 (prompt plus the tokens it already generated), so nothing crashes.
+
+With prefix caching, admission takes the longest cached prefix (skipped, not
+counted against the budget), requests wait for blocks a running sibling is
+computing, and blocks are published after the step that completed them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ class Scheduler:
         self._finished_since_schedule: list[str] = []
         self.num_preemptions = 0
         self.prefill_computed_tokens = 0
+        self.prefill_skipped_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.decode_tokens = 0
+        self.sibling_waits = 0
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -58,7 +66,7 @@ class Scheduler:
     # --------------------------------------------------------------- planning
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        planned: list[tuple[Request, int]] = []
+        planned: list[tuple[Request, int, bool]] = []  # (request, tokens to compute, write their K/V)
         preempted: list[str] = []
         now = time.time()
 
@@ -73,25 +81,14 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                planned.append((request, n))
+                planned.append((request, n, True))
                 budget -= n
                 i += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            self.running.append(request)
-            planned.append((request, n))
-            budget -= n
+        if not preempted:
+            budget = self._admit_waiting(planned, budget, now)
 
-        seqs = [self._seq(request, n) for request, n in planned]
+        seqs = [self._seq(request, n, write) for request, n, write in planned]
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
             seqs=seqs,
@@ -100,7 +97,55 @@ class Scheduler:
             finished_ids=finished,
         )
 
-    def _seq(self, request: Request, n: int) -> ScheduledSeq:
+    def _admit_waiting(self, planned: list[tuple[Request, int, bool]], budget: int, now: float) -> int:
+        """Admit waiting requests FCFS; returns the budget left.
+
+        A request takes its longest cached prefix first; only the rest counts
+        against the budget. A request whose next block another running request is
+        computing right now waits (without holding up the requests behind it). The
+        first request that does not fit in the KV pool stops admission, so later
+        requests cannot starve it.
+        """
+        bs = self.kv.block_size
+        kept: deque[Request] = deque()
+        blocked = False
+        while self.waiting:
+            request = self.waiting.popleft()
+            if blocked or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                kept.append(request)
+                continue
+            hit_blocks = self.kv.match_prefix(request)
+            owner = self.kv.pending_owner(request, len(hit_blocks))
+            if owner is not None:
+                if request.waiting_on != owner:
+                    request.waiting_on = owner
+                    self.sibling_waits += 1
+                kept.append(request)
+                continue
+            request.waiting_on = None
+            # A full hit still computes the last token (its logits are needed).
+            hit_tokens = min(len(hit_blocks) * bs, request.num_tokens - 1)
+            n = min(request.num_tokens - hit_tokens, budget)
+            if not self.kv.admit(request, hit_blocks, hit_tokens + n):
+                blocked = True
+                kept.append(request)
+                continue
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit_tokens
+            self.prefill_skipped_tokens += hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = hit_tokens
+            request.num_computed_tokens = hit_tokens
+            request.status = Status.RUNNING
+            self.running.append(request)
+            # Positions below len(hit_blocks) * bs already sit in shared blocks.
+            planned.append((request, n, hit_tokens >= len(hit_blocks) * bs))
+            budget -= n
+        self.waiting = kept
+        return budget
+
+    def _seq(self, request: Request, n: int, write_kv: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
         return ScheduledSeq(
             request_id=request.request_id,
@@ -110,11 +155,13 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             params=request.params,
             num_generated=len(request.output_token_ids),
+            write_kv=write_kv,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.waiting_on = None
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -137,6 +184,7 @@ class Scheduler:
             else:
                 self.prefill_computed_tokens += seq.num_tokens
             request.num_computed_tokens += seq.num_tokens
+            self.kv.publish(request)
             if not seq.sample:
                 continue
             request.append_token(sampled[seq.request_id])
@@ -165,7 +213,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
+        self.kv.check_invariants({r.request_id for r in self.running})
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs

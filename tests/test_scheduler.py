@@ -11,8 +11,10 @@ from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
 
 
-def make(num_blocks: int = 16, block_size: int = 4, budget: int = 16, max_seqs: int = 8) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(num_blocks, block_size))
+def make(num_blocks: int = 16, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
+         caching: bool = False) -> Scheduler:
+    """Prefix caching is off unless asked for: these tests pin the base scheduling."""
+    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(num_blocks, block_size, caching))
 
 
 def prompt_of(rid: str, n: int) -> list[int]:

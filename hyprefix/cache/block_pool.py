@@ -28,6 +28,7 @@ class BlockPool:
         # Insertion order is eviction order: the first key is reused next.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_index: dict[bytes, int] = {}
+        self._num_cached_free = 0  # free blocks that still carry a hash
 
     @property
     def num_blocks(self) -> int:
@@ -40,7 +41,16 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        """Free blocks that are still findable by hash (evictable cache)."""
+        return self._num_cached_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by hash, referenced or not."""
+        return len(self._hash_index)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.blocks[block_id].ref_cnt == 0
 
     @property
     def num_used(self) -> int:
@@ -54,7 +64,9 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            self._drop_hash(block)
+            if block.block_hash is not None:  # evicted from the cache
+                self._num_cached_free -= 1
+                self._drop_hash(block)
             block.ref_cnt = 1
             ids.append(block_id)
         return ids
@@ -65,6 +77,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free[block_id]
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_cnt += 1
 
     def release(self, block_ids: list[int]) -> None:
@@ -76,6 +90,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if block.block_hash is not None:
+                    self._num_cached_free += 1
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._hash_index.get(block_hash)
@@ -84,6 +100,7 @@ class BlockPool:
         """Make a block findable under ``block_hash``. A hash already in the index
         keeps its block; the new one stays private. Returns whether it was added."""
         block = self.blocks[block_id]
+        assert block.ref_cnt > 0, f"publishing free block {block_id}"
         if block.block_hash is not None or block_hash in self._hash_index:
             return False
         block.block_hash = block_hash
@@ -98,6 +115,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._drop_hash(block)
                 dropped += 1
+        self._num_cached_free = 0
         return dropped
 
     def _drop_hash(self, block: Block) -> None:
@@ -116,3 +134,7 @@ class BlockPool:
                 f"block {block.block_id}: ref count {block.ref_cnt} but free={block.block_id in self._free}")
         for block_hash, block_id in self._hash_index.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale hash for block {block_id}"
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert hashed == len(self._hash_index), "a block carries a hash the index does not know"
+        cached_free = sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        assert cached_free == self._num_cached_free, "cached-free counter out of sync"

@@ -1,21 +1,40 @@
-"""Per-request block tables over a shared ``BlockPool``.
+"""Per-request block tables over a shared ``BlockPool``, with content-hashed
+prefix sharing.
 
-A request's block table covers every token whose K/V has been (or is about to
-be) written. Blocks are released tail first so that, once content hashing is on,
-chain tails are evicted before their heads.
+Rules this module keeps (see docs/architecture.md):
+- Only full blocks are hashed; hashes chain from a root that names the model and
+  the request's ``cache_salt``.
+- On admission a request takes the longest run of cached blocks matching its
+  tokens; a *full* hit keeps the last token to compute (its logits are needed)
+  and that token's K/V is already in a shared block, so it is not rewritten.
+- A block is published (findable) only after the step that wrote its last
+  token has finished (``publish``).
+- Blocks that a running request will write next and whose hash is already
+  known (full prompt blocks) are *pending*: a request that needs one of them
+  next waits instead of computing it again. Pending entries die with the
+  request that owns them (finish, abort, preemption).
+- Blocks are released tail first, so chain tails are evicted before heads.
 """
 
 from __future__ import annotations
 
 from hyprefix.cache.block_pool import BlockPool
+from hyprefix.cache.hashing import extend_hashes, root_hash
+from hyprefix.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 model_identity: str = "") -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.model_identity = model_identity
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        self._num_published: dict[str, int] = {}
+        self._pending: dict[bytes, str] = {}  # block hash -> id of the request computing it
+        self._pending_by_request: dict[str, list[bytes]] = {}
+        self._roots: dict[str | None, bytes] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -27,11 +46,70 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    # ---------------------------------------------------------------- hashing
+    def update_hashes(self, request: Request) -> list[bytes]:
+        """The request's full-block hashes, extended to cover all its known tokens."""
+        if self.enable_caching and len(request.block_hashes) < request.num_tokens // self.block_size:
+            root = self._roots.get(request.cache_salt)
+            if root is None:
+                root = self._roots[request.cache_salt] = root_hash(self.model_identity, request.cache_salt)
+            extend_hashes(request.block_hashes, root, request.all_token_ids, self.block_size)
+        return request.block_hashes
+
+    # -------------------------------------------------------------- admission
+    def match_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached run of the request's full blocks."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for h in self.update_hashes(request):
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def pending_owner(self, request: Request, block_index: int) -> str | None:
+        """Id of another running request that is computing the request's block
+        ``block_index`` right now, if any."""
+        hashes = request.block_hashes
+        if not self.enable_caching or block_index >= len(hashes):
+            return None
+        owner = self._pending.get(hashes[block_index])
+        return owner if owner != request.request_id else None
+
+    def admit(self, request: Request, hit_blocks: list[int], num_tokens: int) -> bool:
+        """Give a waiting request the cached ``hit_blocks`` plus new blocks up to
+        ``num_tokens`` tokens. All or nothing: on failure no ref count changes."""
+        need = self.blocks_for(num_tokens) - len(hit_blocks)
+        free_hits = sum(1 for b in hit_blocks if self.pool.is_free(b))
+        if need > self.pool.num_free - free_hits:
+            return False
+        self.pool.acquire(hit_blocks)
+        new = self.pool.allocate(need)
+        assert new is not None
+        rid = request.request_id
+        self._tables[rid] = hit_blocks + new
+        self._num_published[rid] = len(hit_blocks)
+        if self.enable_caching:
+            self._register_pending(request, len(hit_blocks))
+        return True
+
+    def _register_pending(self, request: Request, start_block: int) -> None:
+        owned = self._pending_by_request.setdefault(request.request_id, [])
+        for h in request.block_hashes[start_block: request.num_prompt_tokens // self.block_size]:
+            if h not in self._pending and self.pool.lookup(h) is None:
+                self._pending[h] = request.request_id
+                owned.append(h)
+
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.block_table(request_id)))
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_tokens`` tokens. On failure nothing changes."""
+        """Grow a running request's table to hold ``num_tokens`` tokens. On failure nothing changes."""
         need = self.num_new_blocks_needed(request_id, num_tokens)
         if need == 0:
             self._tables.setdefault(request_id, [])
@@ -40,19 +118,56 @@ class KVCacheManager:
         if new is None:
             return False
         self._tables.setdefault(request_id, []).extend(new)
+        self._num_published.setdefault(request_id, 0)
         return True
 
+    # ------------------------------------------------------------ publication
+    def publish(self, request: Request) -> int:
+        """Make every block whose tokens are all computed findable; returns how many
+        blocks were newly indexed. Call after the step that computed them."""
+        if not self.enable_caching:
+            return 0
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return 0
+        done = self._num_published.get(rid, 0)
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return 0
+        hashes = self.update_hashes(request)
+        added = 0
+        for i in range(done, full):
+            added += self.pool.publish(table[i], hashes[i])
+            if self._pending.get(hashes[i]) == rid:
+                del self._pending[hashes[i]]
+        self._num_published[rid] = full
+        return added
+
+    # ---------------------------------------------------------------- release
     def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first; hashes stay findable) and
+        drop the pending entries it owned."""
+        for h in self._pending_by_request.pop(request_id, ()):
+            if self._pending.get(h) == request_id:
+                del self._pending[h]
+        self._num_published.pop(request_id, None)
         table = self._tables.pop(request_id, None)
         if table:
             self.pool.release(list(reversed(table)))
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._tables
+    def reset_cache(self) -> int:
+        return self.pool.reset_cache()
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, running_ids: set[str] | None = None) -> None:
         refs: dict[int, int] = {}
         for table in self._tables.values():
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1
         self.pool.check_invariants(refs)
+        for h, owner in self._pending.items():
+            assert owner in self._tables, f"pending block owned by {owner}, which holds no blocks"
+            assert running_ids is None or owner in running_ids, f"pending owner {owner} is not running"
+            assert h in self._pending_by_request.get(owner, ()), "pending index out of sync"
+        for rid, n in self._num_published.items():
+            assert n <= len(self._tables.get(rid, ())), f"{rid}: published more blocks than it holds"

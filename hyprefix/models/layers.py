@@ -138,8 +138,12 @@ def paged_attention(
     group = q.shape[1] // num_kv_heads
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, batch.slot_mapping, k)
-    flat_v.index_copy_(0, batch.slot_mapping, v)
+    if batch.write_index is None:
+        flat_k.index_copy_(0, batch.slot_mapping, k)
+        flat_v.index_copy_(0, batch.slot_mapping, v)
+    elif batch.slot_mapping.numel():
+        flat_k.index_copy_(0, batch.slot_mapping, k.index_select(0, batch.write_index))
+        flat_v.index_copy_(0, batch.slot_mapping, v.index_select(0, batch.write_index))
 
     outs: list[torch.Tensor] = []
     if batch.num_decode:

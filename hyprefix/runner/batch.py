@@ -36,7 +36,8 @@ class ForwardBatch:
     seqs: list[ScheduledSeq]
     input_ids: torch.Tensor  # long [T]
     positions: torch.Tensor  # long [T]
-    slot_mapping: torch.Tensor  # long [T]
+    slot_mapping: torch.Tensor  # long [W]: KV slot of every token whose K/V is written
+    write_index: torch.Tensor | None  # long [W]: which tokens those are (None: all, in order)
     block_size: int
     num_decode: int
     decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
@@ -94,6 +95,8 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    write_index: list[int] = []
+    all_write = all(seq.write_kv for seq in ordered)
     logits_indices: list[int] = []
     sample_seqs: list[ScheduledSeq] = []
     spans: list[PrefillSpan] = []
@@ -101,9 +104,12 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         start = len(input_ids)
         input_ids.extend(seq.token_ids)
         table = seq.block_table
-        for pos in range(seq.start_pos, seq.context_len):
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        positions.extend(range(seq.start_pos, seq.context_len))
+        if seq.write_kv:
+            slots.extend(table[pos // block_size] * block_size + pos % block_size
+                         for pos in range(seq.start_pos, seq.context_len))
+            if not all_write:
+                write_index.extend(range(start, start + seq.num_tokens))
         if seq.sample:
             logits_indices.append(len(input_ids) - 1)
             sample_seqs.append(seq)
@@ -129,6 +135,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         input_ids=as_long(input_ids),
         positions=as_long(positions),
         slot_mapping=as_long(slots),
+        write_index=None if all_write else as_long(write_index),
         block_size=block_size,
         num_decode=len(decodes),
         decode_block_tables=decode_tables,
