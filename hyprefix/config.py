@@ -30,6 +30,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     max_kv_blocks: int = 1 << 16
     mamba_cache_memory_gb: float = 1.0
+    max_mamba_checkpoints: int = 4096
     seed: int = 0
     enforce_eager: bool = False
     log_stats_interval: float = 5.0
@@ -38,7 +39,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks",
+                     "max_mamba_checkpoints"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

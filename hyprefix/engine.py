@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.state import StateCache
+from hyprefix.cache.state_policy import StatePolicy
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
 from hyprefix.models.loader import load_model, load_tokenizer
@@ -65,30 +67,62 @@ class Engine:
         self.max_model_len = args.max_model_len or loaded.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
 
-        bytes_per_block = ModelRunner.kv_bytes_per_block(loaded.model, self.dtype, args.block_size)
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        else:
-            num_blocks = min(int(args.kv_cache_memory_gb * 2**30) // bytes_per_block, args.max_kv_blocks)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
-                    f"({bytes_per_block} bytes)")
+        num_blocks, bytes_per_block = self._kv_pool_size(loaded.model)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
+        state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
+        num_ckpts = self._checkpoint_slots(state_bytes) if state_bytes else 0
+        policy = None
+        if loaded.model.state_layout is not None:
+            states = StateCache(args.max_num_seqs, num_ckpts)
+            self.kv.pool.on_forget = states.drop
+            policy = StatePolicy(states, args.block_size)
+        self.state_policy = policy
+        self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv)
+            SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv, policy)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
-                                  compile_enabled=not args.enforce_eager)
-        log.info(
-            "loaded %s (%s, %s) in %.1fs: weights %.1f MiB, KV pool %d blocks x %d tokens = %.1f MiB",
-            loaded.path, type(loaded.model).__name__, str(self.dtype).replace("torch.", ""),
-            time.perf_counter() - t0, loaded.weight_bytes / 2**20, num_blocks, args.block_size,
-            num_blocks * bytes_per_block / 2**20)
+                                  compile_enabled=not args.enforce_eager,
+                                  num_live_slots=args.max_num_seqs if state_bytes else 0,
+                                  num_checkpoint_slots=num_ckpts)
+        mib = 2**20
+        log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
+                 str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live Mamba states "
+                 "%d x %.2f MiB = %.1f MiB | Mamba checkpoints %d x %.2f MiB = %.1f MiB",
+                 loaded.weight_bytes / mib, num_blocks, args.block_size, num_blocks * bytes_per_block / mib,
+                 args.max_num_seqs if state_bytes else 0, state_bytes / mib,
+                 (args.max_num_seqs if state_bytes else 0) * state_bytes / mib, num_ckpts, state_bytes / mib,
+                 num_ckpts * state_bytes / mib)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
+
+    def _kv_pool_size(self, model) -> tuple[int, int]:
+        args = self.args
+        bytes_per_block = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size)
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks, bytes_per_block
+        if bytes_per_block == 0:  # no attention layers (pure Mamba2): blocks only index the cache
+            return args.max_kv_blocks, 0
+        num_blocks = min(int(args.kv_cache_memory_gb * 2**30) // bytes_per_block, args.max_kv_blocks)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
+                             f"({bytes_per_block} bytes)")
+        return num_blocks, bytes_per_block
+
+    def _checkpoint_slots(self, state_bytes: int) -> int:
+        """Mamba checkpoint slots the budget pays for (0 disables hybrid hits)."""
+        args = self.args
+        if not args.enable_prefix_caching or args.mamba_cache_memory_gb <= 0:
+            return 0
+        slots = min(int(args.mamba_cache_memory_gb * 2**30) // state_bytes, args.max_mamba_checkpoints)
+        if slots == 0:
+            log.warning("mamba_cache_memory_gb=%s is smaller than one state checkpoint (%.2f MiB): no "
+                        "checkpoints, so hybrid prefix hits are disabled", args.mamba_cache_memory_gb,
+                        state_bytes / 2**20)
+        return slots
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -137,6 +171,22 @@ class Engine:
                 raise ValueError("prompt token ids must be integers")
             return None, ids, salt
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation under the tokenizer's chat template (the one
+        implementation behind ``LLM.chat`` and the server); bad input raises ValueError."""
+        from jinja2 import TemplateError
+
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+        return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -278,6 +328,10 @@ class Engine:
             "kv_blocks_used": pool.num_used,
             "kv_blocks_cached": pool.num_cached_free,
             "kv_blocks_free": pool.num_free - pool.num_cached_free,
+            "mamba_checkpoints_used": self.state_policy.states.num_used if self.state_policy else 0,
+            "mamba_checkpoints_capacity": self.state_policy.states.capacity if self.state_policy else 0,
+            "mamba_checkpoint_bytes": self.state_bytes_per_slot,
+            "hybrid_hit_tokens_lost": self.state_policy.hybrid_hit_tokens_lost if self.state_policy else 0,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -21,6 +21,8 @@ class ScheduledSeq:
     params: SamplingParams
     num_generated: int = 0
     write_kv: bool = True  # False: the tokens' K/V already sit in shared blocks (full prefix hit)
+    state_slot: int = -1  # live Mamba state slot (hybrid models)
+    state_taps: tuple[tuple[int, int], ...] = ()  # (position, checkpoint slot): save the state there
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +39,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Run before the forward, in order: (checkpoint slot to restore or None = zeros, live slot)
+    state_ops: list[tuple[int | None, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.state_policy import StatePolicy
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
 
@@ -30,9 +31,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePolicy | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.states = states  # hybrid models: Mamba live slots and checkpoints
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -68,6 +70,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Request, int, bool]] = []  # (request, tokens to compute, write their K/V)
         preempted: list[str] = []
+        state_ops: list[tuple[int | None, int]] = []
         now = time.time()
 
         i = 0
@@ -86,7 +89,7 @@ class Scheduler:
                 i += 1
 
         if not preempted:
-            budget = self._admit_waiting(planned, budget, now)
+            budget = self._admit_waiting(planned, budget, now, state_ops)
 
         seqs = [self._seq(request, n, write) for request, n, write in planned]
         finished, self._finished_since_schedule = self._finished_since_schedule, []
@@ -95,9 +98,11 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=preempted,
             finished_ids=finished,
+            state_ops=state_ops,
         )
 
-    def _admit_waiting(self, planned: list[tuple[Request, int, bool]], budget: int, now: float) -> int:
+    def _admit_waiting(self, planned: list[tuple[Request, int, bool]], budget: int, now: float,
+                       state_ops: list[tuple[int | None, int]]) -> int:
         """Admit waiting requests FCFS; returns the budget left.
 
         A request takes its longest cached prefix first; only the rest counts
@@ -123,6 +128,10 @@ class Scheduler:
                 kept.append(request)
                 continue
             request.waiting_on = None
+            kv_hit_blocks, restore = len(hit_blocks), None
+            if self.states is not None:
+                usable, restore = self.states.hybrid_hit(request, kv_hit_blocks)
+                hit_blocks = hit_blocks[:usable]
             # A full hit still computes the last token (its logits are needed).
             hit_tokens = min(len(hit_blocks) * bs, request.num_tokens - 1)
             n = min(request.num_tokens - hit_tokens, budget)
@@ -137,6 +146,8 @@ class Scheduler:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = hit_tokens
             request.num_computed_tokens = hit_tokens
+            if self.states is not None:
+                state_ops.append(self.states.admit(request, kv_hit_blocks, hit_tokens, restore))
             request.status = Status.RUNNING
             self.running.append(request)
             # Positions below len(hit_blocks) * bs already sit in shared blocks.
@@ -147,6 +158,10 @@ class Scheduler:
 
     def _seq(self, request: Request, n: int, write_kv: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
+        state_slot, taps = -1, ()
+        if self.states is not None:
+            decoding = bool(request.output_token_ids) and start + n == request.num_tokens
+            state_slot, taps = self.states.plan_step(request, start, n, decoding)
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.tokens_in(start, start + n),
@@ -156,10 +171,12 @@ class Scheduler:
             params=request.params,
             num_generated=len(request.output_token_ids),
             write_kv=write_kv,
+            state_slot=state_slot,
+            state_taps=taps,
         )
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
+        self._release(request)
         request.num_computed_tokens = 0
         request.waiting_on = None
         request.status = Status.PREEMPTED
@@ -185,6 +202,8 @@ class Scheduler:
                 self.prefill_computed_tokens += seq.num_tokens
             request.num_computed_tokens += seq.num_tokens
             self.kv.publish(request)
+            if self.states is not None:
+                self.states.after_step(request)
             if not seq.sample:
                 continue
             request.append_token(sampled[seq.request_id])
@@ -204,16 +223,23 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request_id)
+        self._release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.finished_time = time.time()
         self._finished_since_schedule.append(request_id)
         return request
 
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        if self.states is not None:
+            self.states.release(request)
+
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         self.kv.check_invariants({r.request_id for r in self.running})
+        if self.states is not None:
+            self.states.states.check_invariants(self.kv.pool.lookup)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs

@@ -11,6 +11,7 @@ import torch
 
 ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2")
 
 
 def _tiny_config(arch: str):
@@ -39,12 +40,41 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
+def _tiny_hybrid_config(arch: str):
+    from transformers import BambaConfig, Mamba2Config, NemotronHConfig
+
+    common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                  initializer_range=0.2, tie_word_embeddings=False)
+    if arch == "nemotron_h":
+        # mamba / attention (no rope) / mamba / relu^2 MLP / attention / mamba
+        return NemotronHConfig(**common, hybrid_override_pattern="M*M-*M", num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                               ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, intermediate_size=128,
+                               max_position_embeddings=1024)
+    if arch == "bamba":
+        # partial rotary attention at layer 1, gated MLP after every mixer
+        return BambaConfig(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                           mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16, intermediate_size=128,
+                           max_position_embeddings=1024)
+    if arch == "mamba2":
+        return Mamba2Config(**common, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                            conv_kernel=4, chunk_size=16, expand=2)
+    raise ValueError(arch)
+
+
 def build_tiny_model(arch: str, out: Path, seed: int = 0):
     """Write a tiny HF checkpoint (float32) with the project's tokenizer; returns the HF model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
+    config = _tiny_hybrid_config(arch) if arch in HYBRID_ARCHS else _tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch in HYBRID_ARCHS:
+        with torch.no_grad():  # HF leaves these at 1; vary them so a wrong index shows
+            for name, p in model.named_parameters():
+                if name.endswith(("dt_bias", ".D")) or "mixer.norm" in name or "mamba.norm" in name:
+                    p.uniform_(0.5, 1.5)
     if getattr(model.config, "attention_bias", False) or arch == "qwen2":
         with torch.no_grad():  # make biases non-zero so they matter
             for name, p in model.named_parameters():
@@ -66,6 +96,13 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (checkpoint dir, HF reference model)."""
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """arch -> (checkpoint dir, HF reference model) for the hybrid architectures."""
+    root = tmp_path_factory.mktemp("tiny-hybrids")
+    return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in HYBRID_ARCHS}
 
 
 @pytest.fixture(scope="session")

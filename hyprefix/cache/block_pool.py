@@ -10,6 +10,7 @@ Invariants (see ``check_invariants``):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -29,6 +30,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_index: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash
+        # Told every hash the pool forgets (eviction, reset): state checkpoints die with their block.
+        self.on_forget: Callable[[bytes], object] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +125,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._hash_index.get(block.block_hash) == block.block_id:
                 del self._hash_index[block.block_hash]
+                if self.on_forget is not None:
+                    self.on_forget(block.block_hash)
             block.block_hash = None
 
     def check_invariants(self, expected_refs: dict[int, int]) -> None:

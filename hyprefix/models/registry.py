@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hyprefix.models.hybrid import HybridForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {
@@ -9,6 +10,9 @@ MODEL_CLASSES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "NemotronHForCausalLM": HybridForCausalLM,
+    "BambaForCausalLM": HybridForCausalLM,
+    "Mamba2ForCausalLM": HybridForCausalLM,
 }
 
 

@@ -21,6 +21,8 @@ class PrefillSpan:
     num_tokens: int
     start_pos: int
     block_table: torch.Tensor  # long [num_blocks]
+    state_slot: int = -1  # live Mamba state slot
+    state_taps: list[tuple[int, int]] = field(default_factory=list)  # (tokens into the span, checkpoint slot)
 
     @property
     def context_len(self) -> int:
@@ -42,6 +44,8 @@ class ForwardBatch:
     num_decode: int
     decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # long [D]
+    decode_state_slots: torch.Tensor | None  # long [D]: live Mamba state slot of each decode
+    decode_state_taps: list[tuple[int, int]]  # (decode row, checkpoint slot): save its state after the step
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
     sample_seqs: list[ScheduledSeq]
@@ -117,7 +121,9 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
             n_blocks = -(-seq.context_len // block_size)
             spans.append(PrefillSpan(
                 token_start=start, num_tokens=seq.num_tokens, start_pos=seq.start_pos,
-                block_table=torch.tensor(table[:n_blocks], dtype=torch.long, device=device)))
+                block_table=torch.tensor(table[:n_blocks], dtype=torch.long, device=device),
+                state_slot=seq.state_slot,
+                state_taps=[(pos - seq.start_pos, slot) for pos, slot in seq.state_taps]))
 
     decode_tables = decode_lens = None
     if decodes:
@@ -140,6 +146,9 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         num_decode=len(decodes),
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
+        decode_state_slots=torch.tensor([s.state_slot for s in decodes], dtype=torch.long, device=device)
+        if decodes and decodes[0].state_slot >= 0 else None,
+        decode_state_taps=[(row, slot) for row, s in enumerate(decodes) for _, slot in s.state_taps],
         prefills=spans,
         logits_indices=as_long(logits_indices),
         sample_seqs=sample_seqs,

@@ -1,18 +1,25 @@
-"""SchedulerOutput -> tensors -> forward -> sampled token ids. Owns the KV tensors."""
+"""SchedulerOutput -> tensors -> forward -> sampled token ids. Owns the KV and
+Mamba state tensors and performs every state copy the scheduler asks for."""
 
 from __future__ import annotations
 
 import torch
 
 from hyprefix.models.fused import Kernels
+from hyprefix.models.mamba2 import MambaLayerState
 from hyprefix.outputs import SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.sampler import Sampler
 
 
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, seed: int, compile_enabled: bool = True) -> None:
+                 num_blocks: int, block_size: int, seed: int, compile_enabled: bool = True,
+                 num_live_slots: int = 0, num_checkpoint_slots: int = 0) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -22,22 +29,54 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(layout.num_layers)
         ]
+        self.states: list[MambaLayerState] = []
+        sl = model.state_layout
+        if sl is not None:
+            def conv(n: int) -> torch.Tensor:
+                return torch.zeros(n, sl.conv_dim, sl.conv_width, dtype=dtype, device=device)
+
+            def ssm(n: int) -> torch.Tensor:
+                return torch.zeros(n, sl.heads, sl.head_dim, sl.state, dtype=torch.float32, device=device)
+
+            self.states = [MambaLayerState(conv(num_live_slots), ssm(num_live_slots),
+                                           conv(num_checkpoint_slots), ssm(num_checkpoint_slots))
+                           for _ in range(sl.num_layers)]
         self.sampler = Sampler(seed, device)
         self.kernels = Kernels(compile_enabled)
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> int:
         layout = model.kv_layout
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * layout.num_layers * block_size * layout.num_kv_heads * layout.head_dim * elem
+        return 2 * layout.num_layers * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Conv + SSM state of every Mamba layer (0 for models without Mamba layers)."""
+        sl = model.state_layout
+        if sl is None:
+            return 0
+        per_layer = sl.conv_dim * sl.conv_width * _elem(dtype) + sl.heads * sl.head_dim * sl.state * 4
+        return sl.num_layers * per_layer
+
+    def _apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
+        """Initialise live slots: copy a checkpoint in (never alias it) or zero it."""
+        for src, dst in ops:
+            for layer in self.states:
+                if src is None:
+                    layer.conv[dst].zero_()
+                    layer.ssm[dst].zero_()
+                else:
+                    layer.conv[dst].copy_(layer.ckpt_conv[src])
+                    layer.ssm[dst].copy_(layer.ckpt_ssm[src])
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         self.sampler.forget(output.finished_ids)
         if output.is_empty:
             return {}
+        self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.kernels)
-        hidden = self.model(batch, self.kv_caches)
+        hidden = self.model(batch, self.kv_caches, self.states)
         if not batch.sample_seqs:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,110 @@
+"""Mamba state bookkeeping (no torch): live slots of running requests and a
+budgeted pool of state checkpoints keyed by KV block hash.
+
+A checkpoint holds the conv + SSM state of every Mamba layer right after the
+last token of the block whose hash keys it. Rules:
+- A slot is reserved when the scheduler plans the step that will compute the
+  state (the runner writes it during that step) and committed, i.e. becomes
+  findable, only after the step has finished.
+- Committed checkpoints are evicted least recently used first (a hit counts as
+  a use) when a reservation finds no free slot; reservations never evict each
+  other.
+- A checkpoint dies with its KV block: ``drop`` is called whenever the block
+  pool forgets a hash.
+- Zero capacity is valid: nothing is ever checkpointed (hybrid hits disabled).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class StateCache:
+    def __init__(self, num_live_slots: int, num_checkpoint_slots: int) -> None:
+        self.capacity = num_checkpoint_slots
+        self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._index: dict[bytes, int] = {}  # committed: hash -> slot
+        self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
+        self._reserved: dict[int, bytes] = {}  # slot -> hash being written this step
+        self._free_live = list(range(num_live_slots - 1, -1, -1))
+        self._live: dict[str, int] = {}
+
+    # ------------------------------------------------------------------- live
+    def assign_live(self, request_id: str) -> int:
+        if request_id in self._live:
+            return self._live[request_id]
+        if not self._free_live:
+            raise RuntimeError("no free live Mamba state slot (more running requests than max_num_seqs)")
+        slot = self._free_live.pop()
+        self._live[request_id] = slot
+        return slot
+
+    def release_live(self, request_id: str) -> None:
+        slot = self._live.pop(request_id, None)
+        if slot is not None:
+            self._free_live.append(slot)
+
+    def live_slot(self, request_id: str) -> int | None:
+        return self._live.get(request_id)
+
+    # ------------------------------------------------------------ checkpoints
+    @property
+    def num_used(self) -> int:
+        return len(self._index) + len(self._reserved)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._index.get(block_hash)
+
+    def touch(self, slot: int) -> None:
+        if slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self._index or block_hash in self._reserved.values()
+
+    def reserve(self, block_hash: bytes) -> int | None:
+        """A slot for a checkpoint to be written this step, or None (already present
+        or being written, or no capacity)."""
+        if self.capacity == 0 or self.has(block_hash):
+            return None
+        if self._free_ckpt:
+            slot = self._free_ckpt.pop()
+        elif self._lru:
+            slot, old_hash = self._lru.popitem(last=False)
+            del self._index[old_hash]
+        else:
+            return None
+        self._reserved[slot] = block_hash
+        return slot
+
+    def commit(self, slot: int) -> bytes | None:
+        """Make a reserved checkpoint findable; returns its hash."""
+        block_hash = self._reserved.pop(slot, None)
+        if block_hash is None:
+            return None
+        self._index[block_hash] = slot
+        self._lru[slot] = block_hash
+        return block_hash
+
+    def cancel(self, slot: int) -> None:
+        if self._reserved.pop(slot, None) is not None:
+            self._free_ckpt.append(slot)
+
+    def drop(self, block_hash: bytes) -> bool:
+        slot = self._index.pop(block_hash, None)
+        if slot is None:
+            return False
+        del self._lru[slot]
+        self._free_ckpt.append(slot)
+        return True
+
+    def check_invariants(self, kv_lookup) -> None:
+        """``kv_lookup(hash)``: the KV block index. Every checkpoint sits on a cached block."""
+        assert len(self._index) == len(self._lru)
+        for block_hash, slot in self._index.items():
+            assert self._lru.get(slot) == block_hash, "checkpoint LRU out of sync"
+            assert kv_lookup(block_hash) is not None, "checkpoint on a block that is no longer cached"
+        used = set(self._index.values()) | set(self._reserved)
+        assert len(used) + len(self._free_ckpt) == self.capacity and not used & set(self._free_ckpt)
+        live = set(self._live.values())
+        assert len(live) == len(self._live) and not live & set(self._free_live)

@@ -1,0 +1,119 @@
+"""Where hybrid models take Mamba state checkpoints and how hits use them (no torch).
+
+A hybrid hit of length L needs every KV block below L *and* a checkpoint at
+exactly L (the recurrent state summarises all tokens before L). Checkpoints are
+taken only where they will plausibly be reused:
+
+- the last block boundary before a prompt's final token,
+  ``floor((len - 1) / block) * block``: an identical prompt (retries, RL samples,
+  ``n > 1``) resumes there and recomputes at most one block; a longer prompt
+  that extends it loses at most one block;
+- the divergence point, the block boundary where a prompt leaves the longest
+  cached KV path: the next request along either branch resumes there instead of
+  at the last checkpoint before it (siblings and branches share the common part);
+- the last block boundary of prompt + output when a request finishes: the next
+  chat turn resumes there. While decoding, a request keeps one provisional
+  checkpoint at its latest full block and drops the previous one, so the pool
+  holds one per conversation, not one per 16 generated tokens.
+
+Mid-prompt boundaries and intermediate decode boundaries are not checkpointed:
+nobody resumes there unless a prompt diverges there, and then it becomes a
+divergence point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyprefix.cache.state import StateCache
+from hyprefix.request import Request
+
+StateOp = tuple[int | None, int]  # (checkpoint slot to restore or None for zeros, live slot)
+Taps = tuple[tuple[int, int], ...]  # (position, checkpoint slot)
+
+
+@dataclass
+class _Plan:
+    taps: list[int] = field(default_factory=list)  # absolute positions still to checkpoint
+    reserved: list[tuple[int, bool]] = field(default_factory=list)  # (slot, provisional) written this step
+    provisional: bytes | None = None  # hash of the request's current decode checkpoint
+
+
+class StatePolicy:
+    def __init__(self, states: StateCache, block_size: int) -> None:
+        self.states = states
+        self.block_size = block_size
+        self._plans: dict[str, _Plan] = {}
+        self.hybrid_hit_tokens_lost = 0
+
+    def hybrid_hit(self, request: Request, kv_hit_blocks: int) -> tuple[int, int | None]:
+        """(usable hit blocks, checkpoint slot to restore or None for a zero state).
+
+        The usable hit is the longest block boundary L at or below both the KV hit
+        and the request's last token that has a checkpoint at exactly L.
+        """
+        best = min(kv_hit_blocks * self.block_size, request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        for blocks in range(best, 0, -1):
+            slot = self.states.lookup(hashes[blocks - 1])
+            if slot is not None:
+                return blocks, slot
+        return 0, None
+
+    def admit(self, request: Request, kv_hit_blocks: int, hit_tokens: int, restore: int | None) -> StateOp:
+        """Assign the live slot, count the hit lost to missing checkpoints and plan
+        the checkpoints; returns the state op that initialises the live slot."""
+        bs = self.block_size
+        best = min(kv_hit_blocks * bs, request.num_tokens - 1) // bs * bs
+        self.hybrid_hit_tokens_lost += best - hit_tokens
+        live = self.states.assign_live(request.request_id)
+        if restore is not None:
+            self.states.touch(restore)
+        last = (request.num_tokens - 1) // bs * bs
+        divergence = min(kv_hit_blocks * bs, last)
+        taps = sorted({p for p in (divergence, last) if p > hit_tokens})
+        self._plans[request.request_id] = _Plan(taps=taps)
+        return restore, live
+
+    def plan_step(self, request: Request, start: int, n: int, decoding: bool) -> tuple[int, Taps]:
+        """(live slot, taps as (position, checkpoint slot)) for computing
+        positions ``start .. start + n - 1`` this step."""
+        plan = self._plans[request.request_id]
+        end = start + n
+        taps = []
+        for pos in [p for p in plan.taps if start < p <= end]:
+            plan.taps.remove(pos)
+            slot = self.states.reserve(request.block_hashes[pos // self.block_size - 1])
+            if slot is not None:
+                taps.append((pos, slot))
+                plan.reserved.append((slot, False))
+        if decoding and end % self.block_size == 0 and len(request.block_hashes) >= end // self.block_size:
+            slot = self.states.reserve(request.block_hashes[end // self.block_size - 1])
+            if slot is not None:
+                taps.append((end, slot))
+                plan.reserved.append((slot, True))
+        live = self.states.live_slot(request.request_id)
+        assert live is not None
+        return live, tuple(taps)
+
+    def after_step(self, request: Request) -> None:
+        """The step that wrote this request's reserved checkpoints has finished."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        for slot, provisional in plan.reserved:
+            block_hash = self.states.commit(slot)
+            if provisional and block_hash is not None:
+                if plan.provisional is not None:
+                    self.states.drop(plan.provisional)
+                plan.provisional = block_hash
+        plan.reserved.clear()
+
+    def release(self, request: Request) -> None:
+        """The request finished, was aborted or preempted: free its live slot; its
+        committed checkpoints stay (the latest decode one is the finish checkpoint)."""
+        plan = self._plans.pop(request.request_id, None)
+        if plan is not None:
+            for slot, _ in plan.reserved:
+                self.states.cancel(slot)
+        self.states.release_live(request.request_id)

@@ -1,0 +1,151 @@
+"""What every model shares: embedding, final norm, LM head (tied or not), rotary
+tables, loading HF tensors by name, prepacking weights for the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.models import fused
+from hyprefix.models.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    Rotary,
+    mkldnn_packing_available,
+    pack_weight,
+    packed_linear,
+)
+
+# (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
+Target = tuple[str, int | None, list[int] | None]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one attention layer's K (or V) cache per token, for pool sizing."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def rope_tables(hf_config, max_positions: int, dtype: torch.dtype, device: torch.device,
+                head_dim: int) -> Rotary:
+    """Rotary tables from the checkpoint's RoPE parameters via transformers' own init functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * partial)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        scaling = 1.0
+    elif rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' (length-dependent NTK scaling) is not supported")
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device=torch.device("cpu"))
+    return Rotary(inv_freq, scaling, max_positions, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """Base of the model classes. Subclasses build their blocks, then call
+    ``_init_head`` and implement ``forward`` and ``map_name``."""
+
+    kv_layout: KVLayout
+    state_layout = None  # Mamba state shapes (hybrid models)
+    _packed_head: torch.Tensor | None = None
+    # No class-level default for ``rotary``: it would shadow the registered submodule.
+
+    def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
+                   rotary_head_dim: int | None) -> None:
+        self.config = cfg
+        self.dtype = dtype
+        self.max_positions = max_positions
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.norm = RMSNorm(cfg.hidden_size, norm_eps, dtype, device)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie else Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self._rotary_head_dim = rotary_head_dim
+        self.rotary = None if rotary_head_dim is None else rope_tables(
+            cfg, max_positions, dtype, device, rotary_head_dim)
+        self.requires_grad_(False)
+
+    def materialize(self, device: torch.device) -> None:
+        """After construction on the meta device: allocate parameters (uninitialised;
+        ``load_weights`` fills every one) and compute the rotary tables."""
+        self.to_empty(device=device)
+        if self._rotary_head_dim is not None:
+            self.rotary = rope_tables(self.config, self.max_positions, self.dtype, device, self._rotary_head_dim)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head for the selected hidden states; float32 logits."""
+        hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def pack_weights(self) -> None:
+        """Switch linears to prepacked oneDNN weights where that is faster (CPU bf16).
+        A tied LM head gets its own packed copy; the embedding keeps the plain one."""
+        for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
+            if isinstance(module, Linear | GatedMLP):
+                module.pack()
+        if self.lm_head is None and mkldnn_packing_available(self.embed.weight):
+            self._packed_head = pack_weight(self.embed.weight)
+
+    def map_name(self, name: str) -> Target | None:
+        """Our parameter for an HF tensor name; None to skip the tensor."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self.map_name(name)
+            if target is None:
+                continue
+            param_name, shard, sizes = target
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({param_name!r})")
+            dst = params[param_name].data
+            if shard is not None and sizes is not None:
+                dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+            _copy(dst, tensor, name)
+            loaded.add(f"{param_name}#{shard}")
+        missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+
+    def map_head(self, name: str, embed: str, norm: str) -> Target | None:
+        """Names shared by every model: embedding, final norm, LM head."""
+        if name == embed:
+            return "embed.weight", None, None
+        if name == norm:
+            return "norm.weight", None, None
+        if name == "lm_head.weight":
+            return None if self.tie else ("lm_head.weight", None, None)
+        return None
+
+
+def strip_prefix(name: str) -> str:
+    for prefix in ("model.", "backbone."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.dim() == 2 and src.dim() == 1 and dst.shape[1] == src.shape[0]:
+        src = src.expand_as(dst)  # one per-head norm weight repeated for every head
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src.to(dtype=dst.dtype))

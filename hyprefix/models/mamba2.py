@@ -1,0 +1,186 @@
+"""Mamba2 mixer in plain PyTorch over per-request live state slots.
+
+in_proj -> causal depthwise conv1d (with a conv state of the last K-1 inputs)
+-> SiLU -> chunked SSD scan with an initial SSM state -> D skip -> gated grouped
+RMSNorm -> out_proj.
+
+State lives outside the module, in ``MambaLayerState`` tensors indexed by slot:
+``conv`` [slots, conv_dim, K-1] in the model dtype and ``ssm`` [slots, heads,
+head_dim, state] in float32 whatever the model dtype. Before the forward the
+runner has put each scheduled request's initial state in its live slot (zeros
+or a restored checkpoint); the mixer reads it, advances it, writes it back, and
+copies the state at requested positions ("taps") into checkpoint slots. A tap
+inside a prefill splits the scan there, so checkpoints never force a chunk
+boundary on the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.models.layers import Linear
+from hyprefix.runner.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class MambaDims:
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    chunk: int
+    eps: float
+    dt_min: float
+    dt_max: float
+    use_bias: bool
+    conv_bias: bool
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+
+@dataclass
+class MambaLayerState:
+    conv: torch.Tensor  # [live slots, conv_dim, K-1]
+    ssm: torch.Tensor  # [live slots, heads, head_dim, state], float32
+    ckpt_conv: torch.Tensor  # [checkpoint slots, conv_dim, K-1]
+    ckpt_ssm: torch.Tensor  # [checkpoint slots, heads, head_dim, state], float32
+
+    def tap(self, ckpt_slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.ckpt_conv[ckpt_slot].copy_(conv)
+        self.ckpt_ssm[ckpt_slot].copy_(ssm)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, d: MambaDims, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.d = d
+        proj = d.inner + d.conv_dim + d.heads
+        self.in_proj = Linear(d.hidden, proj, bias=d.use_bias, dtype=dtype, device=device)
+        self.conv1d_weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel, dtype=dtype, device=device))
+        self.conv1d_bias = nn.Parameter(torch.empty(d.conv_dim, dtype=dtype, device=device)) if d.conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(d.heads, dtype=dtype, device=device))
+        self.A_log = nn.Parameter(torch.empty(d.heads, dtype=dtype, device=device))
+        self.D = nn.Parameter(torch.empty(d.heads, dtype=dtype, device=device))
+        self.norm_weight = nn.Parameter(torch.empty(d.inner, dtype=dtype, device=device))
+        self.out_proj = Linear(d.inner, d.hidden, bias=d.use_bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: MambaLayerState) -> torch.Tensor:
+        d = self.d
+        z, xbc, dt = self.in_proj(x).split([d.inner, d.conv_dim, d.heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(x.shape[0], d.heads, d.head_dim, dtype=torch.float32, device=x.device)
+        xs = torch.empty(x.shape[0], d.inner, dtype=torch.float32, device=x.device)  # conv outputs (for D skip)
+        n_dec = batch.num_decode
+        if n_dec:
+            y[:n_dec], xs[:n_dec] = self._decode(xbc[:n_dec], dt[:n_dec], A, batch, state)
+        for span in batch.prefills:
+            sl = span.token_slice
+            y[sl], xs[sl] = self._prefill(xbc[sl], dt[sl], A, span.state_slot, span.state_taps, state)
+        y = y + self.D.float()[:, None] * xs.view_as(y)
+        return self.out_proj(self._gated_norm(y.view(x.shape[0], d.inner), z).to(x.dtype))
+
+    # ----------------------------------------------------------------- pieces
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return dt.clamp(min=self.d.dt_min, max=self.d.dt_max)
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.d
+        gn = d.groups * d.state
+        xv, B, C = xbc.split([d.inner, gn, gn], dim=-1)
+        rep = d.heads // d.groups
+        B = B.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
+        C = C.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
+        return xv.float(), B, C
+
+    def _decode(self, xbc, dt, A, batch: ForwardBatch, state: MambaLayerState):
+        d = self.d
+        slots = batch.decode_state_slots
+        assert slots is not None
+        window = torch.cat((state.conv.index_select(0, slots), xbc.unsqueeze(-1).to(state.conv.dtype)), dim=-1)
+        state.conv.index_copy_(0, slots, window[:, :, 1:])
+        conv = (window * self.conv1d_weight[:, 0, :]).sum(-1)
+        if self.conv1d_bias is not None:
+            conv = conv + self.conv1d_bias
+        xv, B, C = self._split_xbc(F.silu(conv))
+        dt = self._dt(dt)  # [n, heads]
+        xh = xv.view(-1, d.heads, d.head_dim)
+        h = state.ssm.index_select(0, slots)
+        h = h * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * xh)[..., None] * B[:, :, None, :]
+        state.ssm.index_copy_(0, slots, h)
+        for row, ckpt in batch.decode_state_taps:
+            state.tap(ckpt, window[row, :, 1:], h[row])
+        y = torch.einsum("bhpn,bhn->bhp", h, C)
+        return y, xv
+
+    def _prefill(self, xbc, dt, A, slot: int, taps: list[tuple[int, int]], state: MambaLayerState):
+        d = self.d
+        k1 = d.conv_kernel - 1
+        n = xbc.shape[0]
+        # Old conv state + new inputs: also right for prompts shorter than the kernel.
+        full = torch.cat((state.conv[slot], xbc.t().to(state.conv.dtype)), dim=-1)  # [C, K-1+n]
+        conv = F.conv1d(full[None], self.conv1d_weight, self.conv1d_bias, groups=d.conv_dim)[0]  # [C, n]
+        state.conv[slot].copy_(full[:, n:])
+        xv, B, C = self._split_xbc(F.silu(conv.t()))
+        y, h, tapped = ssd_scan(xv.view(n, d.heads, d.head_dim), self._dt(dt), A, B, C,
+                                state.ssm[slot], d.chunk, [offset for offset, _ in taps])
+        state.ssm[slot].copy_(h)
+        for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
+            state.tap(ckpt, full[:, offset:offset + k1], h_at)
+        return y, xv
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(y * silu(z)) per group of channels, in float32."""
+        d = self.d
+        g = (y * F.silu(z.float())).view(y.shape[0], d.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + d.eps)
+        return self.norm_weight * g.view(y.shape[0], d.inner).to(self.norm_weight.dtype)
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             h0: torch.Tensor, chunk: int, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunked state-space-dual scan of one sequence, float32.
+
+    x [n, H, P], dt [n, H] (discretised, > 0), A [H] (< 0), B and C [n, H, N]
+    (already expanded from groups to heads), h0 [H, P, N]. Recurrence:
+    ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t``.
+    Segments end every ``chunk`` tokens and at every offset in ``cuts``; returns
+    (y [n, H, P], final state, states after each cut offset in order).
+    """
+    n = x.shape[0]
+    y = torch.empty_like(x)
+    h = h0.float()
+    cut_set = set(cuts)
+    tapped: dict[int, torch.Tensor] = {}
+    start = 0
+    while start < n:
+        end = min(start + chunk, n, *(c for c in cut_set if c > start))
+        a = dt[start:end] * A  # [Q, H]
+        cs = torch.cumsum(a, dim=0)
+        xdt = x[start:end] * dt[start:end, :, None]  # [Q, H, P]
+        b, c = B[start:end].transpose(0, 1), C[start:end].transpose(0, 1)  # [H, Q, N]
+        q = end - start
+        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+        seg = (cs[:, None, :] - cs[None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+        scores = (c @ b.transpose(1, 2)) * torch.exp(seg).permute(2, 0, 1)  # [H, Q(t), Q(s)]
+        xh = xdt.transpose(0, 1)  # [H, Q, P]
+        out = scores @ xh + (c @ h.transpose(1, 2)) * torch.exp(cs).t()[:, :, None]
+        y[start:end] = out.transpose(0, 1)
+        decay_to_end = torch.exp(cs[-1][None, :] - cs).t()  # [H, Q]
+        h = h * torch.exp(cs[-1])[:, None, None] + (xh * decay_to_end[:, :, None]).transpose(1, 2) @ b
+        if end in cut_set:
+            tapped[end] = h.clone()
+        start = end
+    return y, h, [tapped[c] for c in cuts]
