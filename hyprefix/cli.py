@@ -1,10 +1,11 @@
-"""Command line: hyprefix generate | make-demo-model | bench."""
+"""Command line: hyprefix serve | generate | make-demo-model | bench."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from hyprefix.config import EngineArgs
@@ -45,6 +46,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from hyprefix.server import run_server
+
+    api_key = ns.api_key or os.environ.get("HYPREFIX_API_KEY") or None
+    run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_key,
+               access_log=ns.access_log, log_level=ns.log_level)
+    return 0
+
+
 def cmd_make_demo_model(ns: argparse.Namespace) -> int:
     from hyprefix.demo import make_demo_model
 
@@ -63,6 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyprefix", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model without --model)")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients use (default: --model, or hyprefix-demo)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYPREFIX_API_KEY)")
+    serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                       help="log one line per HTTP request")
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")
     add_engine_flags(gen)
@@ -90,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

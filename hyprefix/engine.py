@@ -75,7 +75,7 @@ class Engine:
         if loaded.model.state_layout is not None:
             states = StateCache(args.max_num_seqs, num_ckpts)
             self.kv.pool.on_forget = states.drop
-            policy = StatePolicy(states, args.block_size)
+            policy = StatePolicy(states, args.block_size, self.kv.update_hashes)
         self.state_policy = policy
         self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(

@@ -73,13 +73,7 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-        return list(ids)
+        return self.engine.encode_chat(messages, add_generation_prompt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

@@ -117,6 +117,8 @@ class Scheduler:
         while self.waiting:
             request = self.waiting.popleft()
             if blocked or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                if self.states is not None and self.kv.enable_caching:
+                    self._ask_for_branch_checkpoint(request)  # it may branch off a prefill running now
                 kept.append(request)
                 continue
             hit_blocks = self.kv.match_prefix(request)
@@ -125,6 +127,8 @@ class Scheduler:
                 if request.waiting_on != owner:
                     request.waiting_on = owner
                     self.sibling_waits += 1
+                if self.states is not None:
+                    self._ask_for_branch_checkpoint(request)
                 kept.append(request)
                 continue
             request.waiting_on = None
@@ -155,6 +159,17 @@ class Scheduler:
             budget -= n
         self.waiting = kept
         return budget
+
+    def _ask_for_branch_checkpoint(self, request: Request) -> None:
+        """Hybrids: a waiting request will resume where its path leaves the blocks
+        being computed for it; the request computing them checkpoints there."""
+        assert self.states is not None
+        blocks, owner_id = self.kv.shared_path(request)
+        bs = self.kv.block_size
+        position = min(blocks * bs, (request.num_tokens - 1) // bs * bs)
+        owner = self.requests.get(owner_id) if owner_id is not None else None
+        if owner is not None and position > 0:
+            self.states.request_tap(owner, position)
 
     def _seq(self, request: Request, n: int, write_kv: bool) -> ScheduledSeq:
         start = request.num_computed_tokens

@@ -81,6 +81,21 @@ class KVCacheManager:
         owner = self._pending.get(hashes[block_index])
         return owner if owner != request.request_id else None
 
+    def shared_path(self, request: Request) -> tuple[int, str | None]:
+        """How many of the request's leading blocks are cached or being computed
+        by someone, and the id of the request computing the last of them (None
+        when it is already cached)."""
+        count, owner = 0, None
+        for h in self.update_hashes(request):
+            if self.pool.lookup(h) is not None:
+                owner = None
+            elif h in self._pending:
+                owner = self._pending[h]
+            else:
+                break
+            count += 1
+        return count, owner
+
     def admit(self, request: Request, hit_blocks: list[int], num_tokens: int) -> bool:
         """Give a waiting request the cached ``hit_blocks`` plus new blocks up to
         ``num_tokens`` tokens. All or nothing: on failure no ref count changes."""

@@ -23,6 +23,7 @@ divergence point.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyprefix.cache.state import StateCache
@@ -40,9 +41,11 @@ class _Plan:
 
 
 class StatePolicy:
-    def __init__(self, states: StateCache, block_size: int) -> None:
+    def __init__(self, states: StateCache, block_size: int, hashes: Callable[[Request], list[bytes]]) -> None:
+        """``hashes(request)``: the request's full-block hashes, extended to its known tokens."""
         self.states = states
         self.block_size = block_size
+        self._hashes = hashes
         self._plans: dict[str, _Plan] = {}
         self.hybrid_hit_tokens_lost = 0
 
@@ -75,25 +78,33 @@ class StatePolicy:
         self._plans[request.request_id] = _Plan(taps=taps)
         return restore, live
 
+    def request_tap(self, owner: Request, position: int) -> None:
+        """Another request waits for ``owner``'s blocks and will branch off at
+        ``position``: have the owner checkpoint there if it has not passed it yet."""
+        plan = self._plans.get(owner.request_id)
+        if plan is not None and position > owner.num_computed_tokens and position not in plan.taps:
+            plan.taps = sorted([*plan.taps, position])
+
     def plan_step(self, request: Request, start: int, n: int, decoding: bool) -> tuple[int, Taps]:
         """(live slot, taps as (position, checkpoint slot)) for computing
         positions ``start .. start + n - 1`` this step."""
         plan = self._plans[request.request_id]
-        end = start + n
-        taps = []
-        for pos in [p for p in plan.taps if start < p <= end]:
-            plan.taps.remove(pos)
-            slot = self.states.reserve(request.block_hashes[pos // self.block_size - 1])
-            if slot is not None:
-                taps.append((pos, slot))
-                plan.reserved.append((slot, False))
-        if decoding and end % self.block_size == 0 and len(request.block_hashes) >= end // self.block_size:
-            slot = self.states.reserve(request.block_hashes[end // self.block_size - 1])
-            if slot is not None:
-                taps.append((end, slot))
-                plan.reserved.append((slot, True))
         live = self.states.live_slot(request.request_id)
         assert live is not None
+        end = start + n
+        wanted = [(p, False) for p in plan.taps if start < p <= end]
+        plan.taps = [p for p in plan.taps if p > end]
+        if decoding and end % self.block_size == 0:
+            wanted.append((end, True))
+        if not wanted or self.states.capacity == 0:
+            return live, ()
+        hashes = self._hashes(request)
+        taps = []
+        for pos, provisional in wanted:
+            slot = self.states.reserve(hashes[pos // self.block_size - 1])
+            if slot is not None:
+                taps.append((pos, slot))
+                plan.reserved.append((slot, provisional))
         return live, tuple(taps)
 
     def after_step(self, request: Request) -> None:

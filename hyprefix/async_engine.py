@@ -1,0 +1,320 @@
+"""The engine loop in a background thread, with one asyncio stream of outputs per caller.
+
+The ``Engine`` is synchronous and not thread-safe, so exactly one thread (the
+engine thread) ever touches it: callers on the event loop send it commands
+through a queue, which the loop drains between steps, and get outputs back
+through ``loop.call_soon_threadsafe``. When nothing is in flight the thread
+blocks on the command queue; it never spins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hyprefix.engine import Engine
+from hyprefix.outputs import RequestOutput
+
+log = logging.getLogger("hyprefix.async_engine")
+
+T = TypeVar("T")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down or has stopped; no new work is accepted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; in-flight and new requests cannot be served."""
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: asyncio.Future | None = None  # None: fire and forget
+
+
+_STOP = object()
+
+
+class OutputStream:
+    """Outputs of one or more engine requests, delivered on the event loop.
+
+    Iterating yields lists of ``RequestOutput`` (the latest cumulative output of
+    each request that progressed since the last iteration) and ends when every
+    request added to the stream has finished. ``close()`` aborts the unfinished
+    ones; call it (e.g. in ``finally``) whenever the consumer stops early.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished: set[str] = set()
+        self._closed = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        latest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            latest[item.request_id] = item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+        return list(latest.values())
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def close(self) -> None:
+        """Abort every request of this stream that has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in self._unfinished:
+            self._engine.abort(request_id)
+        self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Runs ``Engine`` steps in one background thread and serves many asyncio callers.
+
+    ``stats`` is a snapshot of ``Engine.get_stats()`` taken by the engine thread
+    after every loop iteration; ``on_outputs`` (if given) is called on the engine
+    thread with every step's outputs, finished ones included, whether or not a
+    caller still listens.
+    """
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.stats: dict[str, int | float] = engine.get_stats()
+        self.iterations = 0  # loop iterations, for tests: it stays put while idle
+        self.dead: BaseException | None = None
+        self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}  # engine thread only
+        self._lock = threading.RLock()  # re-entrant: a GC finalizer may abort under it
+        self._closing = False
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------- event loop side
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="hyprefix-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing and self.dead is None
+
+    def open_stream(self) -> OutputStream:
+        return OutputStream(self)
+
+    async def add(self, stream: OutputStream, request_id: str, add: Callable[[Engine], T]) -> T:
+        """Run ``add(engine)`` on the engine thread (it must call ``engine.add_request``
+        with ``request_id``) and route that request's outputs to ``stream``. Returns
+        what ``add`` returns; its exceptions (ValueError for bad input) propagate and
+        leave nothing behind."""
+
+        def run() -> T:
+            result = add(self.engine)
+            self._streams[request_id] = stream
+            return result
+
+        stream._unfinished.add(request_id)
+        try:
+            return await self.call(run)
+        except asyncio.CancelledError:
+            stream.close()  # the abort is queued behind the add, so it finds the request
+            raise
+        except BaseException:
+            stream._unfinished.discard(request_id)
+            raise
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(_Command(fn, future))
+        return await future
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request and free its blocks as soon as the engine thread gets to it.
+        Safe from any thread; its outputs are no longer delivered."""
+
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        with contextlib.suppress(EngineClosedError, EngineDeadError):  # shutdown aborts everything anyway
+            self._submit(_Command(run))
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort the in-flight ones (their streams get a final
+        ``abort`` output). Safe from a signal handler."""
+        if self._closing:
+            return
+        self._closing = True
+
+        def run() -> None:
+            for request_id in list(self._streams):
+                self.engine.abort(request_id)
+            log.info("shutting down: aborted %d requests in flight", len(self._streams))
+
+        with contextlib.suppress(EngineClosedError, EngineDeadError):
+            self._submit(_Command(run), allow_closing=True)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight, stop the engine thread and wait for it (blocking)."""
+        self._closing = True
+        with self._lock:
+            if not self._stopped:
+                self._commands.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0fs", timeout)
+
+    def _submit(self, command: _Command, allow_closing: bool = False) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine failed: {self.dead!r}")
+            if self._stopped or (self._closing and not allow_closing and command.future is not None):
+                raise EngineClosedError("the server is shutting down")
+            self._commands.put(command)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens any more
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            running = True
+            while running:
+                running = self._run_commands(block=not engine.has_unfinished())
+                if running and engine.has_unfinished():
+                    outputs = engine.step()
+                    self._dispatch(outputs)
+                    if not outputs and not engine.scheduler.has_unfinished():
+                        # nothing schedulable yet something unfinished: wait, never spin
+                        running = self._run_commands(block=True, timeout=0.05)
+                self.stats = engine.get_stats()
+                self.iterations += 1
+        except BaseException as exc:
+            log.exception("the engine loop failed; failing every request in flight")
+            with self._lock:
+                self.dead = exc
+            error = EngineDeadError(f"the engine failed: {exc!r}")
+            for stream in set(self._streams.values()):
+                self._to_loop(stream._queue.put_nowait, error)
+            self._streams.clear()
+        finally:
+            with self._lock:
+                self._stopped = True
+            self._fail_pending_commands()
+            log.info("engine loop stopped")
+
+    def _run_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run queued commands (waiting for one first when ``block``); False on stop."""
+        commands = []
+        if block:
+            with contextlib.suppress(queue.Empty):
+                commands.append(self._commands.get(timeout=timeout))
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for i, command in enumerate(commands):
+            if command is _STOP:
+                for later in commands[i + 1:]:
+                    self._commands.put(later)  # failed in _run's finally
+                self._stop()
+                return False
+            self._execute(command)
+        return True
+
+    def _execute(self, command: _Command) -> None:
+        try:
+            result = command.fn()
+        except Exception as exc:
+            if command.future is None:
+                log.exception("engine command failed")
+            else:
+                self._to_loop(_settle, command.future, None, exc)
+            return
+        if command.future is not None:
+            self._to_loop(_settle, command.future, result, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        if self.on_outputs is not None:
+            try:
+                self.on_outputs(outputs)
+            except Exception:
+                log.exception("on_outputs hook failed")
+        deliveries = []
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                deliveries.append((stream, out))
+        if deliveries:
+            self._to_loop(_deliver, deliveries)
+
+    def _stop(self) -> None:
+        aborted = list(self._streams)
+        for request_id in aborted:
+            self.engine.abort(request_id)
+        if self.engine.has_unfinished():
+            self._dispatch(self.engine.step())  # flush the abort outputs to their streams
+        self.stats = self.engine.get_stats()
+        if aborted:
+            log.info("shutdown aborted %d requests in flight", len(aborted))
+
+    def _fail_pending_commands(self) -> None:
+        error = (EngineClosedError("the server is shutting down") if self.dead is None
+                 else EngineDeadError(f"the engine failed: {self.dead!r}"))
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Command) and command.future is not None:
+                self._to_loop(_settle, command.future, None, error)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _deliver(deliveries: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in deliveries:
+        stream._queue.put_nowait(out)

@@ -1,0 +1,118 @@
+"""Prometheus metrics of a serving engine, named ``hyprefix:*`` in the style of vLLM's.
+
+Each ``ServerMetrics`` has its own ``CollectorRegistry`` (several apps can live
+in one process). Request counters and latency histograms are fed with every
+step's outputs on the engine thread (``observe``); the engine's own cumulative
+counters and gauges are read from a ``get_stats()`` snapshot at scrape time, so
+they are exact counters without any delta bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hyprefix.outputs import RequestOutput
+
+# (name, stats key, help)
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prefill_computed_tokens", "prefill_computed_tokens", "Prompt tokens computed by prefill."),
+    ("prefill_skipped_tokens", "prefill_skipped_tokens", "Prompt tokens skipped thanks to the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
+    ("sibling_waits", "sibling_waits", "Times a request waited for another to compute a shared prefix."),
+    ("hybrid_hit_tokens_lost", "hybrid_hit_tokens_lost",
+     "Cached KV tokens a hybrid model could not reuse for want of a state checkpoint."),
+)
+_ENGINE_GAUGES = (
+    ("num_requests_running", "num_requests_running", "Sequences in the running batch."),
+    ("num_requests_waiting", "num_requests_waiting", "Sequences waiting to be scheduled."),
+    ("kv_blocks_total", "kv_blocks_total", "KV blocks in the pool."),
+    ("kv_blocks_used", "kv_blocks_used", "KV blocks referenced by requests."),
+    ("kv_blocks_cached", "kv_blocks_cached", "Unreferenced KV blocks still findable by prefix hash."),
+    ("kv_blocks_free", "kv_blocks_free", "Unreferenced KV blocks holding no cached prefix."),
+    ("mamba_checkpoints_used", "mamba_checkpoints_used", "Mamba state checkpoints in use (hybrid models)."),
+    ("mamba_checkpoints_capacity", "mamba_checkpoints_capacity", "Mamba state checkpoint slots (hybrid models)."),
+)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, key, doc in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(f"hyprefix:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(stats.get(key, 0)))
+            yield family
+        for name, key, doc in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(f"hyprefix:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(stats.get(key, 0)))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.request_success = Counter(
+            "hyprefix:request_success", "Finished sequences (one per choice) by finish reason.",
+            [*labels, "finished_reason"], registry=reg)
+        self.prompt_tokens = Counter("hyprefix:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=reg)
+        self.generation_tokens = Counter("hyprefix:generation_tokens", "Generated tokens.", labels, registry=reg)
+        self.ttft = Histogram("hyprefix:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("hyprefix:time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.", labels,
+                              buckets=_TPOT_BUCKETS, registry=reg)
+        self.e2e = Histogram("hyprefix:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram("hyprefix:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=reg)
+        reg.register(_EngineStatsCollector(stats, model_name))
+        self._generated: dict[str, int] = {}  # request id -> tokens counted so far (engine thread only)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Count one step's outputs (called on the engine thread)."""
+        name = self.model_name
+        for out in outputs:
+            total = sum(len(c.token_ids) for c in out.outputs)
+            new = total - self._generated.get(out.request_id, 0)
+            if new > 0:
+                self.generation_tokens.labels(name).inc(new)
+            if not out.finished:
+                self._generated[out.request_id] = total
+                continue
+            self._generated.pop(out.request_id, None)
+            self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                self.request_success.labels(name, c.finish_reason or "abort").inc()
+            m = out.metrics
+            if m.first_scheduled_time is not None:
+                self.queue_time.labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
+                longest = max(len(c.token_ids) for c in out.outputs)
+                if m.finished_time is not None and longest > 1:
+                    self.tpot.labels(name).observe(max(0.0, m.finished_time - m.first_token_time) / (longest - 1))
+            if m.finished_time is not None:
+                self.e2e.labels(name).observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,219 @@
+"""The FastAPI app: OpenAI routes, health, metrics, errors, API key; and ``run_server``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hyprefix import __version__
+from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
+from hyprefix.config import EngineArgs
+from hyprefix.engine import Engine
+from hyprefix.metrics import ServerMetrics
+from hyprefix.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from hyprefix.server.serving import OpenAIServing
+
+log = logging.getLogger("hyprefix.server")
+
+DEMO_MODEL_NAME = "hyprefix-demo"
+_PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
+
+
+def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | None = None) -> FastAPI:
+    """An app serving ``engine``. Its engine thread starts and stops with the app's
+    lifespan; ``app.state.async_engine`` and ``app.state.metrics`` expose both."""
+    names = model_names or [engine.args.model or DEMO_MODEL_NAME]
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.stats, names[0])
+    async_engine.on_outputs = metrics.observe
+    serving = OpenAIServing(async_engine, names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="hyprefix", version=__version__, lifespan=lifespan)
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "dead" if async_engine.dead else "stopping"}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=name, root=str(engine.model_path), max_model_len=engine.max_model_len)
+                 for name in names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, int]:
+        dropped = await async_engine.call(engine.reset_prefix_cache)
+        return {"dropped_blocks": dropped}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, serving.chat(body))
+
+    return app
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Run ``work`` (a response model or an SSE event iterator) and answer with it; if
+    the client disconnects first, cancel it, which aborts its engine requests."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    result = task.result()
+    if hasattr(result, "model_dump"):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _BearerAuth:
+    """Requires ``Authorization: Bearer <key>`` on the OpenAI routes and cache control."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                 code="invalid_api_key")
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc.errors()))
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return _error_response(APIError(400, str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(EngineClosedError)
+    async def closing(request: Request, exc: EngineClosedError) -> JSONResponse:
+        return _error_response(APIError(503, str(exc), type="service_unavailable"))
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(APIError(500, str(exc), type="internal_server_error"))
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 for pydantic's errors: the first offending field is the ``param``."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return APIError(400, f"The request body is not valid JSON: {detail}")
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    if not loc:
+        return APIError(400, "The request body must be a JSON object.")
+    messages = []
+    for error in errors[:3]:
+        path = ".".join(str(part) for part in error["loc"] if part != "body")
+        messages.append(f"{path}: {error['msg']}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return APIError(400, "; ".join(messages) + more, param=loc[0])
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT/SIGTERM also aborts the requests in flight,
+    so open streams end at once and the graceful shutdown does not wait on them."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.async_engine.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, model_names: list[str] | None = None,
+               api_key: str | None = None, access_log: bool = True, log_level: str = "info") -> None:
+    """Load the model, then serve until SIGINT/SIGTERM (blocking)."""
+    engine = Engine(args)
+    app = build_app(engine, model_names, api_key)
+    names = ", ".join(model_names or [args.model or DEMO_MODEL_NAME])
+    log.info("serving %s on http://%s:%d (API key %s)", names, host, port, "required" if api_key else "off")
+    config = uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=10)
+    _Server(config, app.state.async_engine).run()

@@ -1,0 +1,235 @@
+"""The OpenAI completion and chat endpoints on top of ``AsyncEngine``.
+
+Every request is validated and added to the engine (on the engine thread) before
+any response byte is sent, so bad input is always a 4xx and never a broken
+stream. Outputs are cumulative; streams send the new text of each choice.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError, OutputStream
+from hyprefix.engine import Engine
+from hyprefix.outputs import RequestOutput
+from hyprefix.sampling import SamplingParams
+from hyprefix.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    _SamplingRequest,
+    chat_chunk,
+    completion_chunk,
+    sse,
+    usage_chunk,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "n")
+
+
+@dataclass
+class _Call:
+    """One API call: ``len(prompts)`` engine requests, ``n`` choices each."""
+
+    request_id: str
+    model: str
+    created: int
+    n: int
+    stream: OutputStream
+    engine_ids: list[str]
+    prompt_texts: list[str | None]
+    include_usage: bool
+
+    def prompt_index(self, engine_id: str) -> int:
+        return self.engine_ids.index(engine_id)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+
+    # ------------------------------------------------------------- shared
+    def _check(self, req: _SamplingRequest) -> str:
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"{', '.join(bad)} is not supported by this server", param=bad[0])
+        return req.model or self.model_names[0]
+
+    async def _start(self, req: _SamplingRequest, request_id: str, engine_ids: list[str], model: str,
+                     adders: list[Callable[[Engine], str | None]], prompt_param: str) -> _Call:
+        """Add one engine request per adder (on the engine thread); all or nothing."""
+        stream = self.engine.open_stream()
+        texts = []
+        try:
+            for engine_id, add in zip(engine_ids, adders, strict=True):
+                texts.append(await self.engine.add(stream, engine_id, add))
+        except ValueError as exc:
+            stream.close()
+            raise _bad_request(str(exc), prompt_param) from exc
+        except BaseException:
+            stream.close()
+            raise
+        return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage)
+
+    async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
+        finals: dict[str, RequestOutput] = {}
+        try:
+            async for outs in call.stream:
+                for out in outs:
+                    finals[out.request_id] = out
+        finally:
+            call.stream.close()
+        ordered = [finals[i] for i in call.engine_ids]
+        return ordered, _usage(ordered)
+
+    # -------------------------------------------------------- completions
+    async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        model = self._check(req)
+        arrival = time.time()
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+        def adder(prompt: str | list[int], engine_id: str) -> Callable[[Engine], str | None]:
+            def add(engine: Engine) -> str | None:
+                text, ids, _ = engine.tokenize_prompt(prompt)
+                params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
+                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
+                                   arrival_time=arrival)
+                if req.echo and text is None:
+                    text = engine.tokenizer.decode(ids)
+                return text
+            return add
+
+        prompts = req.prompts()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        adders = [adder(p, e) for p, e in zip(prompts, engine_ids, strict=True)]
+        call = await self._start(req, request_id, engine_ids, model, adders, "prompt")
+        if req.stream:
+            return _finalize_on_gc(self._stream_completion(call, req.echo), call.stream)
+        outs, usage = await self._collect(call)
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = (call.prompt_texts[i] or "") if req.echo else ""
+            for c in out.outputs:
+                choices.append(CompletionChoice(index=i * call.n + c.index, text=prefix + c.text,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage)
+
+    async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
+        args = (call.request_id, call.created, call.model)
+        if echo:
+            for i, text in enumerate(call.prompt_texts):
+                for j in range(call.n):
+                    yield sse(completion_chunk(*args, i * call.n + j, text or ""))
+
+        def chunk(index: int, text: str, finish_reason: str | None) -> dict:
+            return completion_chunk(*args, index, text, finish_reason)
+
+        async for event in _stream_choices(call, chunk, "text_completion"):
+            yield event
+
+    # --------------------------------------------------------------- chat
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        model = self._check(req)
+        arrival = time.time()
+        messages = [m.template_dict() for m in req.messages]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def add(engine: Engine) -> None:
+            ids = engine.encode_chat(messages, req.add_generation_prompt)
+            params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), engine.max_model_len),
+                                    **req.sampling_kwargs())
+            engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
+                               arrival_time=arrival)
+
+        call = await self._start(req, request_id, [request_id], model, [add], "messages")
+        if req.stream:
+            return _finalize_on_gc(self._stream_chat(call), call.stream)
+        (out,), usage = await self._collect(call)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        return ChatCompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices,
+                                      usage=usage)
+
+    async def _stream_chat(self, call: _Call) -> AsyncIterator[str]:
+        args = (call.request_id, call.created, call.model)
+        for j in range(call.n):
+            yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
+
+        def chunk(index: int, text: str, finish_reason: str | None) -> dict:
+            return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason)
+
+        async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
+            yield event
+
+
+async def _stream_choices(call: _Call, chunk: Callable[[int, str, str | None], dict], object: str,
+                          ) -> AsyncIterator[str]:
+    """SSE events: each choice's new text, one final chunk per choice with its finish
+    reason, the usage chunk when asked for, then ``[DONE]``. Aborts what is left
+    when the consumer goes away."""
+    sent: dict[int, int] = {}
+    done: set[int] = set()
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for outs in call.stream:
+            for out in outs:
+                base = call.prompt_index(out.request_id) * call.n
+                for c in out.outputs:
+                    index = base + c.index
+                    if index in done:
+                        continue
+                    if len(c.text) > sent.get(index, 0):
+                        yield sse(chunk(index, c.text[sent.get(index, 0):], None))
+                        sent[index] = len(c.text)
+                    if c.finish_reason is not None:
+                        done.add(index)
+                        yield sse(chunk(index, "", c.finish_reason))
+                if out.finished:
+                    finals[out.request_id] = out
+        if call.include_usage:
+            usage = _usage([finals[i] for i in call.engine_ids if i in finals])
+            yield sse(usage_chunk(call.request_id, call.created, call.model, object, usage))
+    except (EngineClosedError, EngineDeadError) as exc:
+        yield sse(APIError(503, str(exc), type="service_unavailable").body())
+    finally:
+        call.stream.close()
+    yield "data: [DONE]\n\n"
+
+
+def _usage(outs: list[RequestOutput]) -> Usage:
+    usage = Usage()
+    for out in outs:
+        usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+    return usage
+
+
+def _finalize_on_gc(events: AsyncIterator[str], stream: OutputStream) -> AsyncIterator[str]:
+    """Abort the stream's requests if the event generator is dropped without running
+    (e.g. the client left before the response started)."""
+    weakref.finalize(events, stream.close)
+    return events
+
+
+def _bad_request(message: str, prompt_param: str) -> APIError:
+    """A 400 for an engine ValueError, with the offending parameter when it is clear."""
+    if "max_model_len" in message or "KV pool" in message:
+        return APIError(400, message, param=prompt_param, code="context_length_exceeded")
+    head = message.split(" ", 1)[0]
+    if head in _SAMPLING_FIELDS:
+        return APIError(400, message, param=head)
+    return APIError(400, message, param=prompt_param if "prompt" in message or "message" in message else None)
