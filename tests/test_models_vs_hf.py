@@ -4,51 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, random_prompts
+from conftest import ARCHS, hf_greedy, our_last_logits, random_prompts
 
 from hyprefix import LLM, SamplingParams
-from hyprefix.outputs import ScheduledSeq
-from hyprefix.runner.batch import build_batch
 
 # float32 logits agree to within this absolute tolerance (observed max error ~1e-6).
 LOGIT_ATOL = 1e-4
 LENGTHS = (3, 16, 23, 57, 130)  # below, at and across block sizes 7/16 and chunk size 32
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def our_last_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None) -> torch.Tensor:
-    """Prefill all prompts in one batch (optionally the first ``chunk`` tokens first,
-    then the rest reading them back through the block table) and return last-token logits."""
-    engine = llm.engine
-    runner, kv = engine.runner, engine.kv
-    params = SamplingParams(temperature=0)
-    for i, p in enumerate(prompts):
-        assert kv.allocate_slots(f"t{i}", len(p))
-
-    def run(spans: list[tuple[int, int]]) -> torch.Tensor:
-        seqs = [ScheduledSeq(f"t{i}", p[a:b], a, kv.block_table(f"t{i}"), True, params)
-                for i, (p, (a, b)) in enumerate(zip(prompts, spans, strict=True))]
-        with torch.inference_mode():
-            batch = build_batch(seqs, kv.block_size, runner.device, runner.kernels)
-            hidden = runner.model(batch, runner.kv_caches)
-            logits = runner.model.compute_logits(hidden[batch.logits_indices])
-        order = {s.request_id: j for j, s in enumerate(batch.sample_seqs)}
-        return logits[[order[f"t{i}"] for i in range(len(prompts))]]
-
-    try:
-        if chunk is not None:
-            run([(0, min(chunk, len(p) - 1)) for p in prompts])
-            return run([(min(chunk, len(p) - 1), len(p)) for p in prompts])
-        return run([(0, len(p)) for p in prompts])
-    finally:
-        for i in range(len(prompts)):
-            kv.free(f"t{i}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

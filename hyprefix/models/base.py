@@ -88,10 +88,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the selected hidden states; float32 logits."""
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.embed.weight).float()
 
     def pack_weights(self) -> None:
         """Switch linears to prepacked oneDNN weights where that is faster (CPU bf16).

@@ -1,0 +1,53 @@
+"""NemotronH, Bamba and Mamba2 vs transformers on the same tiny float32 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HYBRID_ARCHS, hf_greedy, our_last_logits, random_prompts
+
+from hyprefix import LLM, SamplingParams
+
+LOGIT_ATOL = 1e-4
+# Shorter than the conv kernel (4), around the SSD chunk (16) and the block size, and
+# long enough to span several prefill chunks of 32 tokens.
+LENGTHS = (1, 2, 3, 16, 23, 57, 130)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("chunk", [None, 9])
+def test_logits_close(hybrid_models, arch, chunk):
+    path, hf = hybrid_models[arch]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    prompts = random_prompts(LENGTHS, seed=1)
+    ours = our_last_logits(llm, prompts, chunk)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        err = (ours[i] - ref).abs().max().item()
+        assert err < LOGIT_ATOL, f"{arch} prompt len {len(p)}: max |logit diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_greedy_matches_hf_generate(hybrid_models, arch, block_size):
+    path, hf = hybrid_models[arch]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=block_size, max_num_batched_tokens=32)
+    prompts = random_prompts(LENGTHS, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 10), f"{arch} len {len(p)}"
+    llm.check_invariants()
+    assert llm.get_stats()["kv_blocks_used"] == 0
+
+
+def test_bfloat16_hybrid_close_to_float32_reference(hybrid_models):
+    path, hf = hybrid_models["nemotron_h"]
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
+    prompts = random_prompts((5, 40), seed=4)
+    ours = our_last_logits(llm, prompts)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        assert (ours[i] - ref).abs().max().item() < 0.05 * ref.abs().max().item()
