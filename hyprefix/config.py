@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineArgs:
     """Everything ``LLM(...)`` and ``hyprefix serve`` accept.
 
-    ``model`` None means the built-in demo model. ``num_kv_blocks`` overrides the
+    ``model`` None means the built-in (hybrid NemotronH-style) demo model. ``num_kv_blocks`` overrides the
     pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
     the model's ``max_position_embeddings``. ``enforce_eager`` turns off the
     ``torch.compile``d elementwise kernels used for large steps.

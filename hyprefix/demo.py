@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import GenerationConfig, NemotronHConfig, NemotronHForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 # Bump whenever the recipe (configs, init, tokenizer, files written) changes: the cache
 # directory name includes it, so old cached models are not reused.
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 
 ARCHS = ("dense", "hybrid")
 SIZES = ("tiny", "bench")
@@ -72,8 +72,6 @@ _SEED = 0
 
 
 def _check(arch: str, size: str) -> None:
-    if arch == "hybrid":
-        raise ValueError("hybrid demo model: not implemented yet")
     if arch not in ARCHS:
         raise ValueError(f"unknown demo arch {arch!r}; valid: {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -109,6 +107,70 @@ def _dense_config(size: str) -> Qwen3Config:
             "seed": _SEED,
             "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
             "note": note,
+        },
+    )
+
+
+_HYBRID_SHAPES: dict[str, dict[str, Any]] = {
+    # NemotronH-style: Mamba2 (M), attention without RoPE (*), ReLU^2 MLP (-).
+    "tiny": {
+        "vocab_size": TOKENIZER_VOCAB_SIZE,
+        "hidden_size": 256,
+        "hybrid_override_pattern": "M-M*M-",
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 32,
+        "n_groups": 2,
+        "chunk_size": 64,
+        "intermediate_size": 768,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+    },
+    # "demo-hybrid-0.5b": about the size of Qwen3-0.6B (12 Mamba2, 4 attention, 12 MLP layers).
+    "bench": {
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "hybrid_override_pattern": "M-M-M*-" * 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "mamba_num_heads": 48,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "chunk_size": 128,
+        "intermediate_size": 4096,
+        "max_position_embeddings": 40960,
+        "initializer_range": 0.02,
+    },
+}
+
+
+def _hybrid_config(size: str) -> NemotronHConfig:
+    shape = dict(_HYBRID_SHAPES[size])
+    return NemotronHConfig(
+        **shape,
+        conv_kernel=4,
+        mlp_hidden_act="relu2",
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,  # transformers' NemotronH never ties its LM head
+        use_bias=False,
+        use_conv_bias=True,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        hyprefix_demo={
+            "recipe_version": DEMO_VERSION,
+            "arch": "hybrid",
+            "size": size,
+            "seed": _SEED,
+            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
+            "note": "random weights, deterministic (seed 0)",
         },
     )
 
@@ -158,11 +220,12 @@ def make_demo_model(arch: str, out_dir: str | Path, *, size: str = "tiny") -> Pa
     _check(arch, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = _dense_config(size)
+    config = _dense_config(size) if arch == "dense" else _hybrid_config(size)
+    model_class = Qwen3ForCausalLM if arch == "dense" else NemotronHForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         # _from_config builds directly in the target dtype (no float32 copy of the bench model).
-        model = Qwen3ForCausalLM._from_config(config, dtype=_DTYPES[size])
+        model = model_class._from_config(config, dtype=_DTYPES[size])
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ENDOFTEXT_ID,

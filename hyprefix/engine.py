@@ -55,7 +55,7 @@ class Engine:
         if model_path is None:
             from hyprefix.demo import demo_model_path
 
-            model_path = str(demo_model_path("dense"))
+            model_path = str(demo_model_path("hybrid"))
         t0 = time.perf_counter()
         loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision)
         self.model_path = loaded.path

@@ -116,9 +116,21 @@ def test_unknown_arch(arch: str, tmp_path: Path) -> None:
         demo_model_path(arch)
 
 
-def test_hybrid_not_implemented(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="hybrid demo model: not implemented yet"):
-        make_demo_model("hybrid", tmp_path)
+def test_hybrid_demo_loads_in_transformers_and_hyprefix(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hyprefix import LLM, SamplingParams
+
+    path = make_demo_model("hybrid", tmp_path / "hybrid")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert type(hf).__name__ == "NemotronHForCausalLM"
+    assert hf.config.layers_block_type == ["linear_attention", "mlp", "linear_attention", "full_attention",
+                                           "linear_attention", "mlp"]
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 8:].tolist()
+    out = LLM(str(path), dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                                             ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref
 
 
 def test_unknown_size(tmp_path: Path) -> None:

@@ -64,13 +64,15 @@ class CausalLM(nn.Module):
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
     def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
-                   rotary_head_dim: int | None) -> None:
+                   rotary_head_dim: int | None, can_tie: bool = True) -> None:
+        """``can_tie`` False: the architecture never ties the LM head to the embedding,
+        whatever ``tie_word_embeddings`` says (NemotronH in transformers)."""
         self.config = cfg
         self.dtype = dtype
         self.max_positions = max_positions
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.norm = RMSNorm(cfg.hidden_size, norm_eps, dtype, device)
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tie = can_tie and bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self._rotary_head_dim = rotary_head_dim

@@ -116,7 +116,8 @@ class HybridForCausalLM(CausalLM):
         self.state_layout = StateLayout(len(mambas), dims.conv_dim, dims.conv_kernel - 1, dims.heads, dims.head_dim,
                                         dims.state) if mambas else None
         self._init_head(cfg, dtype, device, max_positions, eps,
-                        head_dim if attns and self.flavour == "bamba" else None)
+                        head_dim if attns and self.flavour == "bamba" else None,
+                        can_tie=self.flavour != "nemotron_h")
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[MambaLayerState] | None = None) -> torch.Tensor:
