@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+SERVE_ARGS ?=
+
 serve: $(STAMP)
-	$(BIN)/hyprefix generate --chat --prompt "Hello! What is a prefix cache?" --max-tokens 48
+	$(BIN)/hyprefix serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

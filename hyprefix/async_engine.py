@@ -130,25 +130,26 @@ class AsyncEngine:
     def open_stream(self) -> OutputStream:
         return OutputStream(self)
 
-    async def add(self, stream: OutputStream, request_id: str, add: Callable[[Engine], T]) -> T:
+    async def add(self, stream: OutputStream, request_ids: list[str], add: Callable[[Engine], T]) -> T:
         """Run ``add(engine)`` on the engine thread (it must call ``engine.add_request``
-        with ``request_id``) and route that request's outputs to ``stream``. Returns
-        what ``add`` returns; its exceptions (ValueError for bad input) propagate and
-        leave nothing behind."""
+        for each of ``request_ids``, or raise having added none) and route those
+        requests' outputs to ``stream``. Returns what ``add`` returns; its exceptions
+        (ValueError for bad input) propagate."""
 
         def run() -> T:
             result = add(self.engine)
-            self._streams[request_id] = stream
+            for request_id in request_ids:
+                self._streams[request_id] = stream
             return result
 
-        stream._unfinished.add(request_id)
+        stream._unfinished.update(request_ids)
         try:
             return await self.call(run)
         except asyncio.CancelledError:
-            stream.close()  # the abort is queued behind the add, so it finds the request
+            stream.close()  # the aborts are queued behind the add, so they find the requests
             raise
         except BaseException:
-            stream._unfinished.discard(request_id)
+            stream._unfinished.difference_update(request_ids)
             raise
 
     async def call(self, fn: Callable[[], T]) -> T:

@@ -51,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # as vLLM: tinier temperatures overflow, so they mean greedy
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an ``n``-sample request."""

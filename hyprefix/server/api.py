@@ -185,7 +185,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(400, f"The request body is not valid JSON: {detail}")
     loc = [str(part) for part in first["loc"] if part != "body"]
     if not loc:
-        return APIError(400, "The request body must be a JSON object.")
+        return APIError(400, "The request body must be a JSON object (sent as Content-Type: application/json).")
     messages = []
     for error in errors[:3]:
         path = ".".join(str(part) for part in error["loc"] if part != "body")

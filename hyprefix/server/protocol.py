@@ -166,13 +166,14 @@ class ChatCompletionRequest(_SamplingRequest):
             bad.append("response_format")
         return bad
 
-    def max_new_tokens(self, num_prompt_tokens: int, max_model_len: int) -> int:
-        """``max_completion_tokens``, else ``max_tokens``, else the rest of the context."""
+    def max_new_tokens(self, num_prompt_tokens: int, max_total_tokens: int) -> int:
+        """``max_completion_tokens``, else ``max_tokens``, else whatever room the
+        prompt leaves in ``max_total_tokens`` (the context, capped by the KV pool)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         if self.max_tokens is not None:
             return self.max_tokens
-        return max(1, max_model_len - num_prompt_tokens)
+        return max(1, max_total_tokens - num_prompt_tokens)
 
 
 # --------------------------------------------------------------- responses

@@ -70,19 +70,13 @@ class OpenAIServing:
         return req.model or self.model_names[0]
 
     async def _start(self, req: _SamplingRequest, request_id: str, engine_ids: list[str], model: str,
-                     adders: list[Callable[[Engine], str | None]], prompt_param: str) -> _Call:
-        """Add one engine request per adder (on the engine thread); all or nothing."""
+                     add: Callable[[Engine], list[str | None]], prompt_param: str) -> _Call:
+        """Add the call's engine requests in one engine-thread command."""
         stream = self.engine.open_stream()
-        texts = []
         try:
-            for engine_id, add in zip(engine_ids, adders, strict=True):
-                texts.append(await self.engine.add(stream, engine_id, add))
+            texts = await self.engine.add(stream, engine_ids, add)
         except ValueError as exc:
-            stream.close()
             raise _bad_request(str(exc), prompt_param) from exc
-        except BaseException:
-            stream.close()
-            raise
         return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage)
 
     async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
@@ -102,22 +96,24 @@ class OpenAIServing:
         arrival = time.time()
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
 
-        def adder(prompt: str | list[int], engine_id: str) -> Callable[[Engine], str | None]:
-            def add(engine: Engine) -> str | None:
-                text, ids, _ = engine.tokenize_prompt(prompt)
-                params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
-                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
-                                   arrival_time=arrival)
-                if req.echo and text is None:
-                    text = engine.tokenizer.decode(ids)
-                return text
-            return add
-
         prompts = req.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        adders = [adder(p, e) for p, e in zip(prompts, engine_ids, strict=True)]
-        call = await self._start(req, request_id, engine_ids, model, adders, "prompt")
+
+        def add(engine: Engine) -> list[str | None]:
+            # Validate every prompt before adding any, so a bad one leaves nothing behind.
+            params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
+            tokenized = [engine.tokenize_prompt(p)[:2] for p in prompts]
+            for _, ids in tokenized:
+                engine._validate(ids, params)
+            texts = []
+            for engine_id, (text, ids) in zip(engine_ids, tokenized, strict=True):
+                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
+                                   arrival_time=arrival)
+                texts.append(engine.tokenizer.decode(ids) if req.echo and text is None else text)
+            return texts
+
+        call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
             return _finalize_on_gc(self._stream_completion(call, req.echo), call.stream)
         outs, usage = await self._collect(call)
@@ -131,16 +127,19 @@ class OpenAIServing:
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
-        if echo:
-            for i, text in enumerate(call.prompt_texts):
-                for j in range(call.n):
-                    yield sse(completion_chunk(*args, i * call.n + j, text or ""))
 
         def chunk(index: int, text: str, finish_reason: str | None) -> dict:
             return completion_chunk(*args, index, text, finish_reason)
 
-        async for event in _stream_choices(call, chunk, "text_completion"):
-            yield event
+        try:
+            if echo:
+                for i, text in enumerate(call.prompt_texts):
+                    for j in range(call.n):
+                        yield sse(chunk(i * call.n + j, text or "", None))
+            async for event in _stream_choices(call, chunk, "text_completion"):
+                yield event
+        finally:
+            call.stream.close()
 
     # --------------------------------------------------------------- chat
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -149,14 +148,16 @@ class OpenAIServing:
         messages = [m.template_dict() for m in req.messages]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-        def add(engine: Engine) -> None:
+        def add(engine: Engine) -> list[str | None]:
             ids = engine.encode_chat(messages, req.add_generation_prompt)
-            params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), engine.max_model_len),
-                                    **req.sampling_kwargs())
+            pool_tokens = int(engine.get_stats()["kv_blocks_total"]) * engine.args.block_size
+            room = min(engine.max_model_len, pool_tokens)
+            params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
             engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
                                arrival_time=arrival)
+            return [None]
 
-        call = await self._start(req, request_id, [request_id], model, [add], "messages")
+        call = await self._start(req, request_id, [request_id], model, add, "messages")
         if req.stream:
             return _finalize_on_gc(self._stream_chat(call), call.stream)
         (out,), usage = await self._collect(call)
@@ -167,21 +168,23 @@ class OpenAIServing:
 
     async def _stream_chat(self, call: _Call) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
-        for j in range(call.n):
-            yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
 
         def chunk(index: int, text: str, finish_reason: str | None) -> dict:
             return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason)
 
-        async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
-            yield event
+        try:
+            for j in range(call.n):
+                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
+            async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
+                yield event
+        finally:
+            call.stream.close()
 
 
 async def _stream_choices(call: _Call, chunk: Callable[[int, str, str | None], dict], object: str,
                           ) -> AsyncIterator[str]:
     """SSE events: each choice's new text, one final chunk per choice with its finish
-    reason, the usage chunk when asked for, then ``[DONE]``. Aborts what is left
-    when the consumer goes away."""
+    reason, the usage chunk when asked for, then ``[DONE]``."""
     sent: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[str, RequestOutput] = {}
@@ -206,8 +209,6 @@ async def _stream_choices(call: _Call, chunk: Callable[[int, str, str | None], d
             yield sse(usage_chunk(call.request_id, call.created, call.model, object, usage))
     except (EngineClosedError, EngineDeadError) as exc:
         yield sse(APIError(503, str(exc), type="service_unavailable").body())
-    finally:
-        call.stream.close()
     yield "data: [DONE]\n\n"
 
 
@@ -219,8 +220,9 @@ def _usage(outs: list[RequestOutput]) -> Usage:
 
 
 def _finalize_on_gc(events: AsyncIterator[str], stream: OutputStream) -> AsyncIterator[str]:
-    """Abort the stream's requests if the event generator is dropped without running
-    (e.g. the client left before the response started)."""
+    """Abort the stream's requests if the event generator is dropped without ever
+    running (its ``finally`` then never runs), e.g. the client left before the
+    response started."""
     weakref.finalize(events, stream.close)
     return events
 

@@ -1,0 +1,82 @@
+"""Request models and error mapping of the server, without a server."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from hyprefix.server.api import _validation_error
+from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from hyprefix.server.serving import _bad_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_prompt_forms():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    for bad in (5, [], [[]], [1, "a"], [True]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=bad)
+
+
+def test_strict_types():
+    assert CompletionRequest(prompt="a", temperature=1).temperature == 1.0  # an int is a fine float
+    for field, value in (("max_tokens", "5"), ("max_tokens", 2.0), ("n", True), ("stream", "true"),
+                         ("temperature", "0.5"), ("seed", 1.5)):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="a", **{field: value})
+
+
+def test_sampling_kwargs_and_defaults():
+    req = CompletionRequest(prompt="a", top_k=0, stop="x", ignore_eos=True, seed=3)
+    kwargs = req.sampling_kwargs()
+    assert kwargs["top_k"] == -1 and kwargs["stop"] == "x" and kwargs["ignore_eos"] and kwargs["seed"] == 3
+    assert "temperature" not in kwargs  # SamplingParams' default (1.0, as OpenAI)
+    assert req.max_tokens == 16
+
+
+def test_chat_max_tokens():
+    assert ChatCompletionRequest(messages=MESSAGES).max_new_tokens(10, 100) == 90
+    assert ChatCompletionRequest(messages=MESSAGES, max_tokens=5).max_new_tokens(10, 100) == 5
+    assert ChatCompletionRequest(messages=MESSAGES, max_tokens=5,
+                                 max_completion_tokens=7).max_new_tokens(10, 100) == 7
+
+
+def test_chat_messages():
+    req = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert [m.template_dict() for m in req.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""}]
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_unsupported_fields_are_refused_not_ignored():
+    assert CompletionRequest(prompt="a", logprobs=1, frequency_penalty=0.5).unsupported() == [
+        "frequency_penalty", "logprobs"]
+    assert CompletionRequest(prompt="a", best_of=2, n=2, presence_penalty=0.0).unsupported() == []
+    assert ChatCompletionRequest(messages=MESSAGES, tools=[{"type": "function"}],
+                                 response_format={"type": "json_object"}).unsupported() == [
+        "tools", "response_format"]
+    assert ChatCompletionRequest(messages=MESSAGES, response_format={"type": "text"}).unsupported() == []
+
+
+def test_error_mapping():
+    error = _bad_request("prompt (5 tokens) + max_tokens (9000) = 9005 exceeds max_model_len=4096", "messages")
+    assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
+    assert _bad_request("temperature must be a number >= 0, got -1", "prompt").param == "temperature"
+    assert _bad_request("the prompt is empty", "prompt").param == "prompt"
+    try:
+        CompletionRequest.model_validate({"prompt": "a", "max_tokens": -1})
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+    error = _validation_error(errors)
+    assert error.status == 400 and error.param == "max_tokens" and "max_tokens" in error.message
+    assert _validation_error([{"type": "missing", "loc": ("body",), "msg": "Field required"}]).param is None
