@@ -154,3 +154,14 @@ def our_last_logits(llm, prompts: list[list[int]], chunk: int | None = None) -> 
     finally:
         for i in range(len(prompts)):
             kv.free(f"t{i}")
+
+
+def logit_errors(llm, hf, prompts: list[list[int]], chunk: int | None = None) -> list[tuple[float, float]]:
+    """Per prompt: (max |our last-token logit - transformers'|, max |transformers' logit|)."""
+    ours = our_last_logits(llm, prompts, chunk)
+    out = []
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        out.append(((ours[i] - ref).abs().max().item(), ref.abs().max().item()))
+    return out

