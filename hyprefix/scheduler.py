@@ -252,9 +252,10 @@ class Scheduler:
 
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        self.kv.check_invariants({r.request_id for r in self.running})
+        running = {r.request_id for r in self.running}
+        self.kv.check_invariants(running)
         if self.states is not None:
-            self.states.states.check_invariants(self.kv.pool.lookup)
+            self.states.check_invariants(running, self.kv.pool.lookup)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs

@@ -98,6 +98,10 @@ class StateCache:
         self._free_ckpt.append(slot)
         return True
 
+    @property
+    def live_request_ids(self) -> set[str]:
+        return set(self._live)
+
     def check_invariants(self, kv_lookup) -> None:
         """``kv_lookup(hash)``: the KV block index. Every checkpoint sits on a cached block."""
         assert len(self._index) == len(self._lru)

@@ -128,3 +128,10 @@ class StatePolicy:
             for slot, _ in plan.reserved:
                 self.states.cancel(slot)
         self.states.release_live(request.request_id)
+
+    def check_invariants(self, running_ids: set[str], kv_lookup) -> None:
+        """Live slots and plans belong exactly to the running requests, and every
+        checkpoint sits on a cached block."""
+        self.states.check_invariants(kv_lookup)
+        assert self.states.live_request_ids == running_ids, "live Mamba slots out of sync with running requests"
+        assert set(self._plans) == running_ids, "checkpoint plans out of sync with running requests"
