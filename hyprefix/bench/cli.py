@@ -7,7 +7,30 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-WORKLOADS = ("throughput",)  # shared-prefix, rl-burst, multi-turn, random: later issues
+WORKLOADS = ("throughput", "shared-prefix", "rl-burst", "multi-turn")  # random: a later issue
+PREFIX_WORKLOADS = ("shared-prefix", "rl-burst", "multi-turn")
+DEFAULT_ARMS = {"throughput": ["hyprefix", "transformers"]}
+PREFIX_DEFAULT_ARMS = ["hyprefix", "hyprefix-nocache", "transformers"]
+# --model aliases: (demo arch, demo size) of hyprefix.demo.demo_model_path
+MODEL_ALIASES = {
+    "demo-dense-0.6b": ("dense", "bench"),
+    "demo-hybrid-0.5b": ("hybrid", "bench"),
+    "demo-dense-tiny": ("dense", "tiny"),
+    "demo-hybrid-tiny": ("hybrid", "tiny"),
+}
+DEFAULT_MODEL = "demo-dense-0.6b"
+# Workload flags (argparse dest) -> the workload's field, per workload; a flag given for a
+# workload that does not take it is an error. None defaults mean the workload's default.
+WORKLOAD_FLAGS: dict[str, dict[str, str]] = {
+    "shared-prefix": {"num_requests": "num_requests", "system_len": "system_len", "suffix_len": "suffix_len",
+                      "groups": "groups", "output_len": "output_len"},
+    "rl-burst": {"num_prompts": "num_prompts", "num_samples": "num_samples", "prompt_len": "prompt_len",
+                 "output_len": "output_len"},
+    "multi-turn": {"conversations": "conversations", "turns": "turns", "system_len": "system_len",
+                   "message_len": "message_len", "output_len": "output_len"},
+}
+THROUGHPUT_ONLY_FLAGS = ("decode_prompt_len", "decode_tokens", "batch_sizes")
+PREFIX_ONLY_FLAGS = ("compare_model", "kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
 
 
 def _int_list(text: str) -> list[int]:
@@ -29,25 +52,85 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                            description="Benchmark hyprefix against plain transformers on one workload.")
     bench.add_argument("--workload", choices=WORKLOADS, default="throughput")
     bench.add_argument("--model", default=None,
-                       help="model directory or hub id (default: the Qwen3-0.6B-shaped bench demo model)")
+                       help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
+                            "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-dense-tiny, demo-hybrid-tiny")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    bench.add_argument("--arms", type=_str_list, default=["hyprefix", "transformers"],
-                       help="comma-separated engines to compare, run interleaved in this order")
-    bench.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (tokens)")
-    bench.add_argument("--decode-prompt-len", type=int, default=128, help="prompt length of decode requests")
-    bench.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode request")
-    bench.add_argument("--batch-sizes", type=_int_list, default=[1, 16], help="decode batch sizes, comma-separated")
+    bench.add_argument("--arms", type=_str_list, default=None,
+                       help="comma-separated engines to compare, run interleaved in this order (throughput: "
+                            "hyprefix,transformers; prefix workloads: hyprefix,hyprefix-nocache,transformers)")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case; medians are reported")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (and sampling seeds)")
     bench.add_argument("--threads", type=int, default=None,
-                       help="torch threads for both arms (default: the usable CPU cores)")
+                       help="torch threads for every arm (default: the usable CPU cores)")
     bench.add_argument("--out", default=None, help="write all numbers as JSON to this path")
+    bench.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this directory")
+
+    thr = bench.add_argument_group("throughput workload")
+    thr.add_argument("--prompt-len", type=int, default=None,
+                     help="throughput: prefill prompt length (default 1024); rl-burst: prompt length (default 512)")
+    thr.add_argument("--decode-prompt-len", type=int, default=None,
+                     help="prompt length of decode requests (default 128)")
+    thr.add_argument("--decode-tokens", type=int, default=None, help="new tokens per decode request (default 64)")
+    thr.add_argument("--batch-sizes", type=_int_list, default=None,
+                     help="decode batch sizes, comma-separated (default 1,16)")
+
+    pre = bench.add_argument_group("prefix-cache workloads (shared-prefix, rl-burst, multi-turn)")
+    pre.add_argument("--num-requests", type=int, default=None,
+                     help="shared-prefix: requests sharing a system prompt (default 16)")
+    pre.add_argument("--groups", type=int, default=None,
+                     help="shared-prefix: distinct system prompts, each with --num-requests requests (default 1)")
+    pre.add_argument("--system-len", type=int, default=None,
+                     help="shared-prefix: shared system prompt (default 512); multi-turn: (default 256)")
+    pre.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: unique user suffix (default 64)")
+    pre.add_argument("--num-prompts", type=int, default=None, help="rl-burst: distinct prompts (default 1)")
+    pre.add_argument("--num-samples", type=int, default=None, help="rl-burst: samples per prompt (default 8)")
+    pre.add_argument("--conversations", type=int, default=None, help="multi-turn: conversations (default 4)")
+    pre.add_argument("--turns", type=int, default=None, help="multi-turn: turns per conversation (default 6)")
+    pre.add_argument("--message-len", type=int, default=None, help="multi-turn: user message length (default 64)")
+    pre.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 32)")
+    pre.add_argument("--compare-model", default=None,
+                     help="also run the hyprefix arm on this model (same token ids) and compare prefix hit rates")
+    pre.add_argument("--kv-cache-memory-gb", type=float, default=None, help="engine arms' KV pool (default 2)")
+    pre.add_argument("--mamba-cache-memory-gb", type=float, default=None,
+                     help="engine arms' Mamba checkpoint pool (default 1)")
+    pre.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="engine arms' token budget per step (default 2048)")
+    pre.add_argument("--enforce-eager", action="store_true",
+                     help="engine arms: no torch.compile'd kernels (quick runs on tiny models)")
     bench.set_defaults(func=func)
+
+
+def resolve_model(name: str | None) -> tuple[str, str]:
+    """(path or hub id, label) of a ``--model`` value: demo aliases become their cached
+    directory (built on first use)."""
+    name = name or DEFAULT_MODEL
+    if name in MODEL_ALIASES:
+        from hyprefix.demo import demo_model_path
+
+        arch, size = MODEL_ALIASES[name]
+        return str(demo_model_path(arch, size=size)), name
+    return name, name
+
+
+def build_workload(ns: argparse.Namespace) -> Any:
+    """The workload object of a prefix-cache ``--workload`` from the flags."""
+    from hyprefix.bench.workloads import WORKLOAD_CLASSES
+
+    flags = WORKLOAD_FLAGS[ns.workload]
+    every = {dest for mapping in WORKLOAD_FLAGS.values() for dest in mapping}
+    wrong = sorted(d for d in every - set(flags) if getattr(ns, d, None) is not None)
+    if wrong:
+        raise ValueError(f"--workload {ns.workload} does not take "
+                         + ", ".join("--" + d.replace("_", "-") for d in wrong))
+    kwargs = {field: getattr(ns, dest) for dest, field in flags.items() if getattr(ns, dest, None) is not None}
+    return WORKLOAD_CLASSES[ns.workload](seed=ns.seed, **kwargs)
 
 
 def run_bench(ns: argparse.Namespace) -> int:
     if ns.workload == "throughput":
         return _run_throughput(ns)
+    if ns.workload in PREFIX_WORKLOADS:
+        return _run_prefix(ns)
     raise ValueError(f"unknown workload {ns.workload!r}; valid: {', '.join(WORKLOADS)}")
 
 
@@ -61,9 +144,16 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     from hyprefix.bench.report import format_throughput, write_json
     from hyprefix.bench.throughput import ThroughputConfig, load_arm, run_throughput
 
-    cfg = ThroughputConfig(prompt_len=ns.prompt_len, decode_prompt_len=ns.decode_prompt_len,
-                           decode_tokens=ns.decode_tokens, batch_sizes=tuple(ns.batch_sizes),
-                           repeats=ns.repeats, seed=ns.seed, arms=tuple(ns.arms))
+    given = [f for f in (*(d for m in WORKLOAD_FLAGS.values() for d in m if d != "prompt_len"),
+                         *PREFIX_ONLY_FLAGS) if getattr(ns, f, None) is not None]
+    if given or getattr(ns, "enforce_eager", False):
+        flags = [*given, *(["enforce_eager"] if getattr(ns, "enforce_eager", False) else [])]
+        raise ValueError("--workload throughput does not take " + ", ".join("--" + f.replace("_", "-") for f in flags))
+    cfg = ThroughputConfig(prompt_len=1024 if ns.prompt_len is None else ns.prompt_len,
+                           decode_prompt_len=128 if ns.decode_prompt_len is None else ns.decode_prompt_len,
+                           decode_tokens=64 if ns.decode_tokens is None else ns.decode_tokens,
+                           batch_sizes=tuple(ns.batch_sizes or (1, 16)),
+                           repeats=ns.repeats, seed=ns.seed, arms=tuple(ns.arms or DEFAULT_ARMS["throughput"]))
     threads = ns.threads or usable_cores()
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -79,11 +169,7 @@ def _run_throughput(ns: argparse.Namespace) -> int:
         progress(f"{ns.dtype} matmul peak")
         peak = measure_matmul_peak(dtype=getattr(torch, ns.dtype))
         progress("model")
-        model = ns.model
-        if model is None:
-            from hyprefix.demo import demo_model_path
-
-            model = str(demo_model_path("dense", size="bench"))
+        model, _ = resolve_model(ns.model)
         arms: dict[str, Any] = {}
         for name in cfg.arms:
             progress(f"load {name}")
@@ -99,6 +185,93 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     if ns.out:
         path = write_json(result, ns.out)
         logging.getLogger("hyprefix.bench").info("wrote %s", path)
+    if ns.plot:
+        from hyprefix.bench.plots import plot_throughput
+
+        for path in plot_throughput(result, ns.plot):
+            logging.getLogger("hyprefix.bench").info("wrote %s", path)
+    return 0
+
+
+def _run_prefix(ns: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from hyprefix.bench.env import CpuMeter, environment, load_average, max_rss_gib, usable_cores
+    from hyprefix.bench.prefix import COMPARE_ARM, PrefixBenchConfig, load_arm, run_prefix_bench, summarise
+    from hyprefix.bench.report import format_prefix, write_json
+
+    log = logging.getLogger("hyprefix.bench")
+    wrong = [f for f in THROUGHPUT_ONLY_FLAGS if getattr(ns, f, None) is not None]
+    if wrong:
+        raise ValueError(f"--workload {ns.workload} does not take "
+                         + ", ".join("--" + f.replace("_", "-") for f in wrong))
+    workload = build_workload(ns)
+    engine_kwargs: dict[str, Any] = {k: getattr(ns, k) for k in
+                                     ("kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
+                                     if getattr(ns, k) is not None}
+    if ns.enforce_eager:
+        engine_kwargs["enforce_eager"] = True
+    cfg = PrefixBenchConfig(arms=tuple(ns.arms or PREFIX_DEFAULT_ARMS), repeats=ns.repeats, dtype=ns.dtype,
+                            seed=ns.seed, engine_kwargs=engine_kwargs)
+    threads = ns.threads or usable_cores()
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)  # one process, so every arm runs with the same thread count
+    env = environment()
+    meter = CpuMeter()
+    meter.start()
+
+    model, label = resolve_model(ns.model)
+    compare = resolve_model(ns.compare_model) if ns.compare_model else None
+    names = [*cfg.arms, *([COMPARE_ARM] if compare else [])]
+    models = {name: (compare[1] if name == COMPARE_ARM and compare else label) for name in names}
+    # load + warm-up of every arm, then the timed runs
+    total = 2 * len(names) + cfg.repeats * len(names)
+    with logging_redirect_tqdm(), tqdm(total=total, desc=f"bench {ns.workload}", unit="run") as bar:
+        progress = _Progress(bar)
+        arms: dict[str, Any] = {}
+        skipped: dict[str, str] = {}
+        for name in names:
+            progress(f"load {name}")
+            path = compare[0] if name == COMPARE_ARM and compare else model
+            try:
+                arms[name] = load_arm(name, path, workload, cfg)
+            except Exception as exc:  # transformers may not support the architecture
+                if name != "transformers":
+                    raise
+                log.warning("skipping the transformers arm: loading %s failed: %s", path, exc)
+                skipped[name] = f"loading failed: {type(exc).__name__}: {exc}"
+        runs, failed = run_prefix_bench(arms, workload, cfg.repeats, progress=progress)
+        skipped.update(failed)
+        progress.finish()
+        bar.update(bar.total - bar.n)
+
+    env["load_average_at_end"] = load_average()
+    env["max_rss_gib"] = max_rss_gib()  # the whole process: every arm's weights and caches
+    summary = summarise(runs, workload, models, skipped)
+    result = {
+        "model": model,
+        "models": {"model": label, "model_path": model, "compare_model": compare[1] if compare else None,
+                   "compare_model_path": compare[0] if compare else None},
+        "dtype": ns.dtype,
+        "environment": env,
+        "config": {"arms": list(cfg.arms), "repeats": cfg.repeats, "seed": cfg.seed, "engine_kwargs": engine_kwargs,
+                   "cache_between_repeats": "one engine per arm, reset_prefix_cache() before every timed run"},
+        "arm_info": {name: arm.info() for name, arm in arms.items()},
+        "cpu_contention": meter.stop(),
+        **summary,
+    }
+    print(format_prefix(result))
+    if ns.out:
+        path = write_json(result, ns.out)
+        log.info("wrote %s", path)
+    if ns.plot:
+        from hyprefix.bench.plots import plot_prefix
+
+        for path in plot_prefix(result, ns.plot):
+            log.info("wrote %s", path)
     return 0
 
 

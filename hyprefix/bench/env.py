@@ -34,6 +34,16 @@ def load_average() -> list[float] | None:
         return None
 
 
+def max_rss_gib() -> float | None:
+    """Peak resident memory of this process so far (all arms together), GiB."""
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
 def environment() -> dict[str, Any]:
     import torch
     import transformers
