@@ -39,14 +39,13 @@ def test_greedy_identical_with_cache_on_off_and_chunked(hybrid_models, arch):
     path, _ = hybrid_models[arch]
     prompts = mixed_prompts(16)
     reference = greedy(make(path, enable_prefix_caching=False), prompts)
-    for waves in (1, 3):
-        for budget in (2048, 24, 7):
-            llm = make(path, max_num_batched_tokens=budget)
-            size = -(-len(prompts) // waves)
-            tokens = [t for i in range(0, len(prompts), size) for t in greedy(llm, prompts[i:i + size])]
-            assert tokens == reference, f"{arch} waves={waves} budget={budget}"
-            stats = llm.get_stats()
-            assert stats["prefix_cache_hits"] > 0 and stats["mamba_checkpoints_used"] > 0
+    for waves, budget in ((1, 2048), (3, 24), (1, 7), (3, 2048)):  # unchunked and chunked prefill
+        llm = make(path, max_num_batched_tokens=budget)
+        size = -(-len(prompts) // waves)
+        tokens = [t for i in range(0, len(prompts), size) for t in greedy(llm, prompts[i:i + size])]
+        assert tokens == reference, f"{arch} waves={waves} budget={budget}"
+        stats = llm.get_stats()
+        assert stats["prefix_cache_hits"] > 0 and stats["mamba_checkpoints_used"] > 0
 
 
 def test_restored_prefills_share_a_step_with_a_fresh_one(hybrid_models):
