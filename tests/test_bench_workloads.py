@@ -175,6 +175,8 @@ def test_flags_of_another_workload_are_refused(capsys) -> None:
     assert main(["bench", "--workload", "shared-prefix", "--turns", "3"]) == 2
     assert "--turns" in capsys.readouterr().err
     assert main(["bench", "--workload", "throughput", "--num-samples", "3"]) == 2
+    assert main(["bench", "--workload", "multi-turn", "--arms", "hyprefix-nocache", "--compare-model", "x"]) == 2
+    assert main(["bench", "--workload", "rl-burst", "--arms", "hyprefix,vllm"]) == 2
 
 
 # ------------------------------------------------------------------------ end to end

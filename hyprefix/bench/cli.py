@@ -215,6 +215,8 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         engine_kwargs["enforce_eager"] = True
     cfg = PrefixBenchConfig(arms=tuple(ns.arms or PREFIX_DEFAULT_ARMS), repeats=ns.repeats, dtype=ns.dtype,
                             seed=ns.seed, engine_kwargs=engine_kwargs)
+    if ns.compare_model and "hyprefix" not in cfg.arms:
+        raise ValueError("--compare-model compares prefix hit rates with the hyprefix arm: add it to --arms")
     threads = ns.threads or usable_cores()
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
