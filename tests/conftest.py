@@ -91,6 +91,15 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
     return model
 
 
+@pytest.fixture(autouse=True)
+def cascade_on_any_sharing(monkeypatch):
+    """Tiny test prompts share only a few blocks: take the cascade decode path whenever
+    decodes share any block, so every sharing test exercises it."""
+    from hyprefix.runner import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 0)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (checkpoint dir, HF reference model)."""

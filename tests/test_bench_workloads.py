@@ -27,7 +27,7 @@ def _in_range(ids: tuple[int, ...]) -> bool:
 
 # ----------------------------------------------------------------------- generators
 def test_shared_prefix_shapes() -> None:
-    w = SharedPrefixWorkload(num_requests=5, system_len=40, suffix_len=7, output_len=3, seed=1)
+    w = SharedPrefixWorkload(groups=1, num_requests=5, system_len=40, suffix_len=7, output_len=3, seed=1)
     reqs = w.round_requests(0)
     assert len(reqs) == 5 == w.num_requests_total()
     assert all(len(r.prompt) == 47 and r.max_tokens == 3 and r.greedy and _in_range(r.prompt) for r in reqs)
@@ -49,8 +49,8 @@ def test_shared_prefix_groups() -> None:
 
 
 def test_default_parameters() -> None:
-    assert SharedPrefixWorkload().round_requests(0)[0].prompt.__len__() == 512 + 64
-    assert len(SharedPrefixWorkload().round_requests(0)) == 16
+    sp = SharedPrefixWorkload().round_requests(0)
+    assert len(sp) == 4 * 8 and len(sp[0].prompt) == 1024 + 64 and sp[0].max_tokens == 16
     rl = RlBurstWorkload().round_requests(0)
     assert len(rl) == 8 and len(rl[0].prompt) == 512 and rl[0].max_tokens == 32
     mt = MultiTurnWorkload()
@@ -225,3 +225,12 @@ def test_end_to_end(workload: str, tmp_path: Path, capsys) -> None:
         assert hit["compare_model"] == "demo-dense-tiny" and 0 < hit["compare_hit_rate"] <= 1
         assert hit["ratio"] == pytest.approx(hit["hit_rate"] / hit["compare_hit_rate"])
         assert "PASS" in printed or "FAIL" in printed
+
+
+def test_bench_kv_pool_holds_the_whole_workload() -> None:
+    from hyprefix.bench.prefix import workload_kv_blocks
+
+    w = SharedPrefixWorkload(groups=2, num_requests=3, system_len=30, suffix_len=4, output_len=3)
+    assert workload_kv_blocks(w, block_size=16) == 6 * 3  # 37 tokens -> 3 blocks each
+    mt = MultiTurnWorkload(conversations=1, turns=2, system_len=10, message_len=5, output_len=2)
+    assert workload_kv_blocks(mt, block_size=4) == 5 + 6  # turns of 15+2 and 22+2 tokens

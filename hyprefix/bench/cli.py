@@ -76,21 +76,23 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
 
     pre = bench.add_argument_group("prefix-cache workloads (shared-prefix, rl-burst, multi-turn)")
     pre.add_argument("--num-requests", type=int, default=None,
-                     help="shared-prefix: requests sharing a system prompt (default 16)")
+                     help="shared-prefix: requests sharing a system prompt (default 8)")
     pre.add_argument("--groups", type=int, default=None,
-                     help="shared-prefix: distinct system prompts, each with --num-requests requests (default 1)")
+                     help="shared-prefix: distinct system prompts, each with --num-requests requests (default 4)")
     pre.add_argument("--system-len", type=int, default=None,
-                     help="shared-prefix: shared system prompt (default 512); multi-turn: (default 256)")
+                     help="shared-prefix: shared system prompt (default 1024); multi-turn: (default 256)")
     pre.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: unique user suffix (default 64)")
     pre.add_argument("--num-prompts", type=int, default=None, help="rl-burst: distinct prompts (default 1)")
     pre.add_argument("--num-samples", type=int, default=None, help="rl-burst: samples per prompt (default 8)")
     pre.add_argument("--conversations", type=int, default=None, help="multi-turn: conversations (default 4)")
     pre.add_argument("--turns", type=int, default=None, help="multi-turn: turns per conversation (default 6)")
     pre.add_argument("--message-len", type=int, default=None, help="multi-turn: user message length (default 64)")
-    pre.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 32)")
+    pre.add_argument("--output-len", type=int, default=None,
+                     help="output tokens per request (shared-prefix: default 16; others: 32)")
     pre.add_argument("--compare-model", default=None,
                      help="also run the hyprefix arm on this model (same token ids) and compare prefix hit rates")
-    pre.add_argument("--kv-cache-memory-gb", type=float, default=None, help="engine arms' KV pool (default 2)")
+    pre.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                     help="engine arms' KV pool (default: room for every token of the workload)")
     pre.add_argument("--mamba-cache-memory-gb", type=float, default=None,
                      help="engine arms' Mamba checkpoint pool (default 1)")
     pre.add_argument("--max-num-batched-tokens", type=int, default=None,

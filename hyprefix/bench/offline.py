@@ -4,8 +4,10 @@ Arms:
 
 ``hyprefix``
     ``LLM`` with prefix caching on (the engine's defaults otherwise: 16-token blocks,
-    2048-token steps, 2 GiB KV pool, 1 GiB Mamba checkpoint pool; ``--kv-cache-memory-gb``,
-    ``--mamba-cache-memory-gb``, ``--max-num-batched-tokens`` change them).
+    2048-token steps, 1 GiB Mamba checkpoint pool; ``--mamba-cache-memory-gb`` and
+    ``--max-num-batched-tokens`` change them). The KV pool holds every token of the
+    workload, so no arm is slowed by preemption or eviction; ``--kv-cache-memory-gb``
+    sets it instead.
 ``hyprefix-nocache``
     The same with ``enable_prefix_caching=False``.
 ``transformers``

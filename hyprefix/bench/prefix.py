@@ -40,6 +40,7 @@ from typing import Any
 
 from hyprefix.bench.offline import EngineArm, TransformersWorkloadArm, WorkloadArm, WorkloadRun, run_workload
 from hyprefix.bench.workloads import Workload
+from hyprefix.config import EngineArgs
 
 log = logging.getLogger("hyprefix.bench")
 
@@ -79,13 +80,23 @@ class PrefixBenchConfig:
 # ------------------------------------------------------------------------------ running
 def load_arm(name: str, model: str, workload: Workload, cfg: PrefixBenchConfig) -> WorkloadArm:
     if name in ("hyprefix", COMPARE_ARM, "hyprefix-nocache"):
+        kwargs = dict(cfg.engine_kwargs)
+        if "kv_cache_memory_gb" not in kwargs and "num_kv_blocks" not in kwargs:
+            kwargs["num_kv_blocks"] = workload_kv_blocks(workload, kwargs.get("block_size", EngineArgs.block_size))
         arm = EngineArm(name, model, cfg.dtype, enable_prefix_caching=name != "hyprefix-nocache",
-                        max_num_seqs=workload.max_concurrency(), engine_kwargs=cfg.engine_kwargs, seed=cfg.seed)
+                        max_num_seqs=workload.max_concurrency(), engine_kwargs=kwargs, seed=cfg.seed)
         _check_pool(arm, workload)
         return arm
     if name == "transformers":
         return TransformersWorkloadArm(model, cfg.dtype)
     raise ValueError(f"unknown arm {name!r}")
+
+
+def workload_kv_blocks(workload: Workload, block_size: int) -> int:
+    """KV blocks for every token of every request of the workload, so that no arm is
+    slowed by preemption or loses cached blocks to eviction (the default pool of the
+    engine arms; ``--kv-cache-memory-gb`` sets it instead)."""
+    return sum(-(-(n + workload.output_len) // block_size) for lens in workload.prompt_lens() for n in lens)
 
 
 def _check_pool(arm: EngineArm, workload: Workload) -> None:

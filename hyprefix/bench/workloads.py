@@ -123,10 +123,11 @@ class Workload:
 @dataclass(frozen=True)
 class SharedPrefixWorkload(Workload):
     name: ClassVar[str] = "shared-prefix"
-    num_requests: int = 16
-    system_len: int = 512
+    num_requests: int = 8
+    system_len: int = 1024
     suffix_len: int = 64
-    groups: int = 1
+    groups: int = 4
+    output_len: int = 16
 
     def __post_init__(self) -> None:
         _positive(self, "num_requests", "system_len", "suffix_len", "groups", "output_len")

@@ -1,4 +1,4 @@
-"""Shared layers: RMSNorm, rotary embedding, gated MLP and paged attention."""
+"""Shared layers: RMSNorm, rotary embedding, linear layers and the gated MLP."""
 
 from __future__ import annotations
 
@@ -117,58 +117,3 @@ class GatedMLP(nn.Module):
             return self.down(torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul"))
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """Write this step's K/V into the paged cache, then attend.
-
-    q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
-    Returns [T, H, D] in the batch's token order (decodes first, then prefills).
-    """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    group = q.shape[1] // num_kv_heads
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if batch.write_index is None:
-        flat_k.index_copy_(0, batch.slot_mapping, k)
-        flat_v.index_copy_(0, batch.slot_mapping, v)
-    elif batch.slot_mapping.numel():
-        flat_k.index_copy_(0, batch.slot_mapping, k.index_select(0, batch.write_index))
-        flat_v.index_copy_(0, batch.slot_mapping, v.index_select(0, batch.write_index))
-
-    outs: list[torch.Tensor] = []
-    if batch.num_decode:
-        n = batch.num_decode
-        tables = batch.decode_block_tables
-        assert tables is not None
-        # One query token per sequence: fold the query heads of a KV group into the
-        # "query length" axis so no K/V repeat is needed.
-        qd = q[:n].view(n, num_kv_heads, group, head_dim)
-        flat_tables = tables.view(-1)
-        kd = k_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
-        outs.append(od.reshape(n, -1, head_dim))
-    for i, span in enumerate(batch.prefills):
-        qs = q[span.token_slice].transpose(0, 1).unsqueeze(0)
-        mask = batch.prefill_mask(i, window)
-        if span.start_pos == 0:
-            ks, vs = k[span.token_slice], v[span.token_slice]
-        else:
-            ks = k_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
-            vs = v_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
-        ks = ks.transpose(0, 1).unsqueeze(0)
-        vs = vs.transpose(0, 1).unsqueeze(0)
-        os_ = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1)
-        outs.append(os_[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

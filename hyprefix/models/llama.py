@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
-from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, Rotary, paged_attention
+from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, Rotary
 from hyprefix.runner.batch import ForwardBatch
 
 

@@ -13,6 +13,7 @@ import torch
 
 from hyprefix.models.fused import Kernels
 from hyprefix.outputs import ScheduledSeq
+from hyprefix.runner import cascade
 
 
 @dataclass
@@ -34,6 +35,36 @@ class PrefillSpan:
 
 
 @dataclass
+class SharedPrefixGroup:
+    rows: torch.Tensor  # long [m]: decode rows sharing the prefix
+    blocks: torch.Tensor  # long [c]: the shared block ids
+    first_block: int | None  # set when the blocks are consecutive ids (read as a view)
+
+
+@dataclass
+class DecodeCascade:
+    """Decode attention split into shared prefixes (read once per group) and
+    per-row tails (see ``cascade.py``)."""
+
+    groups: list[SharedPrefixGroup]
+    grouped_rows: torch.Tensor  # long: the groups' rows, concatenated in group order
+    tail_tables: torch.Tensor  # long [D, max_tail_blocks], padded with 0
+    tail_start: torch.Tensor  # long [D]: position of each row's first tail token
+    context_lens: torch.Tensor  # long [D]
+    block_size: int
+    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def tail_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [D, 1, 1, L] mask (0 visible, -inf hidden) over the padded tails."""
+        if dtype not in self._masks:
+            j = torch.arange(self.tail_tables.shape[1] * self.block_size, device=self.tail_tables.device)
+            visible = (j[None, :] + self.tail_start[:, None]) < self.context_lens[:, None]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[dtype] = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        return self._masks[dtype]
+
+
+@dataclass
 class ForwardBatch:
     seqs: list[ScheduledSeq]
     input_ids: torch.Tensor  # long [T]
@@ -44,6 +75,7 @@ class ForwardBatch:
     num_decode: int
     decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # long [D]
+    decode_cascade: DecodeCascade | None  # set when decodes share prefix blocks
     decode_state_slots: torch.Tensor | None  # long [D]: live Mamba state slot of each decode
     decode_state_taps: list[tuple[int, int]]  # (decode row, checkpoint slot): save its state after the step
     prefills: list[PrefillSpan]
@@ -125,16 +157,26 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
                 state_slot=seq.state_slot,
                 state_taps=[(pos - seq.start_pos, slot) for pos, slot in seq.state_taps]))
 
-    decode_tables = decode_lens = None
-    if decodes:
-        width = max(-(-s.context_len // block_size) for s in decodes)
-        padded = [s.block_table[: -(-s.context_len // block_size)] for s in decodes]
-        padded = [t + [0] * (width - len(t)) for t in padded]
-        decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        decode_lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long, device=device)
-
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
+
+    decode_tables = decode_lens = decode_cascade = None
+    if decodes:
+        tables = [s.block_table[: -(-s.context_len // block_size)] for s in decodes]
+        lens = [s.context_len for s in decodes]
+        decode_tables = as_long(_pad(tables))
+        decode_lens = as_long(lens)
+        groups, shared = cascade.plan_shared_prefixes(tables, lens, block_size)
+        if groups:
+            decode_cascade = DecodeCascade(
+                groups=[SharedPrefixGroup(rows=as_long(g.rows), blocks=as_long(g.blocks),
+                                          first_block=g.blocks[0] if g.contiguous else None)
+                        for g in groups],
+                grouped_rows=as_long([r for g in groups for r in g.rows]),
+                tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, shared, strict=True)])),
+                tail_start=as_long([n * block_size for n in shared]),
+                context_lens=decode_lens,
+                block_size=block_size)
 
     return ForwardBatch(
         seqs=ordered,
@@ -146,6 +188,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         num_decode=len(decodes),
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
+        decode_cascade=decode_cascade,
         decode_state_slots=torch.tensor([s.state_slot for s in decodes], dtype=torch.long, device=device)
         if decodes and decodes[0].state_slot >= 0 else None,
         decode_state_taps=[(row, slot) for row, s in enumerate(decodes) for _, slot in s.state_taps],
@@ -154,3 +197,8 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         sample_seqs=sample_seqs,
         kernels=kernels,
     )
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]

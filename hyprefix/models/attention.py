@@ -1,0 +1,130 @@
+"""Paged attention over the block-table KV cache.
+
+Decode tokens attend through their block tables. When several decodes share
+prefix blocks (``runner/cascade.py``), the prefix is read once for the group and
+merged with each row's tail through log-sum-exp; otherwise each row's blocks are
+gathered into a padded batch. Prefill chunks attend over their own tokens (plain
+causal) or over their gathered context with an explicit mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyprefix.runner.batch import DecodeCascade, ForwardBatch
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend.
+
+    q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+    Returns [T, H, D] in the batch's token order (decodes first, then prefills).
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if batch.write_index is None:
+        flat_k.index_copy_(0, batch.slot_mapping, k)
+        flat_v.index_copy_(0, batch.slot_mapping, v)
+    elif batch.slot_mapping.numel():
+        flat_k.index_copy_(0, batch.slot_mapping, k.index_select(0, batch.write_index))
+        flat_v.index_copy_(0, batch.slot_mapping, v.index_select(0, batch.write_index))
+
+    outs: list[torch.Tensor] = []
+    if batch.num_decode:
+        n = batch.num_decode
+        # One query token per sequence: fold the query heads of a KV group into the
+        # "query length" axis so no K/V repeat is needed.
+        qd = q[:n].view(n, num_kv_heads, group, head_dim)
+        if batch.decode_cascade is not None and window is None:
+            od = _cascade_decode(qd, k_cache, v_cache, batch.decode_cascade, scale)
+        else:
+            assert batch.decode_block_tables is not None
+            kd, vd = _gather_blocks(k_cache, v_cache, batch.decode_block_tables)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
+        outs.append(od.reshape(n, -1, head_dim))
+    for i, span in enumerate(batch.prefills):
+        qs = q[span.token_slice].transpose(0, 1).unsqueeze(0)
+        mask = batch.prefill_mask(i, window)
+        if span.start_pos == 0:
+            ks, vs = k[span.token_slice], v[span.token_slice]
+        else:
+            ks = k_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
+            vs = v_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
+        ks = ks.transpose(0, 1).unsqueeze(0)
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1)
+        outs.append(os_[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [rows, KVH, blocks * block_size, D] for a [rows, blocks] table."""
+    rows, kvh, dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+    flat = tables.reshape(-1)
+    k = k_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
+    return k, v
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention [B, H, Lq, D] and its float32 log-sum-exp [B, H, Lq].
+
+    ``mask`` is additive, in ``q``'s dtype. CPU uses torch's fused flash kernel, which
+    returns the log-sum-exp; other devices take the plain math path.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    plan: DecodeCascade, scale: float) -> torch.Tensor:
+    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: shared prefixes once per group, tails per row."""
+    kvh, group, dim = qd.shape[1], qd.shape[2], qd.shape[3]
+    kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
+    out, tail_lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
+    prefix_out: list[torch.Tensor] = []
+    prefix_lse: list[torch.Tensor] = []
+    for g in plan.groups:
+        m = g.rows.shape[0]
+        if g.first_block is not None:
+            blocks = slice(g.first_block, g.first_block + g.blocks.shape[0])
+            kp, vp = k_cache[blocks], v_cache[blocks]
+        else:
+            kp, vp = k_cache.index_select(0, g.blocks), v_cache.index_select(0, g.blocks)
+        kp = kp.view(1, -1, kvh, dim).transpose(1, 2)
+        vp = vp.view(1, -1, kvh, dim).transpose(1, 2)
+        # Every query of the group against the one prefix: [1, KVH, m * G, Dh].
+        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, kvh, m * group, dim)
+        o, lse = attention_with_lse(qg, kp, vp, None, scale)
+        prefix_out.append(o.view(kvh, m, group, dim).permute(1, 0, 2, 3))
+        prefix_lse.append(lse.view(kvh, m, group).permute(1, 0, 2))
+    rows = plan.grouped_rows
+    po, pl = torch.cat(prefix_out), torch.cat(prefix_lse)
+    to, tl = out.index_select(0, rows), tail_lse.index_select(0, rows)
+    top = torch.maximum(pl, tl)
+    wp, wt = torch.exp(pl - top)[..., None], torch.exp(tl - top)[..., None]
+    merged = (po.float() * wp + to.float() * wt) / (wp + wt)
+    return out.index_copy(0, rows, merged.to(out.dtype))
