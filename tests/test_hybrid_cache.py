@@ -97,16 +97,33 @@ def test_last_boundary_checkpoint_of_a_multi_chunk_prompt(hybrid_models):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_identical_prompt_resumes_one_block_before_its_end(hybrid_models):
-    """A block-aligned prompt seen before: it resumes at the last boundary before its
-    final token (the RL-burst case), so only one block is recomputed."""
+@pytest.mark.parametrize("budget", [2048, 21])
+def test_identical_block_aligned_prompt_computes_only_its_last_token(hybrid_models, budget):
+    """The RL-burst case: a block-aligned prompt seen before is a full KV hit that
+    resumes from the checkpoint one token before its end and computes one token, as on
+    a dense model. With a 21-token budget the chunks end at 21, 42 and 63: the state
+    after 63 tokens is written one step before its block completes and is published
+    with it."""
     path, _ = hybrid_models["mamba2"]
     prompt = random_prompts([64], seed=52)[0]
+    reference = greedy(make(path, enable_prefix_caching=False), [prompt])
+    llm = make(path, max_num_batched_tokens=budget)
+    first = greedy(llm, [prompt])
+    outs = llm.generate([prompt] * 3, GREEDY, use_tqdm=False)
+    llm.check_invariants()
+    assert [o.num_cached_tokens for o in outs] == [63, 63, 63]
+    stats = llm.get_stats()
+    assert stats["prefill_computed_tokens"] == 64 + 3 and stats["hybrid_hit_tokens_lost"] == 0
+    assert first == reference and [o.outputs[0].token_ids for o in outs] == reference * 3
+
+
+def test_identical_prompts_submitted_together_compute_the_prompt_once(hybrid_models):
+    path, _ = hybrid_models["nemotron_h"]
+    prompt = random_prompts([64], seed=53)[0]
     llm = make(path)
     outs = llm.generate([prompt] * 4, GREEDY, use_tqdm=False)
-    assert sorted(o.num_cached_tokens for o in outs) == [0, 48, 48, 48]
-    stats = llm.get_stats()
-    assert stats["prefill_computed_tokens"] == 64 + 3 * 16 and stats["hybrid_hit_tokens_lost"] == 0
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 63, 63, 63]
+    assert llm.get_stats()["prefill_computed_tokens"] == 64 + 3
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from hyprefix.cache.kv import KVCacheManager
-from hyprefix.cache.state import StateCache
+from hyprefix.cache.state import StateCache, before_last_token, block_of
 from hyprefix.cache.state_policy import StatePolicy
 from hyprefix.outputs import SchedulerOutput
 from hyprefix.request import Request, Status
@@ -75,6 +75,17 @@ def test_lru_evicts_the_least_recently_committed_checkpoint():
     assert sc.lookup(h(2)) == 0
     assert sc.reserve(h(3)) == 1  # now h(1) is the oldest
     assert sc.lookup(h(1)) is None and sc.lookup(h(2)) == 0
+
+
+def test_forgetting_a_block_drops_both_of_its_checkpoints():
+    sc = StateCache(num_live_slots=1, num_checkpoint_slots=3)
+    slots = [committed(sc, key) for key in (h(1), before_last_token(h(1)), h(2))]
+    assert block_of(before_last_token(h(1))) == h(1) and block_of(h(1)) == h(1)
+    assert sc.drop(h(1))
+    assert sc.lookup(h(1)) is None and sc.lookup(before_last_token(h(1))) is None
+    assert sc.lookup(h(2)) == slots[2] and sc.num_used == 1
+    assert not sc.drop(h(1))
+    sc.check_invariants(lambda block_hash: 0)
 
 
 def test_touch_refreshes_a_checkpoint():
@@ -260,21 +271,44 @@ def test_fresh_request_gets_a_zero_state_and_a_tap_at_its_last_boundary():
     assert cache(s).live_slot("a") is None and ckpts(s, a.prompt_token_ids) == {8: 0}
 
 
-def test_block_aligned_prompt_checkpoints_one_block_before_its_end_and_resumes_there():
+def test_block_aligned_prompt_checkpoints_before_its_last_token_and_an_identical_prompt_resumes_there():
     s = make()
     prompt = toks(100, 12)
     a = req("a", prompt)
     s.add_request(a)
-    assert plan(step(s)) == [("a", 0, 12, ((8, 0),))]  # floor(11 / 4) * 4 = 8, not 12
+    # last boundary floor(11 / 4) * 4 = 8, and the state after 11 tokens (before the last one)
+    assert plan(step(s)) == [("a", 0, 12, ((8, 0), (11, 1)))]
     run_to_end(s)
+    before_last = before_last_token(a.block_hashes[2])
+    assert cache(s).lookup(before_last) == 1
     b = req("b", prompt)
     s.add_request(b)
     out = step(s)
-    # the KV hit is all 3 blocks, but the last token must be computed: resume at 8
+    # a full KV hit of 3 blocks: resume from the before-last checkpoint and compute only
+    # the final token, whose K/V already sits in the shared block (as on a dense model)
+    assert out.state_ops == [(1, 0)]
+    assert plan(out) == [("b", 11, 1, ())] and not seq_of(out, "b").write_kv
+    assert b.num_cached_tokens == 11 and s.states.hybrid_hit_tokens_lost == 0
+    assert s.prefix_cache_hits == 11
+    run_to_end(s)
+    assert b.output_token_ids == expected_output(b)
+
+
+def test_block_aligned_prompt_without_before_last_checkpoint_resumes_a_block_earlier():
+    s = make()
+    prompt = toks(100, 12)
+    a = req("a", prompt)
+    s.add_request(a)
+    step(s)
+    run_to_end(s)
+    assert cache(s).drop_key(before_last_token(a.block_hashes[2]))
+    b = req("b", prompt)
+    s.add_request(b)
+    out = step(s)
     assert out.state_ops == [(0, 0)]
-    assert plan(out) == [("b", 8, 4, ())] and seq_of(out, "b").write_kv
-    assert b.num_cached_tokens == 8 and s.states.hybrid_hit_tokens_lost == 0
-    assert s.prefix_cache_hits == 8
+    assert plan(out) == [("b", 8, 4, ((11, 1),))] and seq_of(out, "b").write_kv
+    # a dense model would have hit 11 tokens
+    assert b.num_cached_tokens == 8 and s.states.hybrid_hit_tokens_lost == 3
 
 
 def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
@@ -301,7 +335,7 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     d = req("d", toks(2000, 48), max_tokens=4)
     s.add_request(d)
     out = step(s)
-    assert plan(out) == [("d", 0, 48, ((44, 3),))]
+    assert plan(out) == [("d", 0, 48, ((44, 3), (47, 4)))]  # 48 is block-aligned: also before its last token
     assert len(s.kv.block_table("d")) == 12
     c = req("c", P[:24] + toks(3000, 26))  # 50 tokens: KV hit 24, checkpoints at 12 and 28
     s.add_request(c)
@@ -322,35 +356,37 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     assert c.num_cached_tokens == 12  # usable hit: the last checkpoint at or below the KV hit
     assert out.state_ops == [(1, 0)]  # restore the checkpoint at 12 into live slot 0
     # c's 10 new blocks come off the LRU free list: P's blocks 3..5 (c's own KV hit beyond
-    # the usable part) and b's blocks 8..12, which evicts b's block 3 and its checkpoint at 16
-    # (slot 2). c then computes 12..50 in one chunk with taps at its divergence point 24 and its
-    # last boundary 48, in the slots freed last-in first-out: 2 (b's 16), then 0 (P's 28).
+    # the usable part) and blocks 8..12, which evicts b's block 3 with its checkpoint at 16
+    # (slot 2) and d's last full block 12 with its before-last-token checkpoint (slot 4).
+    # c then computes 12..50 in one chunk with taps at its divergence point 24 and its last
+    # boundary 48, in the slots freed last-in first-out: 4, then 2.
     assert seq_of(out, "c").block_table == [0, 1, 2, 5, 4, 3, 12, 11, 10, 9, 8, 6, 7]
     assert ckpts(s, b.all_token_ids) == {12: 1}
-    assert plan(out) == [("c", 12, 38, ((24, 2), (48, 0)))]
+    assert cache(s).lookup(d.block_hashes[10]) == 3 and s.kv.pool.lookup(d.block_hashes[11]) is None
+    assert plan(out) == [("c", 12, 38, ((24, 4), (48, 2)))]
     run_to_end(s)
     assert c.output_token_ids == expected_output(c)
-    assert ckpts(s, c.prompt_token_ids) == {12: 1, 24: 2, 48: 0}
+    assert ckpts(s, c.prompt_token_ids) == {12: 1, 24: 4, 48: 2}
 
 
 def test_taps_land_in_the_right_chunk_of_a_chunked_prefill():
     s = make(budget=10)
-    P = toks(100, 40)
+    P = toks(100, 39)
     a = req("a", P)
     s.add_request(a)
-    run_to_end(s)  # tap at 36
+    run_to_end(s)  # tap at 36, finish checkpoint at 40
     b = req("b", P[:20] + toks(700, 15))  # 35 tokens; KV hit 20 with no state there
     s.add_request(b)
     outs = [step(s) for _ in range(4)]
     assert [plan(o) for o in outs] == [
         [("b", 0, 10, ())],
-        [("b", 10, 10, ((20, 1),))],  # the divergence point at the very end of a chunk
+        [("b", 10, 10, ((20, 2),))],  # the divergence point at the very end of a chunk
         [("b", 20, 10, ())],  # 20 belongs to the previous chunk, not this one
-        [("b", 30, 5, ((32, 2),))],  # floor(34 / 4) * 4 = 32, inside the last chunk
+        [("b", 30, 5, ((32, 3),))],  # floor(34 / 4) * 4 = 32, inside the last chunk
     ]
     assert [o.state_ops for o in outs] == [[(None, 0)], [], [], []]
     assert [seq_of(o, "b").sample for o in outs] == [False, False, False, True]
-    assert ckpts(s, b.prompt_token_ids) == {20: 1, 32: 2}
+    assert ckpts(s, b.prompt_token_ids) == {20: 2, 32: 3}
 
 
 def test_provisional_decode_checkpoint_replaced_every_block_and_kept_at_finish():

@@ -12,11 +12,28 @@ last token of the block whose hash keys it. Rules:
 - A checkpoint dies with its KV block: ``drop`` is called whenever the block
   pool forgets a hash.
 - Zero capacity is valid: nothing is ever checkpointed (hybrid hits disabled).
+
+Keys are block hashes (the state right after the block's last token) or
+``before_last_token(h)``: the state one token before the end of block ``h``, which
+lets an identical block-aligned prompt resume at its final token. Both die with
+block ``h``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+_BEFORE_LAST = b"#before-last"
+
+
+def before_last_token(block_hash: bytes) -> bytes:
+    """Key of the state after every token of block ``block_hash`` but its last."""
+    return block_hash + _BEFORE_LAST
+
+
+def block_of(key: bytes) -> bytes:
+    """The KV block hash a checkpoint key depends on."""
+    return key[: -len(_BEFORE_LAST)] if key.endswith(_BEFORE_LAST) else key
 
 
 class StateCache:
@@ -25,7 +42,7 @@ class StateCache:
         self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
-        self._reserved: dict[int, bytes] = {}  # slot -> hash being written this step
+        self._reserved: dict[int, bytes] = {}  # slot -> key being written (not findable yet)
         self._free_live = list(range(num_live_slots - 1, -1, -1))
         self._live: dict[str, int] = {}
 
@@ -90,13 +107,22 @@ class StateCache:
         if self._reserved.pop(slot, None) is not None:
             self._free_ckpt.append(slot)
 
-    def drop(self, block_hash: bytes) -> bool:
-        slot = self._index.pop(block_hash, None)
+    def drop_key(self, key: bytes) -> bool:
+        slot = self._index.pop(key, None)
         if slot is None:
             return False
         del self._lru[slot]
         self._free_ckpt.append(slot)
         return True
+
+    def drop(self, block_hash: bytes) -> bool:
+        """The KV block was forgotten: drop every checkpoint that depends on it."""
+        dropped = self.drop_key(block_hash)
+        return self.drop_key(before_last_token(block_hash)) or dropped
+
+    @property
+    def reserved_slots(self) -> set[int]:
+        return set(self._reserved)
 
     @property
     def live_request_ids(self) -> set[str]:
@@ -107,7 +133,7 @@ class StateCache:
         assert len(self._index) == len(self._lru)
         for block_hash, slot in self._index.items():
             assert self._lru.get(slot) == block_hash, "checkpoint LRU out of sync"
-            assert kv_lookup(block_hash) is not None, "checkpoint on a block that is no longer cached"
+            assert kv_lookup(block_of(block_hash)) is not None, "checkpoint on a block that is no longer cached"
         used = set(self._index.values()) | set(self._reserved)
         assert len(used) + len(self._free_ckpt) == self.capacity and not used & set(self._free_ckpt)
         live = set(self._live.values())
