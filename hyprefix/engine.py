@@ -85,14 +85,16 @@ class Engine:
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
                                   num_checkpoint_slots=num_ckpts)
         mib = 2**20
+        num_live = args.max_num_seqs if state_bytes else 0
+        self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * bytes_per_block,
+                             "live_states": num_live * state_bytes, "checkpoint_pool": num_ckpts * state_bytes}
         log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live Mamba states "
                  "%d x %.2f MiB = %.1f MiB | Mamba checkpoints %d x %.2f MiB = %.1f MiB",
-                 loaded.weight_bytes / mib, num_blocks, args.block_size, num_blocks * bytes_per_block / mib,
-                 args.max_num_seqs if state_bytes else 0, state_bytes / mib,
-                 (args.max_num_seqs if state_bytes else 0) * state_bytes / mib, num_ckpts, state_bytes / mib,
-                 num_ckpts * state_bytes / mib)
+                 loaded.weight_bytes / mib, num_blocks, args.block_size, self.memory_bytes["kv_pool"] / mib,
+                 num_live, state_bytes / mib, self.memory_bytes["live_states"] / mib, num_ckpts, state_bytes / mib,
+                 self.memory_bytes["checkpoint_pool"] / mib)
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self._pending_outputs: list[RequestOutput] = []

@@ -15,6 +15,7 @@ from hyprefix.bench.workloads import (
     TOKEN_HIGH,
     TOKEN_LOW,
     MultiTurnWorkload,
+    RandomWorkload,
     RlBurstWorkload,
     SharedPrefixWorkload,
 )
@@ -70,7 +71,20 @@ def test_rl_burst_shapes() -> None:
         RlBurstWorkload(temperature=0)
 
 
-@pytest.mark.parametrize("cls", [SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload])
+def test_random_workload_shapes() -> None:
+    w = RandomWorkload(num_requests=50, prompt_len=40, range_ratio=0.25, output_len=2, seed=3)
+    reqs = w.round_requests(0)
+    lens = [len(r.prompt) for r in reqs]
+    assert len(reqs) == 50 and all(30 <= n <= 50 for n in lens) and len(set(lens)) > 5
+    assert w.prompt_lens() == [lens] and w.ideal_prefill_tokens() == sum(lens)
+    assert len({r.prompt[:8] for r in reqs}) == 50 and all(r.greedy and _in_range(r.prompt) for r in reqs)
+    assert [len(r.prompt) for r in RandomWorkload(num_requests=3, prompt_len=7, range_ratio=0).round_requests(0)] \
+        == [7, 7, 7]
+    with pytest.raises(ValueError):
+        RandomWorkload(range_ratio=1.0)
+
+
+@pytest.mark.parametrize("cls", [SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload, RandomWorkload])
 def test_determinism_by_seed(cls) -> None:
     a, b, c = cls(seed=7), cls(seed=7), cls(seed=8)
     assert a.round_requests(0) == b.round_requests(0)
@@ -189,6 +203,7 @@ CASES = {
                  "--output-len", "3"],
     "multi-turn": ["--model", "demo-hybrid-tiny", "--compare-model", "demo-dense-tiny", "--conversations", "2",
                    "--turns", "3", "--system-len", "32", "--message-len", "16", "--output-len", "3"],
+    "random": ["--model", "demo-dense-tiny", "--num-requests", "4", "--prompt-len", "24", "--output-len", "3"],
 }
 
 
@@ -210,12 +225,20 @@ def test_end_to_end(workload: str, tmp_path: Path, capsys) -> None:
         assert arm["ttft_seconds"]["count"] == total
         assert 0.0 <= arm["stats"]["prefix_cache_hit_rate"] <= 1.0
         assert arm["stats"]["cache_at_start"] == {"kv_blocks_cached": 0, "mamba_checkpoints_used": 0}
+        assert arm["peak_rss_growth_gib"] is not None and arm["peak_rss_growth_gib"] >= 0
+        assert result["arm_info"][name]["memory_bytes"]["weights"] > 0
+    assert "memory: weights + pools (GiB)" in printed
     cache, nocache = result["arms"]["hyprefix"]["stats"], result["arms"]["hyprefix-nocache"]["stats"]
+    if workload == "random":  # nothing to share: both arms compute every prompt token
+        ideal = result["workload_config"]["ideal_prefill_tokens"]
+        assert cache["prefill_computed_tokens"] == nocache["prefill_computed_tokens"] == ideal
+        assert result["output_agreement"][0]["identical"] == total
+        return
     assert cache["prefill_skipped_tokens"] > 0 and cache["prefix_cache_hit_rate"] > 0
     assert nocache["prefill_skipped_tokens"] == 0 and nocache["prefix_cache_hits"] == 0
     assert cache["prefill_computed_tokens"] < nocache["prefill_computed_tokens"]
-    if workload == "rl-burst":  # the 48-token prompt is computed about once
-        assert cache["prefill_computed_tokens"] <= 48 + 3 * 16
+    if workload == "rl-burst":  # the 48-token prompt once, then only the last token per sibling
+        assert cache["prefill_computed_tokens"] == 48 + 3
     agreement = result["output_agreement"][0]
     assert agreement["arms"] == ["hyprefix", "hyprefix-nocache"] and agreement["of"] == total
     if workload != "rl-burst":  # greedy: caching on and off give the same tokens (float32)

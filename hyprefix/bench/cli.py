@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-WORKLOADS = ("throughput", "shared-prefix", "rl-burst", "multi-turn")  # random: a later issue
-PREFIX_WORKLOADS = ("shared-prefix", "rl-burst", "multi-turn")
+WORKLOADS = ("throughput", "shared-prefix", "rl-burst", "multi-turn", "random")
+PREFIX_WORKLOADS = ("shared-prefix", "rl-burst", "multi-turn", "random")
 DEFAULT_ARMS = {"throughput": ["hyprefix", "transformers"]}
 PREFIX_DEFAULT_ARMS = ["hyprefix", "hyprefix-nocache", "transformers"]
 # --model aliases: (demo arch, demo size) of hyprefix.demo.demo_model_path
@@ -28,9 +28,13 @@ WORKLOAD_FLAGS: dict[str, dict[str, str]] = {
                  "output_len": "output_len"},
     "multi-turn": {"conversations": "conversations", "turns": "turns", "system_len": "system_len",
                    "message_len": "message_len", "output_len": "output_len"},
+    "random": {"num_requests": "num_requests", "prompt_len": "prompt_len", "range_ratio": "range_ratio",
+               "output_len": "output_len"},
 }
 THROUGHPUT_ONLY_FLAGS = ("decode_prompt_len", "decode_tokens", "batch_sizes")
-PREFIX_ONLY_FLAGS = ("compare_model", "kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
+ENGINE_FLAGS = ("compare_model", "kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
+ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate")
+PREFIX_ONLY_FLAGS = (*ENGINE_FLAGS, *ONLINE_FLAGS)
 
 
 def _int_list(text: str) -> list[int]:
@@ -67,16 +71,19 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
 
     thr = bench.add_argument_group("throughput workload")
     thr.add_argument("--prompt-len", type=int, default=None,
-                     help="throughput: prefill prompt length (default 1024); rl-burst: prompt length (default 512)")
+                     help="throughput: prefill prompt length (default 1024); rl-burst: prompt length (default 512); "
+                          "random: mean prompt length (default 512)")
     thr.add_argument("--decode-prompt-len", type=int, default=None,
                      help="prompt length of decode requests (default 128)")
     thr.add_argument("--decode-tokens", type=int, default=None, help="new tokens per decode request (default 64)")
     thr.add_argument("--batch-sizes", type=_int_list, default=None,
                      help="decode batch sizes, comma-separated (default 1,16)")
 
-    pre = bench.add_argument_group("prefix-cache workloads (shared-prefix, rl-burst, multi-turn)")
+    pre = bench.add_argument_group("request workloads (shared-prefix, rl-burst, multi-turn, random)")
     pre.add_argument("--num-requests", type=int, default=None,
-                     help="shared-prefix: requests sharing a system prompt (default 8)")
+                     help="shared-prefix: requests sharing a system prompt (default 8); random: requests (default 32)")
+    pre.add_argument("--range-ratio", type=float, default=None,
+                     help="random: prompt lengths uniform in prompt-len * (1 -/+ ratio) (default 0.5)")
     pre.add_argument("--groups", type=int, default=None,
                      help="shared-prefix: distinct system prompts, each with --num-requests requests (default 4)")
     pre.add_argument("--system-len", type=int, default=None,
@@ -97,6 +104,15 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                      help="engine arms' Mamba checkpoint pool (default 1)")
     pre.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="engine arms' token budget per step (default 2048)")
+    online = bench.add_argument_group(
+        "online driver (request workloads against a running OpenAI-compatible server, instead of in-process arms)")
+    online.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
+    online.add_argument("--served-model", default=None,
+                        help="model name to request (default: the first one the server lists)")
+    online.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight (default: a whole round at once)")
+    online.add_argument("--request-rate", type=float, default=None,
+                        help="requests per second, Poisson arrivals (default: all at once)")
     pre.add_argument("--enforce-eager", action="store_true",
                      help="engine arms: no torch.compile'd kernels (quick runs on tiny models)")
     bench.set_defaults(func=func)
@@ -201,6 +217,7 @@ def _run_prefix(ns: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from hyprefix.bench.env import CpuMeter, environment, load_average, max_rss_gib, usable_cores
+    from hyprefix.bench.online import SERVER_ARM, ServerArm
     from hyprefix.bench.prefix import COMPARE_ARM, PrefixBenchConfig, load_arm, run_prefix_bench, summarise
     from hyprefix.bench.report import format_prefix, write_json
 
@@ -210,12 +227,22 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         raise ValueError(f"--workload {ns.workload} does not take "
                          + ", ".join("--" + f.replace("_", "-") for f in wrong))
     workload = build_workload(ns)
+    if ns.url:
+        wrong = [f for f in ENGINE_FLAGS if getattr(ns, f, None) is not None]
+        if wrong or ns.enforce_eager or (ns.arms and ns.arms != [SERVER_ARM]):
+            flags = [*wrong, *(["enforce_eager"] if ns.enforce_eager else []), *(["arms"] if ns.arms else [])]
+            raise ValueError("--url benchmarks the server's own configuration; it does not take "
+                             + ", ".join("--" + f.replace("_", "-") for f in flags))
+    elif ns.max_concurrency is not None or ns.request_rate is not None or ns.served_model is not None:
+        raise ValueError("--max-concurrency, --request-rate and --served-model need --url (offline arms submit "
+                         "each round at once)")
     engine_kwargs: dict[str, Any] = {k: getattr(ns, k) for k in
                                      ("kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
                                      if getattr(ns, k) is not None}
     if ns.enforce_eager:
         engine_kwargs["enforce_eager"] = True
-    cfg = PrefixBenchConfig(arms=tuple(ns.arms or PREFIX_DEFAULT_ARMS), repeats=ns.repeats, dtype=ns.dtype,
+    default_arms = [SERVER_ARM] if ns.url else PREFIX_DEFAULT_ARMS
+    cfg = PrefixBenchConfig(arms=tuple(ns.arms or default_arms), repeats=ns.repeats, dtype=ns.dtype,
                             seed=ns.seed, engine_kwargs=engine_kwargs)
     if ns.compare_model and "hyprefix" not in cfg.arms:
         raise ValueError("--compare-model compares prefix hit rates with the hyprefix arm: add it to --arms")
@@ -227,7 +254,14 @@ def _run_prefix(ns: argparse.Namespace) -> int:
     meter = CpuMeter()
     meter.start()
 
-    model, label = resolve_model(ns.model)
+    server = None
+    if ns.url:
+        server = ServerArm(ns.url, ns.served_model, max_concurrency=ns.max_concurrency,
+                           request_rate=ns.request_rate, seed=ns.seed)
+        server.needs_token_ids = workload.num_rounds > 1
+        model, label = server.model, f"{server.model} at {ns.url}"
+    else:
+        model, label = resolve_model(ns.model)
     compare = resolve_model(ns.compare_model) if ns.compare_model else None
     names = [*cfg.arms, *([COMPARE_ARM] if compare else [])]
     models = {name: (compare[1] if name == COMPARE_ARM and compare else label) for name in names}
@@ -240,6 +274,9 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         for name in names:
             progress(f"load {name}")
             path = compare[0] if name == COMPARE_ARM and compare else model
+            if server is not None:
+                arms[name] = server
+                continue
             try:
                 arms[name] = load_arm(name, path, workload, cfg)
             except Exception as exc:  # transformers may not support the architecture

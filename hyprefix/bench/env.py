@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,47 @@ class CpuMeter:
         return {"wall_seconds": round(wall, 2), "own_cpu_seconds": round(own, 2),
                 "other_cpu_seconds": None if other is None else round(other, 2),
                 "other_cores_avg": None if other is None or wall < self.min_seconds else round(other / wall, 2)}
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process now (from /proc/self/statm)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class RssPeak:
+    """Peak resident memory of this process while it runs, sampled every ``interval``
+    seconds by a background thread (every arm lives in the one process, so the growth
+    over the start is what a run itself needed: KV caches, activations)."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.start_bytes: int | None = None
+        self.peak_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while True:
+            now = rss_bytes()
+            if now is not None and (self.peak_bytes is None or now > self.peak_bytes):
+                self.peak_bytes = now
+            if self._stop.wait(self.interval):
+                return
+
+    def start(self) -> None:
+        self.start_bytes = self.peak_bytes = rss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="rss-peak", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, float | None]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        gib = 2**30
+        if self.start_bytes is None or self.peak_bytes is None:
+            return {"rss_start_gib": None, "rss_peak_gib": None}
+        return {"rss_start_gib": round(self.start_bytes / gib, 3), "rss_peak_gib": round(self.peak_bytes / gib, 3)}

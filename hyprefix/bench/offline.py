@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from hyprefix.bench.env import CpuMeter
+from hyprefix.bench.env import CpuMeter, RssPeak
 from hyprefix.bench.workloads import BenchRequest, Workload
 
 # Cumulative engine counters whose change over a run is reported.
@@ -63,10 +63,12 @@ class RequestRecord:
     tpot: float | None  # seconds per output token after the first
     cached_tokens: int | None = None  # hyprefix: RequestOutput.num_cached_tokens
     ttft_own: float | None = None  # transformers: from the start of its own generate call
+    itl: list[float] = field(default_factory=list, repr=False)  # server arm: inter-token latencies
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["output_len"] = len(d.pop("output_ids"))
+        del d["itl"]
         return d
 
 
@@ -79,6 +81,8 @@ class WorkloadRun:
     requests: list[RequestRecord]
     stats: dict[str, Any] | None = None  # counter deltas over the run, gauges at its end
     other_cores_avg: float | None = None
+    rss_start_gib: float | None = None  # this process (every in-process arm), at the start of the run
+    rss_peak_gib: float | None = None  # ... and its peak during the run
 
     @property
     def output_tokens(self) -> int:
@@ -87,7 +91,8 @@ class WorkloadRun:
     def to_dict(self, with_requests: bool = True) -> dict:
         d = {"arm": self.arm, "repeat": self.repeat, "seconds": self.seconds, "round_seconds": self.round_seconds,
              "num_requests": len(self.requests), "output_tokens": self.output_tokens, "stats": self.stats,
-             "other_cores_avg": self.other_cores_avg}
+             "other_cores_avg": self.other_cores_avg, "rss_start_gib": self.rss_start_gib,
+             "rss_peak_gib": self.rss_peak_gib}
         if with_requests:
             d["requests"] = [r.to_dict() for r in self.requests]
         return d
@@ -134,7 +139,8 @@ class EngineArm:
                 "max_num_batched_tokens": self.llm.engine.args.max_num_batched_tokens,
                 "kv_blocks_total": stats["kv_blocks_total"],
                 "mamba_checkpoints_capacity": stats["mamba_checkpoints_capacity"],
-                "mamba_checkpoint_bytes": stats["mamba_checkpoint_bytes"]}
+                "mamba_checkpoint_bytes": stats["mamba_checkpoint_bytes"],
+                "memory_bytes": dict(self.llm.engine.memory_bytes)}
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -181,7 +187,8 @@ class TransformersWorkloadArm:
         return {"engine": "transformers", "version": transformers.__version__, "model": self.model,
                 "class": type(self.hf).__name__,
                 "attn_implementation": getattr(self.hf.config, "_attn_implementation", None),
-                "dtype": str(self.hf.dtype).replace("torch.", ""), "batching": "none, one request at a time"}
+                "dtype": str(self.hf.dtype).replace("torch.", ""), "batching": "none, one request at a time",
+                "memory_bytes": {"weights": sum(p.numel() * p.element_size() for p in self.hf.parameters())}}
 
     def reset(self) -> None:  # generate keeps nothing between calls
         return None
@@ -227,8 +234,9 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
     of them when given) and record them."""
     arm.reset()
     before = arm.stats()
-    meter = CpuMeter()
+    meter, rss = CpuMeter(), RssPeak()
     meter.start()
+    rss.start()
     previous: list[BenchRequest] = []
     answers: list[list[int]] = []
     records: list[RequestRecord] = []
@@ -244,6 +252,7 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
         records.extend(results)
         previous, answers = requests, [r.output_ids for r in results]
     other = meter.stop()["other_cores_avg"]
+    memory = rss.stop()
     after = arm.stats()
     stats = None
     if before is not None and after is not None:
@@ -255,5 +264,5 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
         stats["cache_at_start"] = {"kv_blocks_cached": before.get("kv_blocks_cached"),
                                    "mamba_checkpoints_used": before.get("mamba_checkpoints_used")}
     return WorkloadRun(arm=arm.name, repeat=repeat, seconds=sum(round_seconds), round_seconds=round_seconds,
-                       requests=records, stats=stats, other_cores_avg=other)
+                       requests=records, stats=stats, other_cores_avg=other, **memory)
 

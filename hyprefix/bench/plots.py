@@ -74,7 +74,8 @@ def plot_prefix(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig.tight_layout()
     paths.append(_save(fig, out / f"{workload}-throughput.png", plt))
 
-    counted = [(a, lab) for a, lab in zip(arms, labels, strict=True) if result["arms"][a].get("stats")]
+    counted = [(a, lab) for a, lab in zip(arms, labels, strict=True)
+               if (result["arms"][a].get("stats") or {}).get("prefill_computed_tokens") is not None]
     if counted:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         computed = [result["arms"][a]["stats"]["prefill_computed_tokens"] for a, _ in counted]

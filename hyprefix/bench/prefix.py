@@ -39,12 +39,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hyprefix.bench.offline import EngineArm, TransformersWorkloadArm, WorkloadArm, WorkloadRun, run_workload
+from hyprefix.bench.online import SERVER_ARM
 from hyprefix.bench.workloads import Workload
 from hyprefix.config import EngineArgs
 
 log = logging.getLogger("hyprefix.bench")
 
-PREFIX_ARMS = ("hyprefix", "hyprefix-nocache", "transformers")
+PREFIX_ARMS = ("hyprefix", "hyprefix-nocache", "transformers", SERVER_ARM)
 COMPARE_ARM = "compare-hyprefix"
 CACHE_ARMS = ("hyprefix", COMPARE_ARM)
 DISTURBED_CORES = 0.25  # a timed run is "disturbed" when other processes used more cores meanwhile
@@ -193,7 +194,10 @@ def summarise_arm(runs: Sequence[WorkloadRun], workload: Workload) -> dict[str, 
         "ttft_seconds": distribution([rec.ttft for r in runs for rec in r.requests]),
         "tpot_seconds": distribution([rec.tpot for r in runs for rec in r.requests]),
         "e2e_seconds": distribution([rec.e2e for r in runs for rec in r.requests]),
+        "itl_seconds": distribution([x for r in runs for rec in r.requests for x in rec.itl]),
         "other_cores_avg": [r.other_cores_avg for r in runs],
+        "peak_rss_growth_gib": max((r.rss_peak_gib - r.rss_start_gib for r in runs
+                                    if r.rss_peak_gib is not None and r.rss_start_gib is not None), default=None),
     }
     own = [rec.ttft_own for r in runs for rec in r.requests if rec.ttft_own is not None]
     if own:
@@ -210,7 +214,7 @@ def summarise_arm(runs: Sequence[WorkloadRun], workload: Workload) -> dict[str, 
             r.stats is not None and all(r.stats.get(k) == stats.get(k) for k in keys) for r in runs)
         ideal = workload.ideal_prefill_tokens()
         summary["ideal_prefill_tokens"] = ideal
-        summary["computed_vs_ideal"] = ratio(stats["prefill_computed_tokens"], ideal)
+        summary["computed_vs_ideal"] = ratio(stats.get("prefill_computed_tokens"), ideal)
     return summary
 
 

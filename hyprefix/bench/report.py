@@ -123,7 +123,13 @@ def format_prefix(result: dict[str, Any]) -> str:
         return [fn(arms[n]) for n in names]
 
     def stat(key: str, fmt=_int) -> Any:
-        return lambda a: fmt(a["stats"][key]) if a.get("stats") else "-"
+        return lambda a: fmt(a["stats"][key]) if a.get("stats") and a["stats"].get(key) is not None else "-"
+
+    info = result.get("arm_info", {})
+
+    def own_memory(name: str) -> str:
+        parts = info.get(name, {}).get("memory_bytes")
+        return f"{sum(parts.values()) / 2**30:.2f}" if parts else "-"
 
     def rng(key: str, digits: int) -> Any:
         def cell(a: dict[str, Any]) -> str:
@@ -141,10 +147,16 @@ def format_prefix(result: dict[str, Any]) -> str:
         ["output tok/s", *per_arm(rng("output_tokens_per_s", 1))],
         ["TTFT p50 / p90 / p99 (s)", *per_arm(dist("ttft_seconds", ("p50", "p90", "p99"), 1.0, 3))],
         ["TPOT p50 / p90 (ms)", *per_arm(dist("tpot_seconds", ("p50", "p90"), 1000.0, 1))],
+    ]
+    if any(a.get("itl_seconds", {}).get("count") for a in arms.values()):
+        rows.append(["ITL p50 / p90 / p99 (ms)", *per_arm(dist("itl_seconds", ("p50", "p90", "p99"), 1000.0, 1))])
+    rows += [
         ["prefix hit rate", *per_arm(lambda a: _pct(a["stats"]["prefix_cache_hit_rate"]) if a.get("stats") else "-")],
         ["prefill tokens computed / skipped", *per_arm(
             lambda a: f"{_int(a['stats']['prefill_computed_tokens'])} / {_int(a['stats']['prefill_skipped_tokens'])}"
-            if a.get("stats") else "-")],
+            if a.get("stats") and a["stats"].get("prefill_computed_tokens") is not None else "-")],
+        ["memory: weights + pools (GiB)", *[own_memory(n) for n in names]],
+        ["peak memory growth in a run (GiB)", *per_arm(lambda a: _fmt(a.get("peak_rss_growth_gib"), 2))],
     ]
     ideal = result["workload_config"].get("ideal_prefill_tokens")
     if ideal:

@@ -25,6 +25,10 @@ engine actually produced for them (only ``multi-turn`` uses them).
     ``system_len``-token system prompt shared by every conversation plus a
     ``message_len``-token user message; turn ``k`` is turn ``k - 1``'s prompt, its answer
     (the engine's output tokens) and a new ``message_len``-token message; greedy.
+``random``
+    ``num_requests`` unrelated prompts in one round, lengths drawn uniformly from
+    ``prompt_len * (1 - range_ratio) .. prompt_len * (1 + range_ratio)``; greedy. Nothing
+    is shared: it shows what the cache costs when it cannot help (hit rate ~0).
 """
 
 from __future__ import annotations
@@ -259,5 +263,45 @@ class MultiTurnWorkload(Workload):
                 f"run concurrently (turn k of all submitted together)")
 
 
+@dataclass(frozen=True)
+class RandomWorkload(Workload):
+    name: ClassVar[str] = "random"
+    num_requests: int = 32
+    prompt_len: int = 512
+    range_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_requests", "prompt_len", "output_len")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range-ratio must be in [0, 1), got {self.range_ratio!r}")
+
+    def _lens(self) -> list[int]:
+        rng = self._rng("lengths")
+        low = max(1, round(self.prompt_len * (1 - self.range_ratio)))
+        high = max(low, round(self.prompt_len * (1 + self.range_ratio)))
+        return [rng.randint(low, high) for _ in range(self.num_requests)]
+
+    def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
+                       answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
+        if index != 0:
+            raise IndexError(f"{self.name} has one round, asked for round {index}")
+        rng = self._rng()
+        return [BenchRequest(_tokens(rng, n), self.output_len, group=i, tag=f"r{i}")
+                for i, n in enumerate(self._lens())]
+
+    def num_requests_total(self) -> int:
+        return self.num_requests
+
+    def prompt_lens(self) -> list[list[int]]:
+        return [self._lens()]
+
+    def ideal_prefill_tokens(self) -> int:
+        return sum(self._lens())
+
+    def describe(self) -> str:
+        return (f"{self.num_requests} unrelated prompts of {self.prompt_len} tokens +/- "
+                f"{100 * self.range_ratio:g}% (uniform), submitted together; {self.output_len} output tokens, greedy")
+
+
 WORKLOAD_CLASSES: dict[str, type[Workload]] = {
-    cls.name: cls for cls in (SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload)}
+    cls.name: cls for cls in (SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload, RandomWorkload)}

@@ -102,6 +102,7 @@ class CompletionRequest(_SamplingRequest):
         list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM extension: each choice (and stream chunk) carries its token ids
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -200,6 +201,7 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -251,9 +253,11 @@ class ModelList(BaseModel):
 
 # ----------------------------------------------------------- stream chunks
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None = None) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                     finish_reason: str | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict[str, str],

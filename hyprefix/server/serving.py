@@ -50,6 +50,7 @@ class _Call:
     engine_ids: list[str]
     prompt_texts: list[str | None]
     include_usage: bool
+    return_token_ids: bool = False
 
     def prompt_index(self, engine_id: str) -> int:
         return self.engine_ids.index(engine_id)
@@ -77,7 +78,8 @@ class OpenAIServing:
             texts = await self.engine.add(stream, engine_ids, add)
         except ValueError as exc:
             raise _bad_request(str(exc), prompt_param) from exc
-        return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage)
+        return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage,
+                     getattr(req, "return_token_ids", False))
 
     async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
         finals: dict[str, RequestOutput] = {}
@@ -122,14 +124,15 @@ class OpenAIServing:
             prefix = (call.prompt_texts[i] or "") if req.echo else ""
             for c in out.outputs:
                 choices.append(CompletionChoice(index=i * call.n + c.index, text=prefix + c.text,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                token_ids=list(c.token_ids) if req.return_token_ids else None))
         return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage)
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
 
-        def chunk(index: int, text: str, finish_reason: str | None) -> dict:
-            return completion_chunk(*args, index, text, finish_reason)
+        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
+            return completion_chunk(*args, index, text, finish_reason, token_ids)
 
         try:
             if echo:
@@ -169,7 +172,7 @@ class OpenAIServing:
     async def _stream_chat(self, call: _Call) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
 
-        def chunk(index: int, text: str, finish_reason: str | None) -> dict:
+        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
             return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason)
 
         try:
@@ -181,11 +184,12 @@ class OpenAIServing:
             call.stream.close()
 
 
-async def _stream_choices(call: _Call, chunk: Callable[[int, str, str | None], dict], object: str,
-                          ) -> AsyncIterator[str]:
+async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) -> AsyncIterator[str]:
     """SSE events: each choice's new text, one final chunk per choice with its finish
-    reason, the usage chunk when asked for, then ``[DONE]``."""
+    reason, the usage chunk when asked for, then ``[DONE]``. With ``return_token_ids``
+    every new token gets into a chunk with its id, even one whose text is held back."""
     sent: dict[int, int] = {}
+    sent_ids: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[str, RequestOutput] = {}
     try:
@@ -196,9 +200,13 @@ async def _stream_choices(call: _Call, chunk: Callable[[int, str, str | None], d
                     index = base + c.index
                     if index in done:
                         continue
-                    if len(c.text) > sent.get(index, 0):
-                        yield sse(chunk(index, c.text[sent.get(index, 0):], None))
+                    new_text = len(c.text) > sent.get(index, 0)
+                    new_ids = call.return_token_ids and len(c.token_ids) > sent_ids.get(index, 0)
+                    if new_text or new_ids:
+                        ids = list(c.token_ids[sent_ids.get(index, 0):]) if call.return_token_ids else None
+                        yield sse(chunk(index, c.text[sent.get(index, 0):], None, ids))
                         sent[index] = len(c.text)
+                        sent_ids[index] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(index)
                         yield sse(chunk(index, "", c.finish_reason))
