@@ -125,7 +125,27 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class SharedPrefixWorkload(Workload):
+class OneRoundWorkload(Workload):
+    """A workload of one round: ``requests()`` is everything."""
+
+    def requests(self) -> list[BenchRequest]:
+        raise NotImplementedError
+
+    def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
+                       answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
+        if index != 0:
+            raise IndexError(f"{self.name} has one round, asked for round {index}")
+        return self.requests()
+
+    def num_requests_total(self) -> int:
+        return len(self.requests())
+
+    def prompt_lens(self) -> list[list[int]]:
+        return [[len(r.prompt) for r in self.requests()]]
+
+
+@dataclass(frozen=True)
+class SharedPrefixWorkload(OneRoundWorkload):
     name: ClassVar[str] = "shared-prefix"
     num_requests: int = 8
     system_len: int = 1024
@@ -136,10 +156,7 @@ class SharedPrefixWorkload(Workload):
     def __post_init__(self) -> None:
         _positive(self, "num_requests", "system_len", "suffix_len", "groups", "output_len")
 
-    def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
-                       answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
-        if index != 0:
-            raise IndexError(f"{self.name} has one round, asked for round {index}")
+    def requests(self) -> list[BenchRequest]:
         rng = self._rng()
         systems = [_tokens(rng, self.system_len) for _ in range(self.groups)]
         out = []
@@ -148,12 +165,6 @@ class SharedPrefixWorkload(Workload):
                 out.append(BenchRequest(system + _tokens(rng, self.suffix_len), self.output_len, group=g,
                                         tag=f"g{g}/r{r}"))
         return out
-
-    def num_requests_total(self) -> int:
-        return self.groups * self.num_requests
-
-    def prompt_lens(self) -> list[list[int]]:
-        return [[self.system_len + self.suffix_len] * self.num_requests_total()]
 
     def ideal_prefill_tokens(self) -> int:
         return self.groups * (self.system_len + self.num_requests * self.suffix_len)
@@ -165,7 +176,7 @@ class SharedPrefixWorkload(Workload):
 
 
 @dataclass(frozen=True)
-class RlBurstWorkload(Workload):
+class RlBurstWorkload(OneRoundWorkload):
     name: ClassVar[str] = "rl-burst"
     num_prompts: int = 1
     num_samples: int = 8
@@ -181,22 +192,13 @@ class RlBurstWorkload(Workload):
     def greedy(self) -> bool:
         return False
 
-    def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
-                       answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
-        if index != 0:
-            raise IndexError(f"{self.name} has one round, asked for round {index}")
+    def requests(self) -> list[BenchRequest]:
         rng = self._rng()
         prompts = [_tokens(rng, self.prompt_len) for _ in range(self.num_prompts)]
         seeds = self._rng("sampling-seeds")
         return [BenchRequest(prompt, self.output_len, temperature=self.temperature, seed=seeds.randrange(2**31),
                              group=p, tag=f"p{p}/s{s}")
                 for p, prompt in enumerate(prompts) for s in range(self.num_samples)]
-
-    def num_requests_total(self) -> int:
-        return self.num_prompts * self.num_samples
-
-    def prompt_lens(self) -> list[list[int]]:
-        return [[self.prompt_len] * self.num_requests_total()]
 
     def ideal_prefill_tokens(self) -> int:
         return self.num_prompts * self.prompt_len
@@ -264,7 +266,7 @@ class MultiTurnWorkload(Workload):
 
 
 @dataclass(frozen=True)
-class RandomWorkload(Workload):
+class RandomWorkload(OneRoundWorkload):
     name: ClassVar[str] = "random"
     num_requests: int = 32
     prompt_len: int = 512
@@ -281,19 +283,10 @@ class RandomWorkload(Workload):
         high = max(low, round(self.prompt_len * (1 + self.range_ratio)))
         return [rng.randint(low, high) for _ in range(self.num_requests)]
 
-    def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
-                       answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
-        if index != 0:
-            raise IndexError(f"{self.name} has one round, asked for round {index}")
+    def requests(self) -> list[BenchRequest]:
         rng = self._rng()
         return [BenchRequest(_tokens(rng, n), self.output_len, group=i, tag=f"r{i}")
                 for i, n in enumerate(self._lens())]
-
-    def num_requests_total(self) -> int:
-        return self.num_requests
-
-    def prompt_lens(self) -> list[list[int]]:
-        return [self._lens()]
 
     def ideal_prefill_tokens(self) -> int:
         return sum(self._lens())
