@@ -94,10 +94,12 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
 @pytest.fixture(autouse=True)
 def cascade_on_any_sharing(monkeypatch):
     """Tiny test prompts share only a few blocks: take the cascade decode path whenever
-    decodes share any block, so every sharing test exercises it."""
+    decodes share any block, and read runs of two or more blocks in place, so the tests
+    exercise it (``test_cascade.py`` checks it against the plain gathered path)."""
     from hyprefix.runner import cascade
 
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 0)
+    monkeypatch.setattr(cascade, "MIN_SOLO_RUN_TOKENS", 2)
 
 
 @pytest.fixture(scope="session")

@@ -257,3 +257,21 @@ def test_bench_kv_pool_holds_the_whole_workload() -> None:
     assert workload_kv_blocks(w, block_size=16) == 6 * 3  # 37 tokens -> 3 blocks each
     mt = MultiTurnWorkload(conversations=1, turns=2, system_len=10, message_len=5, output_len=2)
     assert workload_kv_blocks(mt, block_size=4) == 5 + 6  # turns of 15+2 and 22+2 tokens
+
+
+def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "throughput.json"
+    assert main(["--log-level", "WARNING", "bench", "--workload", "throughput", "--model", "demo-dense-tiny",
+                 "--dtype", "float32", "--repeats", "1", "--prompt-len", "24", "--decode-prompt-len", "8",
+                 "--decode-tokens", "3", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "prefill hyprefix / transformers" in printed
+    result = json.loads(out.read_text())
+    assert result["peak"]["gflops"] > 0 and result["peak"]["dtype"] == "float32"
+    medians = result["medians_tokens_per_s"]
+    assert set(medians) == {"hyprefix", "transformers"}
+    for arm in medians.values():
+        assert set(arm) == {"prefill", "decode@1", "decode@2"} and all(v > 0 for v in arm.values())
+    names = [r["name"] for r in result["ratios"]]
+    assert "prefill hyprefix / transformers" in names and "decode hyprefix B=1 / transformers B=1" in names
+    assert result["prefill_peak"]["hyprefix"]["fraction_of_peak"] > 0

@@ -3,10 +3,16 @@ drives against the plain gathered path."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from hyprefix.runner.cascade import SharedPrefix, plan_shared_prefixes
+from hyprefix.runner.cascade import SharedPrefix
+from hyprefix.runner.cascade import plan_shared_prefixes as plan_any
+
+# the grouping alone: lone rows never become groups of their own
+plan_shared_prefixes = functools.partial(plan_any, min_solo_run_tokens=10**9)
 
 
 def test_groups_rows_by_shared_leading_blocks():
@@ -29,12 +35,40 @@ def test_shared_blocks_stop_before_the_current_token():
     assert groups == [] and shared == [0, 0]
 
 
+def test_rows_split_like_a_trie_when_subsets_share_more():
+    # A common first block (a chat-template header), then two system prompts of 3 blocks.
+    head, sys_a, sys_b = [1], [10, 11, 12], [20, 21, 22]
+    tables = [[*head, *sys_a, 30 + i] for i in range(3)] + [[*head, *sys_b, 40 + i] for i in range(3)]
+    groups, shared = plan_shared_prefixes(tables, [80] * 6, block_size=16, min_saved_tokens=0)
+    assert groups == [SharedPrefix(rows=[0, 1, 2], blocks=[1, 10, 11, 12]),
+                      SharedPrefix(rows=[3, 4, 5], blocks=[1, 20, 21, 22])]
+    assert shared == [4] * 6
+
+
+def test_a_short_row_does_not_cut_the_prefix_of_the_others():
+    tables = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8], [1, 2, 3, 4, 7], [1, 6]]
+    lens = [80, 80, 80, 20]  # row 3 may share one block only
+    groups, shared = plan_shared_prefixes(tables, lens, block_size=16, min_saved_tokens=0)
+    assert groups == [SharedPrefix(rows=[0, 1, 2], blocks=[1, 2, 3, 4])]  # saves 2 x 4 blocks, not 3 x 1
+    assert shared == [4, 4, 4, 0]
+
+
 def test_small_savings_and_lone_rows_are_not_grouped():
     tables = [[1, 2, 3], [1, 2, 4], [7, 8, 9]]
     lens = [40, 40, 40]
     assert plan_shared_prefixes(tables, lens, 16, min_saved_tokens=33)[0] == []
     groups, _ = plan_shared_prefixes(tables, lens, 16, min_saved_tokens=32)
     assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2])]
+
+
+def test_a_lone_row_reads_its_leading_run_of_consecutive_blocks_in_place():
+    tables = [[7, 8, 9, 3, 4], [20, 21, 22, 23, 24], [5, 1, 2]]
+    lens = [80, 70, 40]
+    groups, shared = plan_any(tables, lens, block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
+    # row 0: run 7, 8, 9 (48 tokens); row 1: 4 blocks before its current token's block; row 2: run of 1
+    assert groups == [SharedPrefix(rows=[0], blocks=[7, 8, 9]), SharedPrefix(rows=[1], blocks=[20, 21, 22, 23])]
+    assert shared == [3, 4, 0]
+    assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [0, 0, 0]
 
 
 def test_contiguous_blocks_are_detected():
@@ -56,14 +90,15 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     k_cache = torch.randn(num_blocks, bs, kvh, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kvh, dim, generator=gen).to(dtype)
     shared_a = [10, 11, 12] if contiguous else [30, 3, 17]
-    tables = [[*shared_a, 40, 41], [*shared_a, 42], [20, 21, 43, 44, 45], [20, 21, 46], [50, 51]]
-    lens = [19, 15, 18, 10, 6]
+    # rows 0-1 and 2-3 share prefixes; row 4 is alone with a run of 3 consecutive blocks
+    tables = [[*shared_a, 40, 41], [*shared_a, 42], [20, 21, 43, 44, 45], [20, 21, 46], [50, 51, 52, 53]]
+    lens = [19, 15, 18, 10, 14]
     seqs = [ScheduledSeq(request_id=str(i), token_ids=[1], start_pos=n - 1, block_table=t, sample=True,
                          params=SamplingParams())
             for i, (t, n) in enumerate(zip(tables, lens, strict=True))]
     batch = build_batch(seqs, bs, torch.device("cpu"), Kernels(compile_enabled=False))
     plan = batch.decode_cascade
-    assert plan is not None and len(plan.groups) == 2
+    assert plan is not None and len(plan.groups) == 3 and plan.groups[2].first_block == 50
     assert (plan.groups[0].first_block is not None) == contiguous
     q = torch.randn(len(seqs), heads, dim, generator=gen).to(dtype)
     k = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)
@@ -72,3 +107,21 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     batch.decode_cascade = None
     ref = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), batch, dim**-0.5, None)
     assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_math_attention_with_lse_matches_the_fused_cpu_kernel(dtype, tol):
+    """The device-agnostic fallback used off CPU, against torch's CPU flash kernel."""
+    from hyprefix.models.attention import attention_with_lse, math_attention_with_lse
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 2, 4, 16, generator=gen).to(dtype)
+    k = torch.randn(3, 2, 40, 16, generator=gen).to(dtype)
+    v = torch.randn(3, 2, 40, 16, generator=gen).to(dtype)
+    mask = torch.zeros(3, 1, 1, 40, dtype=dtype)
+    mask[0, ..., 30:] = float("-inf")
+    out, lse = attention_with_lse(q, k, v, mask, 0.25)
+    ref_out, ref_lse = math_attention_with_lse(q, k, v, mask, 0.25)
+    assert ref_out.dtype == torch.float32 and lse.dtype == ref_lse.dtype == torch.float32
+    assert (out.float() - ref_out).abs().max().item() < tol
+    assert (lse - ref_lse).abs().max().item() < 1e-4

@@ -236,6 +236,8 @@ def _run_prefix(ns: argparse.Namespace) -> int:
     elif ns.max_concurrency is not None or ns.request_rate is not None or ns.served_model is not None:
         raise ValueError("--max-concurrency, --request-rate and --served-model need --url (offline arms submit "
                          "each round at once)")
+    elif ns.arms and SERVER_ARM in ns.arms:
+        raise ValueError(f"the {SERVER_ARM} arm needs --url")
     engine_kwargs: dict[str, Any] = {k: getattr(ns, k) for k in
                                      ("kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens")
                                      if getattr(ns, k) is not None}
@@ -291,6 +293,9 @@ def _run_prefix(ns: argparse.Namespace) -> int:
 
     env["load_average_at_end"] = load_average()
     env["max_rss_gib"] = max_rss_gib()  # the whole process: every arm's weights and caches
+    arm_info = {name: arm.info() for name, arm in arms.items()}
+    if server is not None:
+        server.close()
     summary = summarise(runs, workload, models, skipped)
     result = {
         "model": model,
@@ -300,7 +305,7 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         "environment": env,
         "config": {"arms": list(cfg.arms), "repeats": cfg.repeats, "seed": cfg.seed, "engine_kwargs": engine_kwargs,
                    "cache_between_repeats": "one engine per arm, reset_prefix_cache() before every timed run"},
-        "arm_info": {name: arm.info() for name, arm in arms.items()},
+        "arm_info": arm_info,
         "cpu_contention": meter.stop(),
         **summary,
     }

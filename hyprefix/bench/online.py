@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hyprefix.bench.offline import COUNTERS, GAUGES, RequestRecord, _tpot
 from hyprefix.bench.workloads import BenchRequest
+
+log = logging.getLogger("hyprefix.bench")
 
 SERVER_ARM = "server"
 UNKNOWN_TOKEN = -1
@@ -58,6 +61,7 @@ class ServerArm:
         self.url = url.rstrip("/")
         self.max_concurrency, self.request_rate = max_concurrency, request_rate
         self.timeout = timeout
+        self.seed = seed
         self._arrivals = random.Random(f"poisson/{seed}")
         self._client = httpx.Client(base_url=self.url, timeout=timeout)
         try:
@@ -74,6 +78,9 @@ class ServerArm:
         self.cache_reset = True
         self.needs_token_ids = False  # set for workloads whose next round appends the answers
 
+    def close(self) -> None:
+        self._client.close()
+
     def info(self) -> dict:
         version = None
         try:
@@ -87,12 +94,18 @@ class ServerArm:
                 "cache_reset": self.cache_reset}
 
     def reset(self) -> None:
+        """Before every run: the same Poisson arrivals, and an empty cache when the server
+        can reset it (a warning once when it cannot: repeats then start warm)."""
+        self._arrivals = random.Random(f"poisson/{self.seed}")
         if not self.cache_reset:
             return
         try:
             self.cache_reset = self._client.post("/reset_prefix_cache").status_code < 400
         except httpx.HTTPError:
             self.cache_reset = False
+        if not self.cache_reset:
+            log.warning("%s has no POST /reset_prefix_cache: every run after the first starts with a warm cache",
+                        self.url)
 
     def stats(self) -> dict[str, Any] | None:
         try:
@@ -124,7 +137,13 @@ class ServerArm:
                 async with limit:
                     return await self._send(client, req)
 
-            return list(await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True))))
+            results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)),
+                                           return_exceptions=True)
+        failed = [(r.tag, x) for r, x in zip(requests, results, strict=True) if isinstance(x, BaseException)]
+        if failed:  # a run with failed requests measures something else: stop, after every stream ended
+            tag, first = failed[0]
+            raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed, e.g. {tag}: {first}") from first
+        return [r for r in results if isinstance(r, RequestRecord)]
 
     async def _send(self, client: httpx.AsyncClient, req: BenchRequest) -> RequestRecord:
         body: dict[str, Any] = {
@@ -148,8 +167,8 @@ class ServerArm:
                 if payload == "[DONE]":
                     break
                 event = json.loads(payload)
-                if "error" in event:
-                    raise RuntimeError(f"{self.url} streamed an error: {event['error']}")
+                if "error" in event or event.get("object") == "error":
+                    raise RuntimeError(f"{self.url} streamed an error: {event.get('error', event)}")
                 if event.get("usage"):
                     usage = event["usage"]
                 for choice in event.get("choices", []):
@@ -164,6 +183,9 @@ class ServerArm:
             raise RuntimeError(f"{self.url} does not return token ids (return_token_ids), which this workload "
                                "needs to build its next round")
         n_out = len(ids) or int(usage.get("completion_tokens") or sum(n for _, n in stamps))
+        if n_out != req.max_tokens:
+            raise RuntimeError(f"{self.url} returned {n_out} tokens for {req.tag}, not the {req.max_tokens} asked "
+                               "for (does it honour ignore_eos?)")
         first = stamps[0][0] if stamps else None
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return RequestRecord(tag=req.tag, round=-1, prompt_len=len(req.prompt),

@@ -45,7 +45,8 @@ from hyprefix.config import EngineArgs
 
 log = logging.getLogger("hyprefix.bench")
 
-PREFIX_ARMS = ("hyprefix", "hyprefix-nocache", "transformers", SERVER_ARM)
+OFFLINE_ARMS = ("hyprefix", "hyprefix-nocache", "transformers")
+PREFIX_ARMS = (*OFFLINE_ARMS, SERVER_ARM)  # the server arm only with --url
 COMPARE_ARM = "compare-hyprefix"
 CACHE_ARMS = ("hyprefix", COMPARE_ARM)
 DISTURBED_CORES = 0.25  # a timed run is "disturbed" when other processes used more cores meanwhile
@@ -64,7 +65,7 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class PrefixBenchConfig:
-    arms: tuple[str, ...] = PREFIX_ARMS
+    arms: tuple[str, ...] = OFFLINE_ARMS
     repeats: int = 3
     dtype: str = "bfloat16"
     seed: int = 0

@@ -84,7 +84,9 @@ class StatePolicy:
             self.states.touch(restore)
         last = (n - 1) // bs * bs
         divergence = min(kv_hit_blocks * bs, last)
-        before_last = n - 1 if n % bs == 0 else 0
+        # Only a fresh prompt: after a preemption n includes output tokens, and only an
+        # identical prompt + output could reuse that state.
+        before_last = n - 1 if n % bs == 0 and not request.output_token_ids else 0
         taps = sorted({p for p in (divergence, last, before_last) if p > hit_tokens})
         self._plans[request.request_id] = _Plan(taps=taps)
         return restore, live

@@ -85,18 +85,25 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """Softmax attention [B, H, Lq, D] and its float32 log-sum-exp [B, H, Lq].
 
     ``mask`` is additive, in ``q``'s dtype. CPU uses torch's fused flash kernel, which
-    returns the log-sum-exp; other devices take the plain math path.
+    returns the log-sum-exp (its output is in ``q``'s dtype); other devices take a plain
+    math path whose output stays float32 for the merge. (On CUDA a fused kernel that
+    returns the log-sum-exp would be the faster choice; not measured here.)
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale)
         return out, lse
+    return math_attention_with_lse(q, k, v, mask, scale)
+
+
+def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -127,4 +134,4 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     top = torch.maximum(pl, tl)
     wp, wt = torch.exp(pl - top)[..., None], torch.exp(tl - top)[..., None]
     merged = (po.float() * wp + to.float() * wt) / (wp + wt)
-    return out.index_copy(0, rows, merged.to(out.dtype))
+    return out.to(qd.dtype).index_copy(0, rows, merged.to(qd.dtype))
