@@ -71,9 +71,17 @@ def test_a_lone_row_reads_its_leading_run_of_consecutive_blocks_in_place():
     assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [0, 0, 0]
 
 
-def test_contiguous_blocks_are_detected():
+def test_contiguous_blocks_are_detected_in_any_order():
     assert SharedPrefix(rows=[0, 1], blocks=[4, 5, 6]).contiguous
+    assert SharedPrefix(rows=[0, 1], blocks=[6, 4, 5]).contiguous
     assert not SharedPrefix(rows=[0, 1], blocks=[4, 6]).contiguous
+
+
+def test_a_lone_row_in_descending_blocks_is_read_in_place():
+    tables = [[12, 11, 10, 9, 3, 2], [5, 6, 4, 20, 7]]
+    groups, shared = plan_any(tables, [96, 80], block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
+    assert groups == [SharedPrefix(rows=[0], blocks=[12, 11, 10, 9]), SharedPrefix(rows=[1], blocks=[5, 6, 4])]
+    assert shared == [4, 3]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -89,9 +97,9 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     bs, kvh, heads, dim, num_blocks = 4, 2, 6, 8, 64
     k_cache = torch.randn(num_blocks, bs, kvh, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kvh, dim, generator=gen).to(dtype)
-    shared_a = [10, 11, 12] if contiguous else [30, 3, 17]
+    shared_a = [11, 12, 10] if contiguous else [30, 3, 17]
     # rows 0-1 and 2-3 share prefixes; row 4 is alone with a run of 3 consecutive blocks
-    tables = [[*shared_a, 40, 41], [*shared_a, 42], [20, 21, 43, 44, 45], [20, 21, 46], [50, 51, 52, 53]]
+    tables = [[*shared_a, 40, 41], [*shared_a, 42], [20, 21, 43, 44, 45], [20, 21, 46], [52, 51, 50, 53]]
     lens = [19, 15, 18, 10, 14]
     seqs = [ScheduledSeq(request_id=str(i), token_ids=[1], start_pos=n - 1, block_table=t, sample=True,
                          params=SamplingParams())

@@ -38,7 +38,7 @@ class PrefillSpan:
 class SharedPrefixGroup:
     rows: torch.Tensor  # long [m]: decode rows sharing the prefix
     blocks: torch.Tensor  # long [c]: the shared block ids
-    first_block: int | None  # set when the blocks are consecutive ids (read as a view)
+    first_block: int | None  # set when the block ids form one range (read as a view from here)
 
 
 @dataclass
@@ -170,7 +170,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         if groups:
             decode_cascade = DecodeCascade(
                 groups=[SharedPrefixGroup(rows=as_long(g.rows), blocks=as_long(g.blocks),
-                                          first_block=g.blocks[0] if g.contiguous else None)
+                                          first_block=min(g.blocks) if g.contiguous else None)
                         for g in groups],
                 grouped_rows=as_long([r for g in groups for r in g.rows]),
                 tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, shared, strict=True)])),

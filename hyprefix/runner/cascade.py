@@ -16,8 +16,8 @@ from dataclasses import dataclass
 # A group is worth its extra attention call when it saves reading at least this
 # many K/V token rows (group size - 1 times the shared length).
 MIN_SAVED_TOKENS = 256
-# A row in no group still reads its leading run of consecutive block ids as a view
-# (no copy into the padded batch) when the run holds at least this many tokens.
+# A row in no group still reads the head of its table as a view (no copy into the
+# padded batch) when those block ids form one range of at least this many tokens.
 MIN_SOLO_RUN_TOKENS = 256
 
 
@@ -28,8 +28,11 @@ class SharedPrefix:
 
     @property
     def contiguous(self) -> bool:
-        """True when the blocks are consecutive ids: the cache slice is a view, no gather."""
-        return self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
+        """True when the block ids form one range, in any order: the cache slice from the
+        smallest id is then a view, no gather. (Every key of a shared prefix is visible to
+        every query, and attention does not depend on the order of its keys: positions
+        are already rotated into them.)"""
+        return max(self.blocks) - min(self.blocks) + 1 == len(self.blocks)
 
 
 def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block_size: int,
@@ -45,8 +48,8 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     always ends before the row's current token (whose K/V lives in a block of its
     own), so every row keeps a non-empty tail.
 
-    A row left out of every group becomes a group of its own when its leading run
-    of consecutive block ids is long: that run is read in place instead of being
+    A row left out of every group becomes a group of its own when the head of its
+    table is a long range of block ids (in any order): it is read in place instead of being
     copied into the padded batch of tails (a long private context is the common case
     without sharing, and the copy dominated decode attention there).
     """
@@ -88,8 +91,13 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     solo_min = MIN_SOLO_RUN_TOKENS if min_solo_run_tokens is None else min_solo_run_tokens
     for row, table in enumerate(tables):
         if shared[row] == 0 and limits[row] * block_size >= solo_min:
-            run = 1
-            while run < limits[row] and table[run] == table[0] + run:
+            # the longest head of the table whose ids form one range (freed blocks come
+            # back tail first, so a reused run is often in descending order)
+            run, low, high = 1, table[0], table[0]
+            while run < limits[row]:
+                low, high = min(low, table[run]), max(high, table[run])
+                if high - low != run:
+                    break
                 run += 1
             if run * block_size >= solo_min:
                 groups.append(SharedPrefix(rows=[row], blocks=table[:run]))
