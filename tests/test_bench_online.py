@@ -84,6 +84,7 @@ def test_multi_turn_against_the_server(server, tmp_path: Path, capsys, extra):
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "ITL p50" in printed and "prefix hit rate" in printed
+    assert "online driver: CPU use of other processes is not reported" in printed and "warning:" not in printed
     result = json.loads(out.read_text())
     assert result["arm_order"] == ["server"]
     info = result["arm_info"]["server"]
@@ -91,6 +92,7 @@ def test_multi_turn_against_the_server(server, tmp_path: Path, capsys, extra):
     arm = result["arms"]["server"]
     assert arm["requests"] == 6 and arm["output_tokens"] == 6 * 4
     assert arm["ttft_seconds"]["count"] == 6 and arm["itl_seconds"]["count"] == 6 * 3
+    assert arm["peak_rss_growth_gib"] is None  # the server's memory is not this process's
     stats = arm["stats"]
     # turns 2 and 3 extend turn 1 (system prompt + message + answer): they hit on the server
     assert stats["prefix_cache_queries"] == sum(sum(r) for r in [[48, 48], [68, 68], [88, 88]])

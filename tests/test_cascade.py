@@ -61,27 +61,24 @@ def test_small_savings_and_lone_rows_are_not_grouped():
     assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2])]
 
 
-def test_a_lone_row_reads_its_leading_run_of_consecutive_blocks_in_place():
-    tables = [[7, 8, 9, 3, 4], [20, 21, 22, 23, 24], [5, 1, 2]]
-    lens = [80, 70, 40]
-    groups, shared = plan_any(tables, lens, block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
-    # row 0: run 7, 8, 9 (48 tokens); row 1: 4 blocks before its current token's block; row 2: run of 1
-    assert groups == [SharedPrefix(rows=[0], blocks=[7, 8, 9]), SharedPrefix(rows=[1], blocks=[20, 21, 22, 23])]
-    assert shared == [3, 4, 0]
-    assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [0, 0, 0]
+def test_long_private_parts_become_segments_of_their_own():
+    # rows 0 and 1 share blocks 1-2; row 0 then has 3 private blocks before its current
+    # token's block, row 1 only one; row 2 shares nothing and has 4 private blocks
+    # (one range of ids, in any order).
+    tables = [[1, 2, 7, 8, 9, 3], [1, 2, 5, 6], [20, 22, 21, 23, 4]]
+    lens = [90, 60, 70]
+    groups, covered = plan_any(tables, lens, block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
+    assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2]), SharedPrefix(rows=[0], blocks=[7, 8, 9]),
+                      SharedPrefix(rows=[2], blocks=[20, 22, 21, 23])]
+    assert covered == [5, 2, 4]  # row 1's one private block stays in the padded tail
+    assert groups[2].contiguous and groups[1].contiguous
+    assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [2, 2, 0]
 
 
 def test_contiguous_blocks_are_detected_in_any_order():
     assert SharedPrefix(rows=[0, 1], blocks=[4, 5, 6]).contiguous
     assert SharedPrefix(rows=[0, 1], blocks=[6, 4, 5]).contiguous
     assert not SharedPrefix(rows=[0, 1], blocks=[4, 6]).contiguous
-
-
-def test_a_lone_row_in_descending_blocks_is_read_in_place():
-    tables = [[12, 11, 10, 9, 3, 2], [5, 6, 4, 20, 7]]
-    groups, shared = plan_any(tables, [96, 80], block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
-    assert groups == [SharedPrefix(rows=[0], blocks=[12, 11, 10, 9]), SharedPrefix(rows=[1], blocks=[5, 6, 4])]
-    assert shared == [4, 3]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -106,7 +103,13 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
             for i, (t, n) in enumerate(zip(tables, lens, strict=True))]
     batch = build_batch(seqs, bs, torch.device("cpu"), Kernels(compile_enabled=False))
     plan = batch.decode_cascade
-    assert plan is not None and len(plan.groups) == 3 and plan.groups[2].first_block == 50
+    assert plan is not None
+    shared = [g for g in plan.groups if g.rows.numel() > 1]
+    assert [g.rows.tolist() for g in shared] == [[0, 1], [2, 3]]
+    assert (shared[0].first_block is not None) == contiguous
+    # row 4's private blocks 52, 51, 50 are one range: read in place from block 50
+    assert any(g.rows.tolist() == [4] and g.first_block == 50 for g in plan.groups)
+    assert sum(0 in g.rows.tolist() for g in plan.groups) == 2  # row 0: its group's segment and its own
     assert (plan.groups[0].first_block is not None) == contiguous
     q = torch.randn(len(seqs), heads, dim, generator=gen).to(dtype)
     k = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)

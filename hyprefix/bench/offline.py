@@ -253,6 +253,8 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
         previous, answers = requests, [r.output_ids for r in results]
     other = meter.stop()["other_cores_avg"]
     memory = rss.stop()
+    if not getattr(arm, "in_process", True):  # a server elsewhere: this process's memory says nothing
+        memory = {"rss_start_gib": None, "rss_peak_gib": None}
     after = arm.stats()
     stats = None
     if before is not None and after is not None:

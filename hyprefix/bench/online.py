@@ -51,6 +51,7 @@ UNKNOWN_TOKEN = -1
 
 class ServerArm:
     name = SERVER_ARM
+    in_process = False  # memory and CPU of the server are not this process's
 
     def __init__(self, url: str, model: str | None = None, *, max_concurrency: int | None = None,
                  request_rate: float | None = None, seed: int = 0, timeout: float = 3600.0) -> None:

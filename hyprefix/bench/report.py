@@ -71,6 +71,9 @@ def format_throughput(result: dict[str, Any]) -> str:
 
 
 def _contention_lines(result: dict[str, Any], env: dict[str, Any], who: str) -> list[str]:
+    if "server" in result.get("arm_info", {}):
+        # The online driver: a server on this machine is one of the "other processes".
+        return ["(online driver: CPU use of other processes is not reported, the server is one of them)"]
     out = []
     cpu = result.get("cpu_contention")
     if cpu and cpu.get("other_cores_avg") is not None:

@@ -108,12 +108,13 @@ def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     plan: DecodeCascade, scale: float) -> torch.Tensor:
-    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: shared prefixes once per group, tails per row."""
+    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: the padded tails of every row, then each
+    segment (a shared prefix, or a row's private blocks) in one call for its rows,
+    merged into the running result through the log-sum-exp."""
     kvh, group, dim = qd.shape[1], qd.shape[2], qd.shape[3]
     kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
-    out, tail_lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
-    prefix_out: list[torch.Tensor] = []
-    prefix_lse: list[torch.Tensor] = []
+    out, lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
+    out = out.float()
     for g in plan.groups:
         m = g.rows.shape[0]
         if g.first_block is not None:
@@ -123,15 +124,14 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             kp, vp = k_cache.index_select(0, g.blocks), v_cache.index_select(0, g.blocks)
         kp = kp.view(1, -1, kvh, dim).transpose(1, 2)
         vp = vp.view(1, -1, kvh, dim).transpose(1, 2)
-        # Every query of the group against the one prefix: [1, KVH, m * G, Dh].
+        # Every query of the segment's rows against its one K/V: [1, KVH, m * G, Dh].
         qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, kvh, m * group, dim)
-        o, lse = attention_with_lse(qg, kp, vp, None, scale)
-        prefix_out.append(o.view(kvh, m, group, dim).permute(1, 0, 2, 3))
-        prefix_lse.append(lse.view(kvh, m, group).permute(1, 0, 2))
-    rows = plan.grouped_rows
-    po, pl = torch.cat(prefix_out), torch.cat(prefix_lse)
-    to, tl = out.index_select(0, rows), tail_lse.index_select(0, rows)
-    top = torch.maximum(pl, tl)
-    wp, wt = torch.exp(pl - top)[..., None], torch.exp(tl - top)[..., None]
-    merged = (po.float() * wp + to.float() * wt) / (wp + wt)
-    return out.to(qd.dtype).index_copy(0, rows, merged.to(qd.dtype))
+        o, seg_lse = attention_with_lse(qg, kp, vp, None, scale)
+        o = o.view(kvh, m, group, dim).permute(1, 0, 2, 3).float()
+        seg_lse = seg_lse.view(kvh, m, group).permute(1, 0, 2)
+        acc, acc_lse = out.index_select(0, g.rows), lse.index_select(0, g.rows)
+        total = torch.logaddexp(acc_lse, seg_lse)
+        merged = acc * torch.exp(acc_lse - total)[..., None] + o * torch.exp(seg_lse - total)[..., None]
+        out.index_copy_(0, g.rows, merged)
+        lse = lse.index_copy(0, g.rows, total)
+    return out.to(qd.dtype)

@@ -43,11 +43,10 @@ class SharedPrefixGroup:
 
 @dataclass
 class DecodeCascade:
-    """Decode attention split into shared prefixes (read once per group) and
-    per-row tails (see ``cascade.py``)."""
+    """Decode attention split into segments (shared prefixes read once per group,
+    long private parts read per row) and per-row padded tails (see ``cascade.py``)."""
 
     groups: list[SharedPrefixGroup]
-    grouped_rows: torch.Tensor  # long: the groups' rows, concatenated in group order
     tail_tables: torch.Tensor  # long [D, max_tail_blocks], padded with 0
     tail_start: torch.Tensor  # long [D]: position of each row's first tail token
     context_lens: torch.Tensor  # long [D]
@@ -172,7 +171,6 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
                 groups=[SharedPrefixGroup(rows=as_long(g.rows), blocks=as_long(g.blocks),
                                           first_block=min(g.blocks) if g.contiguous else None)
                         for g in groups],
-                grouped_rows=as_long([r for g in groups for r in g.rows]),
                 tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, shared, strict=True)])),
                 tail_start=as_long([n * block_size for n in shared]),
                 context_lens=decode_lens,

@@ -1,12 +1,14 @@
-"""Which decode sequences share physical KV blocks (no torch).
+"""How decode attention reads each sequence's blocks (no torch).
 
 Sequences that hit the same cached prefix hold the very same block ids at the
 start of their block tables. Decode attention then reads that prefix once for
-the whole group (all their queries stacked against one K/V) and each sequence's
-private tail separately; the two partial results merge exactly through their
-log-sum-exp ("cascade" attention). Reading the shared prefix once instead of
-once per sequence is what makes decode over a shared system prompt or N samples
-of one prompt cheap: decode attention is memory-bound.
+the whole group (all their queries stacked against one K/V), each sequence's
+long private part in place, and the short rest (the current token's block and a
+few more) in one padded batch; the partial results merge exactly through their
+log-sum-exp ("cascade" attention). Reading a shared prefix once instead of once
+per sequence is what makes decode over a shared system prompt or N samples of
+one prompt cheap, and reading private parts without copying them into a padded
+batch is what keeps long contexts cheap: decode attention is memory-bound.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ from dataclasses import dataclass
 # A group is worth its extra attention call when it saves reading at least this
 # many K/V token rows (group size - 1 times the shared length).
 MIN_SAVED_TOKENS = 256
-# A row in no group still reads the head of its table as a view (no copy into the
-# padded batch) when those block ids form one range of at least this many tokens.
+# A row's private blocks (after its shared prefix, before its current token's block)
+# get an attention call of their own, instead of a place in the padded batch, when
+# they hold at least this many tokens.
 MIN_SOLO_RUN_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    rows: list[int]  # decode rows (in batch order) that share the prefix
-    blocks: list[int]  # the shared physical block ids, in order
+    """Blocks read in one attention call by every row listed: a shared prefix (several
+    rows) or a row's private part (one row)."""
+
+    rows: list[int]  # decode rows (in batch order)
+    blocks: list[int]  # physical block ids
 
     @property
     def contiguous(self) -> bool:
@@ -48,10 +54,12 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     always ends before the row's current token (whose K/V lives in a block of its
     own), so every row keeps a non-empty tail.
 
-    A row left out of every group becomes a group of its own when the head of its
-    table is a long range of block ids (in any order): it is read in place instead of being
-    copied into the padded batch of tails (a long private context is the common case
-    without sharing, and the copy dominated decode attention there).
+    Then every row whose private blocks (after its group's prefix, up to its current
+    token's block) hold at least ``MIN_SOLO_RUN_TOKENS`` gets them as a segment of its
+    own: read in place when the ids form one range, else gathered without padding.
+    The second list is, per row, how many leading blocks the segments cover; the rest
+    (at most ``MIN_SOLO_RUN_TOKENS`` tokens plus the current block) goes to the padded
+    tail batch. A row may be in two segments: its group's and its own.
     """
     min_saved = MIN_SAVED_TOKENS if min_saved_tokens is None else min_saved_tokens
     limits = [(n - 1) // block_size for n in context_lens]  # blocks a row may share
@@ -90,16 +98,7 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
             shared[r] = len(g.blocks)
     solo_min = MIN_SOLO_RUN_TOKENS if min_solo_run_tokens is None else min_solo_run_tokens
     for row, table in enumerate(tables):
-        if shared[row] == 0 and limits[row] * block_size >= solo_min:
-            # the longest head of the table whose ids form one range (freed blocks come
-            # back tail first, so a reused run is often in descending order)
-            run, low, high = 1, table[0], table[0]
-            while run < limits[row]:
-                low, high = min(low, table[run]), max(high, table[run])
-                if high - low != run:
-                    break
-                run += 1
-            if run * block_size >= solo_min:
-                groups.append(SharedPrefix(rows=[row], blocks=table[:run]))
-                shared[row] = run
+        if (limits[row] - shared[row]) * block_size >= solo_min:
+            groups.append(SharedPrefix(rows=[row], blocks=table[shared[row]:limits[row]]))
+            shared[row] = limits[row]
     return groups, shared
