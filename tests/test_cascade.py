@@ -8,18 +8,18 @@ import functools
 import pytest
 import torch
 
-from hyprefix.runner.cascade import SharedPrefix
-from hyprefix.runner.cascade import plan_shared_prefixes as plan_any
+from hyprefix.runner.cascade import Segment
+from hyprefix.runner.cascade import plan_segments as plan_any
 
 # the grouping alone: lone rows never become groups of their own
-plan_shared_prefixes = functools.partial(plan_any, min_solo_run_tokens=10**9)
+plan_segments = functools.partial(plan_any, min_solo_run_tokens=10**9)
 
 
 def test_groups_rows_by_shared_leading_blocks():
     tables = [[5, 6, 7, 20], [5, 6, 7, 21], [9, 1], [5, 6, 8, 22], [9, 2]]
     lens = [60, 58, 20, 50, 30]
-    groups, shared = plan_shared_prefixes(tables, lens, block_size=16, min_saved_tokens=0)
-    assert groups == [SharedPrefix(rows=[0, 1, 3], blocks=[5, 6]), SharedPrefix(rows=[2, 4], blocks=[9])]
+    groups, shared = plan_segments(tables, lens, block_size=16, min_saved_tokens=0)
+    assert groups == [Segment(rows=[0, 1, 3], blocks=[5, 6]), Segment(rows=[2, 4], blocks=[9])]
     assert shared == [2, 2, 1, 2, 1]
 
 
@@ -27,11 +27,11 @@ def test_shared_blocks_stop_before_the_current_token():
     # Both rows hold block 3 as their last block; row 1's current token (position 32) is
     # in block 2, so only blocks 0-1 may be shared.
     tables = [[1, 2, 3], [1, 2, 3]]
-    groups, shared = plan_shared_prefixes(tables, [48, 33], block_size=16, min_saved_tokens=0)
-    assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2])]
+    groups, shared = plan_segments(tables, [48, 33], block_size=16, min_saved_tokens=0)
+    assert groups == [Segment(rows=[0, 1], blocks=[1, 2])]
     assert shared == [2, 2]
     # A row still inside its first block shares nothing.
-    groups, shared = plan_shared_prefixes([[1, 2], [1]], [20, 10], block_size=16, min_saved_tokens=0)
+    groups, shared = plan_segments([[1, 2], [1]], [20, 10], block_size=16, min_saved_tokens=0)
     assert groups == [] and shared == [0, 0]
 
 
@@ -39,26 +39,26 @@ def test_rows_split_like_a_trie_when_subsets_share_more():
     # A common first block (a chat-template header), then two system prompts of 3 blocks.
     head, sys_a, sys_b = [1], [10, 11, 12], [20, 21, 22]
     tables = [[*head, *sys_a, 30 + i] for i in range(3)] + [[*head, *sys_b, 40 + i] for i in range(3)]
-    groups, shared = plan_shared_prefixes(tables, [80] * 6, block_size=16, min_saved_tokens=0)
-    assert groups == [SharedPrefix(rows=[0, 1, 2], blocks=[1, 10, 11, 12]),
-                      SharedPrefix(rows=[3, 4, 5], blocks=[1, 20, 21, 22])]
+    groups, shared = plan_segments(tables, [80] * 6, block_size=16, min_saved_tokens=0)
+    assert groups == [Segment(rows=[0, 1, 2], blocks=[1, 10, 11, 12]),
+                      Segment(rows=[3, 4, 5], blocks=[1, 20, 21, 22])]
     assert shared == [4] * 6
 
 
 def test_a_short_row_does_not_cut_the_prefix_of_the_others():
     tables = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8], [1, 2, 3, 4, 7], [1, 6]]
     lens = [80, 80, 80, 20]  # row 3 may share one block only
-    groups, shared = plan_shared_prefixes(tables, lens, block_size=16, min_saved_tokens=0)
-    assert groups == [SharedPrefix(rows=[0, 1, 2], blocks=[1, 2, 3, 4])]  # saves 2 x 4 blocks, not 3 x 1
+    groups, shared = plan_segments(tables, lens, block_size=16, min_saved_tokens=0)
+    assert groups == [Segment(rows=[0, 1, 2], blocks=[1, 2, 3, 4])]  # saves 2 x 4 blocks, not 3 x 1
     assert shared == [4, 4, 4, 0]
 
 
 def test_small_savings_and_lone_rows_are_not_grouped():
     tables = [[1, 2, 3], [1, 2, 4], [7, 8, 9]]
     lens = [40, 40, 40]
-    assert plan_shared_prefixes(tables, lens, 16, min_saved_tokens=33)[0] == []
-    groups, _ = plan_shared_prefixes(tables, lens, 16, min_saved_tokens=32)
-    assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2])]
+    assert plan_segments(tables, lens, 16, min_saved_tokens=33)[0] == []
+    groups, _ = plan_segments(tables, lens, 16, min_saved_tokens=32)
+    assert groups == [Segment(rows=[0, 1], blocks=[1, 2])]
 
 
 def test_long_private_parts_become_segments_of_their_own():
@@ -68,17 +68,17 @@ def test_long_private_parts_become_segments_of_their_own():
     tables = [[1, 2, 7, 8, 9, 3], [1, 2, 5, 6], [20, 22, 21, 23, 4]]
     lens = [90, 60, 70]
     groups, covered = plan_any(tables, lens, block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
-    assert groups == [SharedPrefix(rows=[0, 1], blocks=[1, 2]), SharedPrefix(rows=[0], blocks=[7, 8, 9]),
-                      SharedPrefix(rows=[2], blocks=[20, 22, 21, 23])]
+    assert groups == [Segment(rows=[0, 1], blocks=[1, 2]), Segment(rows=[0], blocks=[7, 8, 9]),
+                      Segment(rows=[2], blocks=[20, 22, 21, 23])]
     assert covered == [5, 2, 4]  # row 1's one private block stays in the padded tail
     assert groups[2].contiguous and groups[1].contiguous
     assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [2, 2, 0]
 
 
 def test_contiguous_blocks_are_detected_in_any_order():
-    assert SharedPrefix(rows=[0, 1], blocks=[4, 5, 6]).contiguous
-    assert SharedPrefix(rows=[0, 1], blocks=[6, 4, 5]).contiguous
-    assert not SharedPrefix(rows=[0, 1], blocks=[4, 6]).contiguous
+    assert Segment(rows=[0, 1], blocks=[4, 5, 6]).contiguous
+    assert Segment(rows=[0, 1], blocks=[6, 4, 5]).contiguous
+    assert not Segment(rows=[0, 1], blocks=[4, 6]).contiguous
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -104,13 +104,13 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     batch = build_batch(seqs, bs, torch.device("cpu"), Kernels(compile_enabled=False))
     plan = batch.decode_cascade
     assert plan is not None
-    shared = [g for g in plan.groups if g.rows.numel() > 1]
+    shared = [g for g in plan.segments if g.rows.numel() > 1]
     assert [g.rows.tolist() for g in shared] == [[0, 1], [2, 3]]
     assert (shared[0].first_block is not None) == contiguous
     # row 4's private blocks 52, 51, 50 are one range: read in place from block 50
-    assert any(g.rows.tolist() == [4] and g.first_block == 50 for g in plan.groups)
-    assert sum(0 in g.rows.tolist() for g in plan.groups) == 2  # row 0: its group's segment and its own
-    assert (plan.groups[0].first_block is not None) == contiguous
+    assert any(g.rows.tolist() == [4] and g.first_block == 50 for g in plan.segments)
+    assert sum(0 in g.rows.tolist() for g in plan.segments) == 2  # row 0: its group's segment and its own
+    assert (plan.segments[0].first_block is not None) == contiguous
     q = torch.randn(len(seqs), heads, dim, generator=gen).to(dtype)
     k = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)
     v = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)

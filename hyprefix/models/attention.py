@@ -115,7 +115,7 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
     out, lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
     out = out.float()
-    for g in plan.groups:
+    for g in plan.segments:
         m = g.rows.shape[0]
         if g.first_block is not None:
             blocks = slice(g.first_block, g.first_block + g.blocks.shape[0])

@@ -35,9 +35,9 @@ class PrefillSpan:
 
 
 @dataclass
-class SharedPrefixGroup:
-    rows: torch.Tensor  # long [m]: decode rows sharing the prefix
-    blocks: torch.Tensor  # long [c]: the shared block ids
+class DecodeSegment:
+    rows: torch.Tensor  # long [m]: decode rows that read these blocks together
+    blocks: torch.Tensor  # long [c]: block ids
     first_block: int | None  # set when the block ids form one range (read as a view from here)
 
 
@@ -46,7 +46,7 @@ class DecodeCascade:
     """Decode attention split into segments (shared prefixes read once per group,
     long private parts read per row) and per-row padded tails (see ``cascade.py``)."""
 
-    groups: list[SharedPrefixGroup]
+    segments: list[DecodeSegment]
     tail_tables: torch.Tensor  # long [D, max_tail_blocks], padded with 0
     tail_start: torch.Tensor  # long [D]: position of each row's first tail token
     context_lens: torch.Tensor  # long [D]
@@ -74,7 +74,7 @@ class ForwardBatch:
     num_decode: int
     decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # long [D]
-    decode_cascade: DecodeCascade | None  # set when decodes share prefix blocks
+    decode_cascade: DecodeCascade | None  # set when some decode blocks are read as segments
     decode_state_slots: torch.Tensor | None  # long [D]: live Mamba state slot of each decode
     decode_state_taps: list[tuple[int, int]]  # (decode row, checkpoint slot): save its state after the step
     prefills: list[PrefillSpan]
@@ -165,14 +165,14 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         lens = [s.context_len for s in decodes]
         decode_tables = as_long(_pad(tables))
         decode_lens = as_long(lens)
-        groups, shared = cascade.plan_shared_prefixes(tables, lens, block_size)
-        if groups:
+        segments, covered = cascade.plan_segments(tables, lens, block_size)
+        if segments:
             decode_cascade = DecodeCascade(
-                groups=[SharedPrefixGroup(rows=as_long(g.rows), blocks=as_long(g.blocks),
-                                          first_block=min(g.blocks) if g.contiguous else None)
-                        for g in groups],
-                tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, shared, strict=True)])),
-                tail_start=as_long([n * block_size for n in shared]),
+                segments=[DecodeSegment(rows=as_long(g.rows), blocks=as_long(g.blocks),
+                                        first_block=min(g.blocks) if g.contiguous else None)
+                          for g in segments],
+                tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, covered, strict=True)])),
+                tail_start=as_long([n * block_size for n in covered]),
                 context_lens=decode_lens,
                 block_size=block_size)
 

@@ -25,7 +25,7 @@ MIN_SOLO_RUN_TOKENS = 256
 
 
 @dataclass(frozen=True)
-class SharedPrefix:
+class Segment:
     """Blocks read in one attention call by every row listed: a shared prefix (several
     rows) or a row's private part (one row)."""
 
@@ -41,12 +41,13 @@ class SharedPrefix:
         return max(self.blocks) - min(self.blocks) + 1 == len(self.blocks)
 
 
-def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block_size: int,
-                         min_saved_tokens: int | None = None, min_solo_run_tokens: int | None = None,
-                         ) -> tuple[list[SharedPrefix], list[int]]:
-    """Groups of decode rows with common leading blocks, and each row's shared block count.
+def plan_segments(tables: list[list[int]], context_lens: list[int], block_size: int,
+                  min_saved_tokens: int | None = None, min_solo_run_tokens: int | None = None,
+                  ) -> tuple[list[Segment], list[int]]:
+    """Segments of decode blocks, and per row how many leading blocks they cover.
 
-    Each row belongs to at most one group. The rows are split like a trie of their
+    Shared segments are groups of rows with common leading blocks; each row belongs
+    to at most one group. The rows are split like a trie of their
     block tables: a set of rows either shares its longest common prefix as one group, or
     splits by the next block into subsets that each share more, whichever saves more
     K/V reads. So two system prompts behind a common chat-template block become two
@@ -57,21 +58,21 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     Then every row whose private blocks (after its group's prefix, up to its current
     token's block) hold at least ``MIN_SOLO_RUN_TOKENS`` gets them as a segment of its
     own: read in place when the ids form one range, else gathered without padding.
-    The second list is, per row, how many leading blocks the segments cover; the rest
-    (at most ``MIN_SOLO_RUN_TOKENS`` tokens plus the current block) goes to the padded
-    tail batch. A row may be in two segments: its group's and its own.
+    What the segments do not cover (at most ``MIN_SOLO_RUN_TOKENS`` tokens plus the
+    current block) goes to the padded tail batch. A row may be in two segments: its
+    group's and its own.
     """
     min_saved = MIN_SAVED_TOKENS if min_saved_tokens is None else min_saved_tokens
     limits = [(n - 1) // block_size for n in context_lens]  # blocks a row may share
 
-    def best(rows: list[int], depth: int) -> tuple[int, list[SharedPrefix]]:
+    def best(rows: list[int], depth: int) -> tuple[int, list[Segment]]:
         """The best plan (K/V rows saved, groups) for ``rows``, which share ``table[:depth]``."""
         first = tables[rows[0]]
         length, limit = depth, min(limits[r] for r in rows)
         while length < limit and all(tables[r][length] == first[length] for r in rows[1:]):
             length += 1
         saved = (len(rows) - 1) * length * block_size
-        whole = (saved, [SharedPrefix(rows=rows, blocks=first[:length])]) if saved >= min_saved else (0, [])
+        whole = (saved, [Segment(rows=rows, blocks=first[:length])]) if saved >= min_saved else (0, [])
         deeper: dict[int, list[int]] = {}
         for r in rows:
             if limits[r] > length:
@@ -88,7 +89,7 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     for row, table in enumerate(tables):
         if limits[row] >= 1:
             buckets.setdefault(table[0], []).append(row)
-    groups: list[SharedPrefix] = []
+    groups: list[Segment] = []  # the shared segments, then the private ones
     for rows in buckets.values():
         if len(rows) >= 2:
             groups += best(rows, 1)[1]
@@ -99,6 +100,6 @@ def plan_shared_prefixes(tables: list[list[int]], context_lens: list[int], block
     solo_min = MIN_SOLO_RUN_TOKENS if min_solo_run_tokens is None else min_solo_run_tokens
     for row, table in enumerate(tables):
         if (limits[row] - shared[row]) * block_size >= solo_min:
-            groups.append(SharedPrefix(rows=[row], blocks=table[shared[row]:limits[row]]))
+            groups.append(Segment(rows=[row], blocks=table[shared[row]:limits[row]]))
             shared[row] = limits[row]
     return groups, shared
