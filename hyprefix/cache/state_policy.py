@@ -61,14 +61,14 @@ class StatePolicy:
         request's last token that has a checkpoint at exactly L: the final token of
         a fully cached block-aligned prompt, or a block boundary.
         """
-        bs, n = self.block_size, request.num_tokens
+        bs = self.block_size
         hashes = request.block_hashes
-        if n % bs == 0 and kv_hit_blocks * bs >= n:
-            slot = self.states.lookup(before_last_token(hashes[n // bs - 1]))
+        best = self._best_hit(request.num_tokens, kv_hit_blocks)
+        if best % bs:  # the final token of a fully cached block-aligned prompt
+            slot = self.states.lookup(self._key(hashes, best))
             if slot is not None:
-                return n // bs, slot
-        best = min(kv_hit_blocks * bs, n - 1) // bs
-        for blocks in range(best, 0, -1):
+                return best // bs + 1, slot
+        for blocks in range(best // bs, 0, -1):
             slot = self.states.lookup(hashes[blocks - 1])
             if slot is not None:
                 return blocks, slot
