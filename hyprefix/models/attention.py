@@ -1,8 +1,10 @@
 """Paged attention over the block-table KV cache.
 
-Decode tokens attend through their block tables. When several decodes share
-prefix blocks (``runner/cascade.py``), the prefix is read once for the group and
-merged with each row's tail through log-sum-exp; otherwise each row's blocks are
+Decode tokens attend through their block tables. With a segment plan
+(``runner/cascade.py``), a prefix shared by several decodes is read once for the
+group, a row's long private part in one call of its own, and only the short rest of
+every row goes through a padded batch; the partial results merge through their
+log-sum-exp. Without one (or on sliding-window layers) each row's blocks are
 gathered into a padded batch. Prefill chunks attend over their own tokens (plain
 causal) or over their gathered context with an explicit mask.
 """
@@ -133,5 +135,5 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         total = torch.logaddexp(acc_lse, seg_lse)
         merged = acc * torch.exp(acc_lse - total)[..., None] + o * torch.exp(seg_lse - total)[..., None]
         out.index_copy_(0, g.rows, merged)
-        lse = lse.index_copy(0, g.rows, total)
+        lse.index_copy_(0, g.rows, total)
     return out.to(qd.dtype)
