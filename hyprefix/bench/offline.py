@@ -234,9 +234,12 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
     of them when given) and record them."""
     arm.reset()
     before = arm.stats()
-    meter, rss = CpuMeter(), RssPeak()
+    meter = CpuMeter()
+    # A server elsewhere: this process's memory says nothing about it.
+    rss = RssPeak() if getattr(arm, "in_process", True) else None
     meter.start()
-    rss.start()
+    if rss is not None:
+        rss.start()
     previous: list[BenchRequest] = []
     answers: list[list[int]] = []
     records: list[RequestRecord] = []
@@ -252,9 +255,7 @@ def run_workload(arm: WorkloadArm, workload: Workload, repeat: int, max_rounds: 
         records.extend(results)
         previous, answers = requests, [r.output_ids for r in results]
     other = meter.stop()["other_cores_avg"]
-    memory = rss.stop()
-    if not getattr(arm, "in_process", True):  # a server elsewhere: this process's memory says nothing
-        memory = {"rss_start_gib": None, "rss_peak_gib": None}
+    memory = rss.stop() if rss is not None else {"rss_start_gib": None, "rss_peak_gib": None}
     after = arm.stats()
     stats = None
     if before is not None and after is not None:
