@@ -19,9 +19,10 @@ them (without ids, a record's ``output_ids`` is ``UNKNOWN_TOKEN`` repeated). Cac
 prompt tokens come from ``usage.prompt_tokens_details.cached_tokens``.
 
 Server-side counters (prefix cache queries/hits, prefill tokens computed/skipped)
-are read from ``/metrics`` before and after each run: any family whose name ends in
-the counter's name counts (``hyprefix:prefix_cache_hits``,
-``vllm:prefix_cache_hits``); counters a server does not export are left out. The
+are read from ``/metrics`` before and after each run: any sample named
+``<prefix>:<counter>`` with or without ``_total`` counts, summed over label sets
+(``hyprefix:prefix_cache_hits_total``, ``vllm:prefix_cache_hits_total``); counters a
+server does not export are left out. The
 cache is reset before each run with ``POST /reset_prefix_cache`` when the server
 has it (hyprefix; vLLM in dev mode); ``info()["cache_reset"]`` says whether it did.
 """
