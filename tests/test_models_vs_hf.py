@@ -7,6 +7,7 @@ import torch
 from conftest import ARCHS, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.hardware import device_caps
 
 # float32 logits agree to within this absolute tolerance (observed max error ~1e-6).
 LOGIT_ATOL = 1e-4
@@ -19,6 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def test_logits_close(tiny_models, arch, chunk):
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
+    assert_packed_as_the_cpu_allows(llm.engine.runner.model, torch.float32)
     prompts = random_prompts(LENGTHS, seed=1)
     for p, (err, _) in zip(prompts, logit_errors(llm, hf, prompts, chunk), strict=True):
         assert err < LOGIT_ATOL, f"{arch} prompt len {len(p)}: max |logit diff| {err:.2e}"
@@ -47,15 +49,27 @@ def test_eager_path_logits_close(tiny_models, arch):
     assert all(err < LOGIT_ATOL for err, _ in logit_errors(llm, hf, prompts))
 
 
+def assert_packed_as_the_cpu_allows(model, dtype: torch.dtype) -> None:
+    """Every linear is prepacked exactly when ``device_caps`` says this CPU runs that
+    dtype in oneDNN (bf16 needs AVX-512 or AVX-NE-CONVERT; float32 needs oneDNN)."""
+    expected = device_caps("cpu").prepack(dtype)
+    layer = model.layers[0]
+    assert (layer.mlp._packed is not None) is expected
+    assert (layer.attn.qkv._packed is not None) is expected and (layer.attn.o_proj._packed is not None) is expected
+    head_packed = model._packed_head is not None if model.lm_head is None else model.lm_head._packed is not None
+    assert head_packed is expected
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied LM head
 def test_bfloat16_packed_path_close_to_float32_reference(tiny_models, arch):
-    """bf16 uses prepacked oneDNN matmuls with fused SiLU*up on CPU; its logits must
-    stay within bf16 rounding of the float32 reference."""
+    """bf16 uses prepacked oneDNN matmuls with fused SiLU*up where the CPU runs bf16 in
+    oneDNN, the plain path elsewhere; either way its logits stay within bf16 rounding
+    of the float32 reference."""
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
     model = llm.engine.runner.model
-    if torch.backends.mkldnn.is_available():
-        assert model.layers[0].mlp._packed is not None and model.layers[0].attn.qkv._packed is not None
+    assert model.dtype == torch.bfloat16
+    assert_packed_as_the_cpu_allows(model, torch.bfloat16)
     prompts = random_prompts(LENGTHS, seed=4)
     for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
         assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"

@@ -92,16 +92,30 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return value
 
 
-class HyprefixArm:
-    name = "hyprefix"
+def run_dtype(model: str, dtype: str) -> str:
+    """``dtype`` with "auto" resolved as the engine resolves it on this CPU
+    (``hardware.DeviceCaps.auto_dtype`` of the checkpoint's dtype)."""
+    if dtype != "auto":
+        return dtype
+    from transformers import AutoConfig
 
+    from hyprefix.hardware import DTYPE_NAMES, device_caps
+    from hyprefix.models.loader import checkpoint_dtype
+
+    chosen, _ = device_caps("cpu").auto_dtype(checkpoint_dtype(AutoConfig.from_pretrained(model)))
+    return DTYPE_NAMES[chosen]
+
+
+class HyprefixArm:
     def __init__(self, model: str, dtype: str, *, max_prompt_tokens: int, max_batch: int,
-                 max_kv_tokens: int, seed: int = 0, block_size: int = 16) -> None:
+                 max_kv_tokens: int, seed: int = 0, block_size: int = 16, name: str = "hyprefix") -> None:
         from hyprefix import LLM
 
+        self.name = name
         # Pool for the biggest live set of tokens, with head-room; a bigger pool costs
         # memory, not speed.
-        self._kv_gb = max(2.0, 1.5 * max_kv_tokens * self._kv_bytes_per_token(model, dtype) / 2**30)
+        kv_bytes = self._kv_bytes_per_token(model, run_dtype(model, dtype))
+        self._kv_gb = max(2.0, 1.5 * max_kv_tokens * kv_bytes / 2**30)
         self._max_batched = max(2048, max_prompt_tokens)
         self.llm = LLM(model=model, dtype=dtype, block_size=block_size, max_num_batched_tokens=self._max_batched,
                        max_num_seqs=max(64, max_batch), kv_cache_memory_gb=self._kv_gb,
@@ -121,7 +135,8 @@ class HyprefixArm:
 
         return {"version": hyprefix.__version__, "max_num_batched_tokens": self._max_batched,
                 "kv_cache_memory_gb": round(self._kv_gb, 3), "enable_prefix_caching": True,
-                "kv_blocks": self.llm.get_stats()["kv_blocks_total"]}
+                "kv_blocks": self.llm.get_stats()["kv_blocks_total"],
+                "dtype": str(self.llm.engine.dtype).replace("torch.", "")}
 
     def prefill(self, ids: list[int]) -> PrefillTiming:
         from hyprefix import SamplingParams
@@ -192,11 +207,10 @@ class _StepClock(StoppingCriteria):
 
 
 class TransformersArm:
-    name = "transformers"
-
-    def __init__(self, model: str, dtype: str) -> None:
+    def __init__(self, model: str, dtype: str, name: str = "transformers") -> None:
         from transformers import AutoModelForCausalLM
 
+        self.name = name
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_torch_dtype(dtype))
         self.model.eval()
 

@@ -58,7 +58,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     bench.add_argument("--model", default=None,
                        help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
                             "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-dense-tiny, demo-hybrid-tiny")
-    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="every arm's dtype (default auto: the engine's choice for this CPU, and the same "
+                            "dtype for transformers); throughput arms may name their own, e.g. hyprefix@float32")
     bench.add_argument("--arms", type=_str_list, default=None,
                        help="comma-separated engines to compare, run interleaved in this order (throughput: "
                             "hyprefix,transformers; prefix workloads: hyprefix,hyprefix-nocache,transformers)")
@@ -157,10 +159,12 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from hyprefix.bench.arms import run_dtype
     from hyprefix.bench.env import CpuMeter, environment, load_average, usable_cores
     from hyprefix.bench.peak import measure_matmul_peak
     from hyprefix.bench.report import format_throughput, write_json
     from hyprefix.bench.throughput import ThroughputConfig, load_arm, run_throughput
+    from hyprefix.hardware import device_caps
 
     given = [f for f in (*(d for m in WORKLOAD_FLAGS.values() for d in m if d != "prompt_len"),
                          *PREFIX_ONLY_FLAGS) if getattr(ns, f, None) is not None]
@@ -180,23 +184,28 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     meter = CpuMeter()
     meter.start()
 
-    # peak, model build, arm loads, then warm-up and timed runs
+    # model build, peak, arm loads, then warm-up and timed runs
     total = 2 + len(cfg.arms) + cfg.num_runs()
+    caps = device_caps("cpu")
     with logging_redirect_tqdm(), tqdm(total=total, desc="bench throughput", unit="run") as bar:
         progress = _Progress(bar)
-        progress(f"{ns.dtype} matmul peak")
-        peak = measure_matmul_peak(dtype=getattr(torch, ns.dtype))
         progress("model")
         model, _ = resolve_model(ns.model)
+        dtype = run_dtype(model, ns.dtype)
+        progress(f"{dtype} matmul peak")
+        peak = measure_matmul_peak(dtype=getattr(torch, dtype))
         arms: dict[str, Any] = {}
         for name in cfg.arms:
             progress(f"load {name}")
             arms[name] = load_arm(name, model, ns.dtype, cfg)
-        result = run_throughput(arms, model, cfg, peak, progress=progress)
+        cpu_kind = "native-bf16" if caps.native_bf16 else "no-native-bf16"
+        result = run_throughput(arms, model, cfg, peak, progress=progress, cpu_kind=cpu_kind)
         progress.finish()
 
     env["load_average_at_end"] = load_average()
-    result = {"model": model, "dtype": ns.dtype, "environment": env, "peak": peak.to_dict(),
+    env["device_caps"] = caps.to_dict()
+    result = {"model": model, "dtype": _dtype_label(model, ns.dtype),
+              "environment": env, "peak": peak.to_dict(),
               "arm_info": {name: arm.info() for name, arm in arms.items()}, "cpu_contention": meter.stop(),
               **result}
     print(format_throughput(result))
@@ -301,7 +310,7 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         "model": model,
         "models": {"model": label, "model_path": model, "compare_model": compare[1] if compare else None,
                    "compare_model_path": compare[0] if compare else None},
-        "dtype": ns.dtype,
+        "dtype": ns.dtype if server is not None else _dtype_label(model, ns.dtype),
         "environment": env,
         "config": {"arms": list(cfg.arms), "repeats": cfg.repeats, "seed": cfg.seed, "engine_kwargs": engine_kwargs,
                    "cache_between_repeats": "one engine per arm, reset_prefix_cache() before every timed run"},
@@ -319,6 +328,14 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         for path in plot_prefix(result, ns.plot):
             log.info("wrote %s", path)
     return 0
+
+
+def _dtype_label(model: str, dtype: str) -> str:
+    """``--dtype`` as run: "auto -> float32" when auto resolved to float32."""
+    from hyprefix.bench.arms import run_dtype
+
+    resolved = run_dtype(model, dtype)
+    return dtype if resolved == dtype else f"{dtype} -> {resolved}"
 
 
 class _Progress:

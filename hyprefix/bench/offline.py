@@ -177,8 +177,10 @@ class TransformersWorkloadArm:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from hyprefix.bench.arms import run_dtype
+
         self.name, self.model = name, model
-        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, run_dtype(model, dtype)))
         self.hf.eval()
 
     def info(self) -> dict:

@@ -67,7 +67,7 @@ Progress = Callable[[str], None]
 class PrefixBenchConfig:
     arms: tuple[str, ...] = OFFLINE_ARMS
     repeats: int = 3
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     seed: int = 0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # extra LLM arguments for the engine arms
 

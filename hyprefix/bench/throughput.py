@@ -18,12 +18,18 @@ phases of a noisy machine hit them alike. Each number reported is the median ove
 repeats (the min-max range is reported too). Every timed run also records how much CPU
 other processes used meanwhile (``hyprefix.bench.env.CpuMeter``): on a machine shared
 with other work, a run with ``torch.set_num_threads(cores)`` can slow down several-fold
-when any core is taken, so disturbed runs are counted and flagged. The ratios the issue
-targets are computed from the medians:
+when any core is taken, so disturbed runs are counted and flagged. An arm name may carry a dtype,
+``hyprefix@float32`` or ``transformers@bfloat16``, to compare dtypes in one run; a bare
+name runs at ``--dtype`` (``auto``: the engine's choice for this CPU; the transformers
+arm gets the same resolved dtype). The ratios the issue targets are computed from the
+medians, with the target set of the CPU kind (``hardware.DeviceCaps.native_bf16``):
 
-* prefill hyprefix / transformers >= 1.3
-* decode hyprefix batch 16 / transformers batch 1 >= 4
-* decode hyprefix batch 1 / transformers batch 1 >= 1.2
+* native bf16 (AVX512-BF16 / AMX): prefill hyprefix / transformers >= 1.3, decode
+  hyprefix batch 16 / transformers batch 1 >= 4, batch 1 / batch 1 >= 1.2;
+* no native bf16 (AVX2; float32 is the fast path): prefill >= 1.1, batch 16 /
+  transformers batch 1 >= 5, batch 16 / transformers batch 16 >= 1.5, batch 1 >= 1.3;
+* with ``hyprefix@DTYPE`` arms: prefill hyprefix / the fastest of them >= 0.9 (``auto``
+  within 10 % of the faster explicit dtype);
 
 plus hyprefix's prefill FLOP rate as a fraction of the measured matmul peak
 (``hyprefix.bench.flops`` for the FLOP count, ``hyprefix.bench.peak`` for the peak).
@@ -44,14 +50,33 @@ from hyprefix.bench.peak import PeakResult
 
 PROMPT_TOKEN_LIMIT = 4096  # random prompt ids are drawn from [0, 4096)
 ARMS = ("hyprefix", "transformers")
+ARM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A timed run is "disturbed" when other processes used more than this many cores meanwhile.
 DISTURBED_CORES = 0.25
-# (name, numerator (arm, case), denominator (arm, case), target)
-TARGETS: list[tuple[str, tuple[str, str], tuple[str, str], float]] = [
-    ("prefill hyprefix / transformers", ("hyprefix", "prefill"), ("transformers", "prefill"), 1.3),
-    ("decode hyprefix B=16 / transformers B=1", ("hyprefix", "decode@16"), ("transformers", "decode@1"), 4.0),
-    ("decode hyprefix B=1 / transformers B=1", ("hyprefix", "decode@1"), ("transformers", "decode@1"), 1.2),
-]
+# (name, numerator (arm, case), denominator (arm, case), target), per CPU kind
+Target = tuple[str, tuple[str, str], tuple[str, str], float]
+TARGETS: dict[str, list[Target]] = {
+    "native-bf16": [
+        ("prefill hyprefix / transformers", ("hyprefix", "prefill"), ("transformers", "prefill"), 1.3),
+        ("decode hyprefix B=16 / transformers B=1", ("hyprefix", "decode@16"), ("transformers", "decode@1"), 4.0),
+        ("decode hyprefix B=1 / transformers B=1", ("hyprefix", "decode@1"), ("transformers", "decode@1"), 1.2),
+    ],
+    "no-native-bf16": [
+        ("prefill hyprefix / transformers", ("hyprefix", "prefill"), ("transformers", "prefill"), 1.1),
+        ("decode hyprefix B=16 / transformers B=1", ("hyprefix", "decode@16"), ("transformers", "decode@1"), 5.0),
+        ("decode hyprefix B=16 / transformers B=16", ("hyprefix", "decode@16"), ("transformers", "decode@16"),
+         1.5),
+        ("decode hyprefix B=1 / transformers B=1", ("hyprefix", "decode@1"), ("transformers", "decode@1"), 1.3),
+    ],
+}
+AUTO_PREFILL_TARGET = 0.9  # hyprefix at --dtype vs the fastest hyprefix@DTYPE arm
+
+
+def split_arm(name: str) -> tuple[str, str | None]:
+    """``"hyprefix@float32"`` -> ("hyprefix", "float32"); a bare name has no dtype of its own."""
+    base, sep, dtype = name.partition("@")
+    return base, (dtype if sep else None)
+
 
 Progress = Callable[[str], None]
 
@@ -76,9 +101,10 @@ class ThroughputConfig:
                              f"got {self.decode_tokens}")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
-        unknown = [a for a in self.arms if a not in ARMS]
+        unknown = [a for a in self.arms if split_arm(a)[0] not in ARMS or split_arm(a)[1] not in (None, *ARM_DTYPES)]
         if unknown or not self.arms or len(set(self.arms)) != len(self.arms):
-            raise ValueError(f"arms must be distinct names from {', '.join(ARMS)}, got {','.join(self.arms)}")
+            raise ValueError(f"arms must be distinct names from {', '.join(ARMS)}, each optionally with @DTYPE "
+                             f"({', '.join(ARM_DTYPES)}), got {','.join(self.arms)}")
 
     @property
     def cases(self) -> list[str]:
@@ -95,15 +121,20 @@ def _prompts(seed: int, repeat: int, case: str, count: int, length: int) -> list
 
 
 def load_arm(name: str, model: str, dtype: str, cfg: ThroughputConfig) -> Arm:
-    if name == "hyprefix":
+    """``dtype``: the run's ``--dtype``, used unless the name carries its own (``hyprefix@float32``)."""
+    from hyprefix.bench.arms import run_dtype
+
+    base, own = split_arm(name)
+    dtype = own or dtype
+    if base == "hyprefix":
         biggest = max(cfg.batch_sizes)
         # One step holds the whole prefill prompt, or all decode prompts of a batch.
         step_tokens = max(cfg.prompt_len, biggest * cfg.decode_prompt_len)
         kv_tokens = max(biggest * (cfg.decode_prompt_len + cfg.decode_tokens), cfg.prompt_len + 1)
         return HyprefixArm(model, dtype, max_prompt_tokens=step_tokens, max_batch=biggest, max_kv_tokens=kv_tokens,
-                           seed=cfg.seed)
-    if name == "transformers":
-        return TransformersArm(model, dtype)
+                           seed=cfg.seed, name=name)
+    if base == "transformers":
+        return TransformersArm(model, run_dtype(model, dtype), name=name)
     raise ValueError(f"unknown arm {name!r}")
 
 
@@ -117,7 +148,7 @@ def _run_case(arm: Arm, cfg: ThroughputConfig, case: str, repeat: int,
 
 
 def run_throughput(arms: dict[str, Arm], model: str, cfg: ThroughputConfig, peak: PeakResult | None,
-                   progress: Progress = lambda _: None) -> dict[str, Any]:
+                   progress: Progress = lambda _: None, cpu_kind: str = "native-bf16") -> dict[str, Any]:
     """Warm up, run the interleaved repeats and summarise; ``arms`` are already loaded."""
     for name, arm in arms.items():
         for case in cfg.cases:
@@ -134,11 +165,12 @@ def run_throughput(arms: dict[str, Arm], model: str, cfg: ThroughputConfig, peak
                 timing = _run_case(arm, cfg, case, repeat, cfg.decode_tokens)
                 timing.other_cores_avg = meter.stop()["other_cores_avg"]
                 runs[name][case].append(timing)
-    return summarise(runs, model, cfg, peak)
+    return summarise(runs, model, cfg, peak, cpu_kind)
 
 
 def summarise(runs: dict[str, dict[str, list[PrefillTiming | DecodeTiming]]], model: str, cfg: ThroughputConfig,
-              peak: PeakResult | None) -> dict[str, Any]:
+              peak: PeakResult | None, cpu_kind: str = "native-bf16") -> dict[str, Any]:
+    """``cpu_kind`` picks the target set (a key of ``TARGETS``)."""
     shape = ModelShape.from_config(model)
     flops = prefill_flops(shape, cfg.prompt_len)
     medians = {name: {case: statistics.median(t.tokens_per_s for t in timings) for case, timings in cases.items()}
@@ -149,24 +181,30 @@ def summarise(runs: dict[str, dict[str, list[PrefillTiming | DecodeTiming]]], mo
     disturbed = sum(c is not None and c > DISTURBED_CORES for c in contention)
 
     ratios = []
-    for label, (num_arm, num_case), (den_arm, den_case), target in TARGETS:
+
+    def ratio(label: str, num: tuple[str, str], den: tuple[str, str], target: float | None) -> None:
         value = None
-        if num_arm in medians and den_arm in medians and num_case in medians[num_arm] \
-                and den_case in medians[den_arm]:
-            value = medians[num_arm][num_case] / medians[den_arm][den_case]
-        ratios.append({"name": label, "numerator": f"{num_arm} {num_case}", "denominator": f"{den_arm} {den_case}",
-                       "value": value, "target": target,
-                       "pass": None if value is None else value >= target})
-    # Same-batch comparisons, informational (no target).
+        if num[0] in medians and den[0] in medians and num[1] in medians[num[0]] and den[1] in medians[den[0]]:
+            value = medians[num[0]][num[1]] / medians[den[0]][den[1]]
+        ratios.append({"name": label, "numerator": " ".join(num), "denominator": " ".join(den), "value": value,
+                       "target": target, "pass": None if value is None or target is None else value >= target})
+
+    targeted = TARGETS[cpu_kind]
+    for label, num, den, target in targeted:
+        ratio(label, num, den, target)
+    explicit = [a for a in medians if split_arm(a)[0] == "hyprefix" and split_arm(a)[1] is not None]
+    if "hyprefix" in medians and explicit:
+        fastest = max(explicit, key=lambda a: medians[a]["prefill"])
+        ratio(f"prefill hyprefix / fastest explicit dtype ({fastest})", ("hyprefix", "prefill"),
+              (fastest, "prefill"), AUTO_PREFILL_TARGET)
+    # Same-batch comparisons, informational (no target) unless the target set has them.
     if "hyprefix" in medians and "transformers" in medians:
         for b in cfg.batch_sizes:
-            if b == 1:
+            if b == 1 or any(n == ("hyprefix", f"decode@{b}") and d == ("transformers", f"decode@{b}")
+                             for _, n, d, _ in targeted):
                 continue
-            case = f"decode@{b}"
-            ratios.append({"name": f"decode hyprefix B={b} / transformers B={b}", "numerator": f"hyprefix {case}",
-                           "denominator": f"transformers {case}",
-                           "value": medians["hyprefix"][case] / medians["transformers"][case],
-                           "target": None, "pass": None})
+            ratio(f"decode hyprefix B={b} / transformers B={b}", ("hyprefix", f"decode@{b}"),
+                  ("transformers", f"decode@{b}"), None)
 
     peak_fraction = {}
     for name in runs:
@@ -180,6 +218,7 @@ def summarise(runs: dict[str, dict[str, list[PrefillTiming | DecodeTiming]]], mo
         "workload": "throughput",
         "config": {**cfg.__dict__, "batch_sizes": list(cfg.batch_sizes), "arms": list(cfg.arms),
                    "prompt_token_limit": PROMPT_TOKEN_LIMIT},
+        "targets": cpu_kind,
         "model_shape": shape.to_dict(),
         "prefill_flops": flops,
         "medians_tokens_per_s": medians,

@@ -97,7 +97,7 @@ class CausalLM(nn.Module):
         return F.linear(hidden, self.embed.weight).float()
 
     def pack_weights(self) -> None:
-        """Switch linears to prepacked oneDNN weights where that is faster (CPU bf16).
+        """Switch linears to prepacked oneDNN weights where the device allows it (CPU).
         A tied LM head gets its own packed copy; the embedding keeps the plain one."""
         for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
             if isinstance(module, Linear | GatedMLP):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,9 +10,8 @@ from pathlib import Path
 
 import torch
 
+from hyprefix.hardware import resolve_dtype
 from hyprefix.models.registry import model_class
-
-log = logging.getLogger("hyprefix")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,17 +43,12 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         raise ValueError(f"cannot find model {model!r} locally or on the hub: {exc}") from exc
 
 
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        dtype = _DTYPES[name]
-    else:
-        raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
-        dtype = raw if isinstance(raw, torch.dtype) else _DTYPES.get(str(raw).replace("torch.", ""),
-                                                                    torch.float32)
-    if dtype == torch.float16 and device.type == "cpu":
-        log.info("float16 is slow on CPU; using bfloat16")
-        dtype = torch.bfloat16
-    return dtype
+def checkpoint_dtype(hf_config) -> torch.dtype:
+    """The dtype the checkpoint's config declares (float32 when it declares none)."""
+    raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    if isinstance(raw, torch.dtype):
+        return raw
+    return _DTYPES.get(str(raw).replace("torch.", ""), torch.float32)
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -88,7 +81,7 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     path = resolve_model_dir(model, revision)
     hf_config = AutoConfig.from_pretrained(str(path))
     cls = model_class(hf_config)
-    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    torch_dtype = resolve_dtype(dtype, checkpoint_dtype(hf_config), device)
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)

@@ -1,0 +1,150 @@
+"""What the device can compute fast: the one place every kernel and dtype choice asks.
+
+On CPU the answers come from torch itself, so they honour the environment switches
+that emulate a smaller CPU: ATen's ``ATEN_CPU_CAPABILITY`` (the vector ISA of its own
+kernels, ``torch.backends.cpu.get_cpu_capability()``) and oneDNN's
+``ONEDNN_MAX_CPU_ISA`` (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` turns False
+under ``AVX2`` even on a CPU with AVX-512 BF16). The hardware flags
+(``torch.cpu.get_capabilities()``) say what the silicon has; a dtype is *native* only
+when the silicon has its matmul instructions **and** the library that runs our
+matmuls (oneDNN) may use them.
+
+Rules that follow from it (see ``DeviceCaps``):
+
+* ``native(dtype)``: float32 is native everywhere; bfloat16 on a CPU with AVX512-BF16 or
+  AMX-BF16 that oneDNN may use, on CUDA with sm80+; float16 on a CPU with AMX-FP16 or
+  AVX512-FP16, on any CUDA GPU.
+* ``prepack(dtype)``: weights of this dtype go to oneDNN's blocked layout (CPU only,
+  and only for a dtype oneDNN runs there: packing bf16 on a CPU without AVX-512 or
+  AVX-NE-CONVERT raises inside oneDNN, which is the crash this module exists to stop).
+* ``auto_dtype(checkpoint_dtype)``: the checkpoint's dtype where it is native, else the
+  fastest correct substitute (bf16 for an fp16 checkpoint where bf16 is native, else
+  float32), with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+
+log = logging.getLogger("hyprefix")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    device_type: str  # "cpu", "cuda", ...
+    name: str  # CPU model name or GPU name
+    isa: str  # ATen CPU capability ("AVX512", "AVX2", "DEFAULT", ...) or CUDA "sm_90"
+    onednn: bool  # oneDNN prepacked linears are available (fp32 on any x86 oneDNN runs on)
+    onednn_bf16: bool  # oneDNN runs bf16 on this CPU (native or by conversion)
+    onednn_fp16: bool
+    native_bf16: bool  # the hardware multiplies bf16 and the matmul library may use it
+    native_fp16: bool
+    amx: bool
+
+    def native(self, dtype: torch.dtype) -> bool:
+        if dtype == torch.float32:
+            return True
+        if dtype == torch.bfloat16:
+            return self.native_bf16
+        if dtype == torch.float16:
+            return self.native_fp16
+        return False
+
+    def prepack(self, dtype: torch.dtype) -> bool:
+        """Whether linear weights of ``dtype`` are prepacked for oneDNN on this device."""
+        if self.device_type != "cpu" or not self.onednn:
+            return False
+        return {torch.float32: True, torch.bfloat16: self.onednn_bf16,
+                torch.float16: self.onednn_fp16}.get(dtype, False)
+
+    def auto_dtype(self, checkpoint: torch.dtype) -> tuple[torch.dtype, str]:
+        """``dtype="auto"``: (the dtype to run, why)."""
+        ckpt = DTYPE_NAMES.get(checkpoint, str(checkpoint))
+        if self.native(checkpoint):
+            return checkpoint, f"the checkpoint's {ckpt}, native on {self.describe()}"
+        if checkpoint == torch.float16 and self.native_bf16:
+            return torch.bfloat16, (f"the checkpoint is float16, which {self.describe()} does not compute "
+                                    "natively; bfloat16 is native here")
+        return torch.float32, (f"the checkpoint is {ckpt}, which {self.describe()} does not compute natively; "
+                               "float32 is the fast path here")
+
+    def describe(self) -> str:
+        if self.device_type == "cpu":
+            feats = [self.isa]
+            if self.native_bf16:
+                feats.append("AMX-BF16" if self.amx else "AVX512-BF16")
+            return f"this CPU ({self.name}, {', '.join(feats)})"
+        return f"this {self.device_type} device ({self.name}, {self.isa})"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpu_caps() -> DeviceCaps:
+    hw = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    isa = torch.backends.cpu.get_cpu_capability()
+    onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+              and platform.machine().lower() in ("x86_64", "amd64"))
+    onednn_bf16 = onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    onednn_fp16 = onednn and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    amx_bf16 = bool(hw.get("amx_bf16"))
+    # Native means the matmul instructions exist *and* oneDNN may use them (ONEDNN_MAX_CPU_ISA);
+    # ATen's own kernels must be AVX-512 too, or every elementwise bf16 op converts by hand.
+    avx512 = isa.startswith("AVX512")
+    native_bf16 = onednn_bf16 and avx512 and (bool(hw.get("avx512_bf16")) or amx_bf16)
+    native_fp16 = onednn_fp16 and avx512 and (bool(hw.get("avx512_fp16")) or bool(hw.get("amx_fp16")))
+    return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
+                      amx_bf16 and native_bf16)
+
+
+def _cuda_caps(device: torch.device) -> DeviceCaps:
+    major, minor = torch.cuda.get_device_capability(device)
+    return DeviceCaps("cuda", torch.cuda.get_device_name(device), f"sm_{major}{minor}", onednn=False,
+                      onednn_bf16=False, onednn_fp16=False, native_bf16=major >= 8, native_fp16=True, amx=False)
+
+
+@functools.cache
+def device_caps(device: torch.device | str = "cpu") -> DeviceCaps:
+    """What ``device`` computes fast. Cached: the answer is fixed for the process."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _cpu_caps()
+    if device.type == "cuda":
+        return _cuda_caps(device)
+    # Other accelerators: trust the checkpoint's dtype, no CPU-specific kernels.
+    return DeviceCaps(device.type, device.type, "unknown", onednn=False, onednn_bf16=False, onednn_fp16=False,
+                      native_bf16=True, native_fp16=True, amx=False)
+
+
+def resolve_dtype(requested: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to run: ``requested`` is "auto" or a dtype name. Logs the choice once (at
+    load); an explicit dtype the device does not compute natively runs as asked, with a
+    warning naming what "auto" would pick."""
+    caps = device_caps(device)
+    auto, reason = caps.auto_dtype(checkpoint)
+    if requested == "auto":
+        log.info("dtype auto -> %s: %s", DTYPE_NAMES[auto], reason)
+        return auto
+    dtype = {name: dt for dt, name in DTYPE_NAMES.items()}[requested]
+    if not caps.native(dtype):
+        log.warning("dtype %s is not native on %s: it runs correctly but slower; dtype='auto' would pick %s",
+                    requested, caps.describe(), DTYPE_NAMES[auto])
+    return dtype
