@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from dataclasses import asdict, dataclass
 
@@ -148,3 +149,25 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype, device: torch.device)
         log.warning("dtype %s is not native on %s: it runs correctly but slower; dtype='auto' would pick %s",
                     requested, caps.describe(), DTYPE_NAMES[auto])
     return dtype
+
+
+def separate_compile_cache() -> None:
+    """Give a process that overrides ATen's ISA (``ATEN_CPU_CAPABILITY``) an Inductor
+    cache directory of its own, unless the user chose one.
+
+    Inductor's on-disk cache key leaves the override out (torch 2.13): kernels compiled
+    under ``ATEN_CPU_CAPABILITY=avx2`` and loaded by a process without it, or the
+    reverse, gave NaN logits and heap corruption (``malloc(): unaligned tcache chunk``)
+    on an AVX-512 machine. Call before the first ``torch.compile``.
+    """
+    override = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not override:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and chosen != default_cache_dir():  # torch itself sets it to the default on import
+        return
+    path = os.path.join(default_cache_dir(), f"aten-{override.lower()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    log.info("ATEN_CPU_CAPABILITY=%s: torch.compile cache in %s", override, path)

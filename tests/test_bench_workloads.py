@@ -8,9 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from hyprefix.bench.arms import DecodeTiming, PrefillTiming
 from hyprefix.bench.offline import RequestRecord, WorkloadRun
 from hyprefix.bench.prefix import COMPARE_ARM, distribution, percentile, summarise
+from hyprefix.bench.throughput import TARGETS as THROUGHPUT_TARGETS
+from hyprefix.bench.throughput import ThroughputConfig, split_arm
+from hyprefix.bench.throughput import summarise as summarise_throughput
 from hyprefix.bench.workloads import (
     TOKEN_HIGH,
     TOKEN_LOW,
@@ -20,6 +25,8 @@ from hyprefix.bench.workloads import (
     SharedPrefixWorkload,
 )
 from hyprefix.cli import main
+from hyprefix.demo import demo_model_path
+from hyprefix.hardware import device_caps
 
 
 def _in_range(ids: tuple[int, ...]) -> bool:
@@ -259,17 +266,63 @@ def test_bench_kv_pool_holds_the_whole_workload() -> None:
     assert workload_kv_blocks(mt, block_size=4) == 5 + 6  # turns of 15+2 and 22+2 tokens
 
 
+def _timings(prefill: float, decode: dict[int, float]) -> dict[str, list]:
+    """One repeat of a throughput arm: ``prefill`` tok/s (1000 tokens) and decode tok/s per batch."""
+    runs: dict[str, list] = {"prefill": [PrefillTiming(prompt_len=1000, seconds=1000 / prefill, first_token=1)]}
+    for b, tps in decode.items():
+        runs[f"decode@{b}"] = [DecodeTiming(batch=b, prompt_len=8, new_tokens=11, total_seconds=2.0,
+                                            prefill_seconds=1.0, decode_seconds=10 * b / tps, decode_tokens=10 * b,
+                                            steps=11, token_ids=[[1] * 11] * b)]
+    return runs
+
+
+@pytest.mark.parametrize("cpu_kind", list(THROUGHPUT_TARGETS))
+def test_throughput_targets_follow_the_cpu_kind(cpu_kind: str) -> None:
+    cfg = ThroughputConfig(batch_sizes=(1, 16), repeats=1,
+                           arms=("hyprefix", "transformers", "hyprefix@bfloat16", "hyprefix@float32"))
+    runs = {"hyprefix": _timings(120.0, {1: 6.0, 16: 48.0}), "transformers": _timings(100.0, {1: 5.0, 16: 30.0}),
+            "hyprefix@bfloat16": _timings(20.0, {1: 9.0, 16: 10.0}),
+            "hyprefix@float32": _timings(125.0, {1: 6.0, 16: 48.0})}
+    s = summarise_throughput(runs, str(demo_model_path("dense", "tiny")), cfg, None, cpu_kind)
+    by_name = {r["name"]: r for r in s["ratios"]}
+    assert s["targets"] == cpu_kind
+    for label, _, _, target in THROUGHPUT_TARGETS[cpu_kind]:
+        assert by_name[label]["target"] == target
+    assert by_name["prefill hyprefix / transformers"]["value"] == pytest.approx(1.2)
+    same_batch = by_name["decode hyprefix B=16 / transformers B=16"]
+    assert same_batch["value"] == pytest.approx(1.6)
+    assert same_batch["target"] == (1.5 if cpu_kind == "no-native-bf16" else None)
+    auto = by_name["prefill hyprefix / fastest explicit dtype (hyprefix@float32)"]
+    assert auto["value"] == pytest.approx(120 / 125) and auto["target"] == 0.9 and auto["pass"] is True
+
+
+def test_throughput_arms_may_name_a_dtype() -> None:
+    assert split_arm("hyprefix@float32") == ("hyprefix", "float32") and split_arm("transformers") == (
+        "transformers", None)
+    ThroughputConfig(arms=("hyprefix", "hyprefix@bfloat16", "transformers@float32"))
+    for bad in (("hyprefix@int8",), ("vllm@float32",), ("hyprefix", "hyprefix")):
+        with pytest.raises(ValueError, match="arms must be"):
+            ThroughputConfig(arms=bad)
+
+
 def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
     out = tmp_path / "throughput.json"
     assert main(["--log-level", "WARNING", "bench", "--workload", "throughput", "--model", "demo-dense-tiny",
-                 "--dtype", "float32", "--repeats", "1", "--prompt-len", "24", "--decode-prompt-len", "8",
+                 "--repeats", "1", "--prompt-len", "24", "--decode-prompt-len", "8", "--arms",
+                 "hyprefix,transformers,hyprefix@float32",
                  "--decode-tokens", "3", "--batch-sizes", "1,2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "prefill hyprefix / transformers" in printed
+    assert "prefill hyprefix / transformers" in printed and "(auto -> float32)" in printed  # float32 checkpoint
     result = json.loads(out.read_text())
     assert result["peak"]["gflops"] > 0 and result["peak"]["dtype"] == "float32"
+    assert result["peak"]["path"] in (("plain", "prepacked") if device_caps("cpu").prepack(torch.float32)
+                                      else ("plain",))
+    assert result["peak"]["gflops"] >= result["peak"]["plain_gflops"]
+    assert result["environment"]["device_caps"] == device_caps("cpu").to_dict()
+    assert result["arm_info"]["hyprefix"]["dtype"] == result["arm_info"]["transformers"]["dtype"] == "float32"
+    assert any(r["name"].startswith("prefill hyprefix / fastest explicit dtype") for r in result["ratios"])
     medians = result["medians_tokens_per_s"]
-    assert set(medians) == {"hyprefix", "transformers"}
+    assert set(medians) == {"hyprefix", "transformers", "hyprefix@float32"}
     for arm in medians.values():
         assert set(arm) == {"prefill", "decode@1", "decode@2"} and all(v > 0 for v in arm.values())
     names = [r["name"] for r in result["ratios"]]

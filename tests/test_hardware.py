@@ -71,6 +71,19 @@ def test_choice_is_logged_and_a_slow_explicit_dtype_warns(monkeypatch, caplog):
     assert "'auto' would pick float32" in warnings[0].message
 
 
+def test_an_isa_override_gets_its_own_compile_cache(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    hardware.separate_compile_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # no override: torch's own default
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    hardware.separate_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("aten-avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/chosen/by/user")
+    hardware.separate_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/chosen/by/user"
+
+
 def test_auto_on_this_cpu_runs_the_native_dtype(bf16_checkpoint):
     caps = device_caps("cpu")
     llm = LLM(str(bf16_checkpoint), dtype="auto", num_kv_blocks=64)
@@ -97,7 +110,7 @@ logging.basicConfig(level=logging.INFO)
 from hyprefix import LLM, SamplingParams
 from hyprefix.hardware import device_caps
 params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]  # 40 tokens: the compiled kernels too
 report = {"caps": device_caps("cpu").to_dict()}
 for dtype in ("auto", "bfloat16", "float32"):
     llm = LLM(sys.argv[1], dtype=dtype, num_kv_blocks=64)
@@ -105,17 +118,18 @@ for dtype in ("auto", "bfloat16", "float32"):
     outs = llm.generate(prompts, params, use_tqdm=False)
     report[dtype] = {"dtype": str(llm.engine.dtype), "mlp_packed": model.layers[0].mlp._packed is not None,
                      "tokens": [o.outputs[0].token_ids for o in outs]}
+import os
+report["compile_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 print("REPORT " + json.dumps(report))
 """
 
 
-def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint, tmp_path):
+def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     """Under oneDNN's and ATen's AVX2 limits (a Zen 3 without AVX-512), a bf16
     checkpoint loads with "auto" (-> float32, prepacked) and with an explicit
     "bfloat16" (plain path, a warning), and both generate."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-           # Inductor's cache key misses the ATen ISA: a kernel cached under AVX-512 gives wrong numbers.
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the engine must keep the emulated ISA's kernels apart
     proc = subprocess.run([sys.executable, "-c", EMULATED, str(bf16_checkpoint)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -126,5 +140,6 @@ def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint, tmp_path):
     assert report["bfloat16"]["dtype"] == "torch.bfloat16" and report["bfloat16"]["mlp_packed"] is False
     assert report["auto"]["tokens"] == report["float32"]["tokens"]
     assert all(len(t) == 5 for t in report["bfloat16"]["tokens"])
+    assert report["compile_cache"].endswith("aten-avx2")
     assert "dtype auto -> float32" in proc.stderr
     assert "dtype bfloat16 is not native" in proc.stderr and "'auto' would pick float32" in proc.stderr

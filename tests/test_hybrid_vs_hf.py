@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import HYBRID_ARCHS, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.hardware import device_caps
+from hyprefix.models.mamba2 import Mamba2Mixer
 
 LOGIT_ATOL = 1e-4
 # Shorter than the conv kernel (4), around the SSD chunk (16) and the block size, and
@@ -40,4 +43,8 @@ def test_greedy_matches_hf_generate(hybrid_models, arch, block_size):
 def test_bfloat16_hybrid_close_to_float32_reference(hybrid_models):
     path, hf = hybrid_models["nemotron_h"]
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
+    mixers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
+    # The Mamba input projection is prepacked exactly where oneDNN runs bf16 on this CPU.
+    assert mixers and all((m.in_proj._packed is not None) is device_caps("cpu").prepack(torch.bfloat16)
+                          for m in mixers)
     assert all(err < 0.05 * scale for err, scale in logit_errors(llm, hf, random_prompts((5, 40), seed=4)))

@@ -73,3 +73,16 @@ def test_bfloat16_packed_path_close_to_float32_reference(tiny_models, arch):
     prompts = random_prompts(LENGTHS, seed=4)
     for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
         assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"
+
+
+def test_float16_runs_as_asked_on_any_cpu(tiny_models):
+    """An explicit float16 is honoured (prepacked only where oneDNN runs fp16) and stays
+    within fp16 rounding of the float32 reference."""
+    path, hf = tiny_models["qwen3"]
+    llm = LLM(str(path), dtype="float16", num_kv_blocks=128)
+    model = llm.engine.runner.model
+    assert model.dtype == torch.float16
+    assert_packed_as_the_cpu_allows(model, torch.float16)
+    prompts = random_prompts(LENGTHS, seed=5)
+    for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
+        assert err < 0.01 * scale, f"len {len(p)}: fp16 error {err:.3g} vs logit scale {scale:.3g}"

@@ -203,7 +203,6 @@ def _run_throughput(ns: argparse.Namespace) -> int:
         progress.finish()
 
     env["load_average_at_end"] = load_average()
-    env["device_caps"] = caps.to_dict()
     result = {"model": model, "dtype": _dtype_label(model, ns.dtype),
               "environment": env, "peak": peak.to_dict(),
               "arm_info": {name: arm.info() for name, arm in arms.items()}, "cpu_contention": meter.stop(),

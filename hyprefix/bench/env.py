@@ -11,14 +11,10 @@ from pathlib import Path
 from typing import Any
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def cpu_kind(caps: dict[str, Any]) -> str:
+    """The CPU's ISA and bf16 support in a few words, for report headers."""
+    bf16 = ("AMX-BF16" if caps["amx"] else "AVX512-BF16") if caps["native_bf16"] else "no native bf16"
+    return f"{caps['isa']}, {bf16}"
 
 
 def usable_cores() -> int:
@@ -50,6 +46,9 @@ def environment() -> dict[str, Any]:
     import transformers
 
     import hyprefix
+    from hyprefix.hardware import device_caps
+
+    caps = device_caps("cpu")
 
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -58,7 +57,9 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hyprefix": hyprefix.__version__,
-        "cpu_model": cpu_model(),
+        "cpu_model": caps.name,
+        "cpu_kind": cpu_kind(caps.to_dict()),
+        "device_caps": caps.to_dict(),
         "cpu_count": os.cpu_count(),
         "usable_cores": usable_cores(),
         "torch_num_threads": torch.get_num_threads(),

@@ -20,6 +20,12 @@ def _table(rows: list[list[str]], header: list[str], left: tuple[int, ...] = (0,
     return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
+def _machine(env: dict[str, Any]) -> str:
+    """The CPU (model and kind), threads and library versions of a run."""
+    return (f"{env['cpu_model']} ({env.get('cpu_kind', 'kind not recorded')}), {env['torch_num_threads']} threads, "
+            f"torch {env['torch']}, transformers {env['transformers']}")
+
+
 def format_throughput(result: dict[str, Any]) -> str:
     cfg, env = result["config"], result["environment"]
     medians = result["medians_tokens_per_s"]
@@ -27,8 +33,7 @@ def format_throughput(result: dict[str, Any]) -> str:
     peak = result.get("peak")
     out = [
         f"hyprefix bench --workload throughput: {result['model']} ({result['dtype']})",
-        f"{env['cpu_model']}, {env['torch_num_threads']} threads, torch {env['torch']}, "
-        f"transformers {env['transformers']}; median (min-max) of {cfg['repeats']} repeats",
+        f"{_machine(env)}; median (min-max) of {cfg['repeats']} repeats",
         "",
     ]
     ranges = result["range_tokens_per_s"]
@@ -115,8 +120,7 @@ def format_prefix(result: dict[str, Any]) -> str:
     if models.get("compare_model"):
         out.append(f"compare-hyprefix = the hyprefix arm on {models['compare_model']}")
     out += [
-        f"{env['cpu_model']}, {env['torch_num_threads']} threads, torch {env['torch']}, "
-        f"transformers {env['transformers']}; times: median (min-max) of {repeats} repeat(s); "
+        f"{_machine(env)}; times: median (min-max) of {repeats} repeat(s); "
         f"TTFT / TPOT percentiles over every request of every repeat",
         f"workload: {result['description']}",
         "",

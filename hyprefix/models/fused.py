@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from hyprefix.hardware import separate_compile_cache
+
 # Steps with at least this many tokens use the compiled kernels.
 COMPILE_MIN_TOKENS = 32
 
@@ -55,6 +57,8 @@ class Kernels:
 
     def __init__(self, compile_enabled: bool) -> None:
         self.compile_enabled = compile_enabled
+        if compile_enabled:
+            separate_compile_cache()
         self._compiled: dict[str, Callable] = {}
 
     def _pick(self, fn: Callable, num_tokens: int) -> Callable:
