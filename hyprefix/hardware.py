@@ -146,8 +146,9 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype, device: torch.device)
         return auto
     dtype = {name: dt for dt, name in DTYPE_NAMES.items()}[requested]
     if not caps.native(dtype):
-        log.warning("dtype %s is not native on %s: it runs correctly but slower; dtype='auto' would pick %s",
-                    requested, caps.describe(), DTYPE_NAMES[auto])
+        log.warning("dtype %s is not native on %s: its matmuls are emulated, correct but slower for prefill and "
+                    "batched decode (batch-1 decode, bound by reading the weights, can be faster); dtype='auto' "
+                    "would pick %s", requested, caps.describe(), DTYPE_NAMES[auto])
     return dtype
 
 
