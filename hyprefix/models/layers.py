@@ -60,8 +60,8 @@ def mkldnn_packing_available(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight in oneDNN's blocked layout. On CPU at small batch: bf16 1.3-3x faster
-    than the plain path; float32 1.4-2.7x faster than MKL's sgemm at M=1..16 and
-    1.1-1.3x at prefill sizes (``docs/`` has the numbers)."""
+    than the plain path; float32 1.1-2.7x faster than MKL's sgemm at M=1..16 and
+    1.04-1.25x at prefill sizes (``docs/`` has the numbers)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
