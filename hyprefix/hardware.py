@@ -34,7 +34,8 @@ import torch
 
 log = logging.getLogger("hyprefix")
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,14 @@ class DeviceCaps:
         return torch.float32, (f"the checkpoint is {ckpt}, which {self.describe()} does not compute natively; "
                                "float32 is the fast path here")
 
+    def kind(self) -> str:
+        """The ISA and bf16 support in a few words: "AVX2, no native bf16", "AVX512, AMX-BF16"."""
+        bf16 = ("AMX-BF16" if self.amx else "AVX512-BF16") if self.native_bf16 else "no native bf16"
+        return f"{self.isa}, {bf16}" if self.device_type == "cpu" else self.isa
+
     def describe(self) -> str:
-        if self.device_type == "cpu":
-            feats = [self.isa]
-            if self.native_bf16:
-                feats.append("AMX-BF16" if self.amx else "AVX512-BF16")
-            return f"this CPU ({self.name}, {', '.join(feats)})"
-        return f"this {self.device_type} device ({self.name}, {self.isa})"
+        what = "CPU" if self.device_type == "cpu" else f"{self.device_type} device"
+        return f"this {what} ({self.name}, {self.kind()})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,7 +146,7 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype, device: torch.device)
     if requested == "auto":
         log.info("dtype auto -> %s: %s", DTYPE_NAMES[auto], reason)
         return auto
-    dtype = {name: dt for dt, name in DTYPE_NAMES.items()}[requested]
+    dtype = DTYPES[requested]
     if not caps.native(dtype):
         log.warning("dtype %s is not native on %s: its matmuls are emulated, correct but slower for prefill and "
                     "batched decode (batch-1 decode, bound by reading the weights, can be faster); dtype='auto' "

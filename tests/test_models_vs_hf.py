@@ -60,29 +60,20 @@ def assert_packed_as_the_cpu_allows(model, dtype: torch.dtype) -> None:
     assert head_packed is expected
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied LM head
-def test_bfloat16_packed_path_close_to_float32_reference(tiny_models, arch):
-    """bf16 uses prepacked oneDNN matmuls with fused SiLU*up where the CPU runs bf16 in
-    oneDNN, the plain path elsewhere; either way its logits stay within bf16 rounding
-    of the float32 reference."""
+@pytest.mark.parametrize("dtype,arch,seed,rel_tol", [
+    (torch.bfloat16, "qwen3", 4, 0.05),  # tied LM head
+    (torch.bfloat16, "llama", 4, 0.05),  # untied LM head
+    (torch.float16, "qwen3", 5, 0.01),  # an explicit float16 is honoured, not swapped for bf16
+])
+def test_half_precision_close_to_float32_reference(tiny_models, dtype, arch, seed, rel_tol):
+    """bf16 and fp16 use prepacked oneDNN matmuls with fused SiLU*up where the CPU runs
+    that dtype in oneDNN, the plain path elsewhere; either way their logits stay within
+    the dtype's rounding of the float32 reference."""
     path, hf = tiny_models[arch]
-    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
+    llm = LLM(str(path), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=128)
     model = llm.engine.runner.model
-    assert model.dtype == torch.bfloat16
-    assert_packed_as_the_cpu_allows(model, torch.bfloat16)
-    prompts = random_prompts(LENGTHS, seed=4)
+    assert model.dtype == dtype
+    assert_packed_as_the_cpu_allows(model, dtype)
+    prompts = random_prompts(LENGTHS, seed=seed)
     for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
-        assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"
-
-
-def test_float16_runs_as_asked_on_any_cpu(tiny_models):
-    """An explicit float16 is honoured (prepacked only where oneDNN runs fp16) and stays
-    within fp16 rounding of the float32 reference."""
-    path, hf = tiny_models["qwen3"]
-    llm = LLM(str(path), dtype="float16", num_kv_blocks=128)
-    model = llm.engine.runner.model
-    assert model.dtype == torch.float16
-    assert_packed_as_the_cpu_allows(model, torch.float16)
-    prompts = random_prompts(LENGTHS, seed=5)
-    for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
-        assert err < 0.01 * scale, f"len {len(p)}: fp16 error {err:.3g} vs logit scale {scale:.3g}"
+        assert err < rel_tol * scale, f"len {len(p)}: {dtype} error {err:.3g} vs logit scale {scale:.3g}"

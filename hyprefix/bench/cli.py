@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hyprefix.config import DTYPES
+
 WORKLOADS = ("throughput", "shared-prefix", "rl-burst", "multi-turn", "random")
 PREFIX_WORKLOADS = ("shared-prefix", "rl-burst", "multi-turn", "random")
 DEFAULT_ARMS = {"throughput": ["hyprefix", "transformers"]}
@@ -58,7 +60,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     bench.add_argument("--model", default=None,
                        help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
                             "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-dense-tiny, demo-hybrid-tiny")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+    bench.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="every arm's dtype (default auto: the engine's choice for this CPU, and the same "
                             "dtype for transformers); throughput arms may name their own, e.g. hyprefix@float32")
     bench.add_argument("--arms", type=_str_list, default=None,
@@ -203,7 +205,7 @@ def _run_throughput(ns: argparse.Namespace) -> int:
         progress.finish()
 
     env["load_average_at_end"] = load_average()
-    result = {"model": model, "dtype": _dtype_label(model, ns.dtype),
+    result = {"model": model, "dtype": _dtype_label(ns.dtype, dtype),
               "environment": env, "peak": peak.to_dict(),
               "arm_info": {name: arm.info() for name, arm in arms.items()}, "cpu_contention": meter.stop(),
               **result}
@@ -224,6 +226,7 @@ def _run_prefix(ns: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from hyprefix.bench.arms import run_dtype
     from hyprefix.bench.env import CpuMeter, environment, load_average, max_rss_gib, usable_cores
     from hyprefix.bench.online import SERVER_ARM, ServerArm
     from hyprefix.bench.prefix import COMPARE_ARM, PrefixBenchConfig, load_arm, run_prefix_bench, summarise
@@ -309,7 +312,7 @@ def _run_prefix(ns: argparse.Namespace) -> int:
         "model": model,
         "models": {"model": label, "model_path": model, "compare_model": compare[1] if compare else None,
                    "compare_model_path": compare[0] if compare else None},
-        "dtype": ns.dtype if server is not None else _dtype_label(model, ns.dtype),
+        "dtype": ns.dtype if server is not None else _dtype_label(ns.dtype, run_dtype(model, ns.dtype)),
         "environment": env,
         "config": {"arms": list(cfg.arms), "repeats": cfg.repeats, "seed": cfg.seed, "engine_kwargs": engine_kwargs,
                    "cache_between_repeats": "one engine per arm, reset_prefix_cache() before every timed run"},
@@ -329,12 +332,9 @@ def _run_prefix(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _dtype_label(model: str, dtype: str) -> str:
+def _dtype_label(requested: str, resolved: str) -> str:
     """``--dtype`` as run: "auto -> float32" when auto resolved to float32."""
-    from hyprefix.bench.arms import run_dtype
-
-    resolved = run_dtype(model, dtype)
-    return dtype if resolved == dtype else f"{dtype} -> {resolved}"
+    return requested if resolved == requested else f"{requested} -> {resolved}"
 
 
 class _Progress:

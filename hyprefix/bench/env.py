@@ -11,12 +11,6 @@ from pathlib import Path
 from typing import Any
 
 
-def cpu_kind(caps: dict[str, Any]) -> str:
-    """The CPU's ISA and bf16 support in a few words, for report headers."""
-    bf16 = ("AMX-BF16" if caps["amx"] else "AVX512-BF16") if caps["native_bf16"] else "no native bf16"
-    return f"{caps['isa']}, {bf16}"
-
-
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -58,7 +52,7 @@ def environment() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "hyprefix": hyprefix.__version__,
         "cpu_model": caps.name,
-        "cpu_kind": cpu_kind(caps.to_dict()),
+        "cpu_kind": caps.kind(),
         "device_caps": caps.to_dict(),
         "cpu_count": os.cpu_count(),
         "usable_cores": usable_cores(),

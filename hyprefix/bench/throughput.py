@@ -47,10 +47,11 @@ from hyprefix.bench.arms import Arm, DecodeTiming, HyprefixArm, PrefillTiming, T
 from hyprefix.bench.env import CpuMeter
 from hyprefix.bench.flops import ModelShape, prefill_flops
 from hyprefix.bench.peak import PeakResult
+from hyprefix.config import DTYPES
 
 PROMPT_TOKEN_LIMIT = 4096  # random prompt ids are drawn from [0, 4096)
 ARMS = ("hyprefix", "transformers")
-ARM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ARM_DTYPES = DTYPES  # the engine's dtype names, "auto" included
 # A timed run is "disturbed" when other processes used more than this many cores meanwhile.
 DISTURBED_CORES = 0.25
 # (name, numerator (arm, case), denominator (arm, case), target), per CPU kind

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import torch
 
-from hyprefix.hardware import resolve_dtype
+from hyprefix.hardware import DTYPES, resolve_dtype
 from hyprefix.models.registry import model_class
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ def checkpoint_dtype(hf_config) -> torch.dtype:
     raw = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     if isinstance(raw, torch.dtype):
         return raw
-    return _DTYPES.get(str(raw).replace("torch.", ""), torch.float32)
+    return DTYPES.get(str(raw).replace("torch.", ""), torch.float32)
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
