@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,32 +51,64 @@ class OutputStream:
     each request that progressed since the last iteration) and ends when every
     request added to the stream has finished. ``close()`` aborts the unfinished
     ones; call it (e.g. in ``finally``) whenever the consumer stops early.
+
+    Outputs coalesce: a consumer that falls behind gets each request's latest
+    output, never a backlog, so a stream holds at most one output per request. A
+    consumer that takes nothing for ``stall_timeout`` seconds while outputs wait
+    (a client that stopped reading) has its requests aborted and their blocks freed.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, stall_timeout: float | None = None) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._stall_timeout = stall_timeout
+        self._latest: dict[str, RequestOutput] = {}  # unread outputs, the newest per request
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self._unread_since: float | None = None  # when the oldest unread output arrived
         self._unfinished: set[str] = set()
         self._closed = False
+        self.stalled = False
 
     def __aiter__(self) -> OutputStream:
         return self
 
     async def __anext__(self) -> list[RequestOutput]:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        latest: dict[str, RequestOutput] = {}
-        for item in items:
-            if isinstance(item, BaseException):
+        while True:
+            if self._error is not None:
                 self._unfinished.clear()
-                raise item
-            latest[item.request_id] = item
-            if item.finished:
-                self._unfinished.discard(item.request_id)
-        return list(latest.values())
+                raise self._error
+            if self._latest:
+                outputs, self._latest, self._unread_since = list(self._latest.values()), {}, None
+                for out in outputs:
+                    if out.finished:
+                        self._unfinished.discard(out.request_id)
+                return outputs
+            if not self._unfinished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+
+    @property
+    def num_buffered(self) -> int:
+        """Outputs delivered and not yet read (at most one per request)."""
+        return len(self._latest)
+
+    def _put(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if self._unread_since is None:
+            self._unread_since = now
+        self._latest[out.request_id] = out
+        self._ready.set()
+        if (self._stall_timeout and not out.finished and not self._closed
+                and now - self._unread_since > self._stall_timeout):
+            log.warning("aborting %s: its reader took nothing for %.0fs", ", ".join(sorted(self._unfinished)),
+                        now - self._unread_since)
+            self.stalled = True
+            self.close()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
 
     @property
     def finished(self) -> bool:
@@ -100,9 +133,11 @@ class AsyncEngine:
     caller still listens.
     """
 
-    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+                 stall_timeout: float | None = None) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
+        self.stall_timeout = stall_timeout  # see OutputStream
         self.stats: dict[str, int | float] = engine.get_stats()
         self.iterations = 0  # loop iterations, for tests: it stays put while idle
         self.dead: BaseException | None = None
@@ -128,7 +163,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._closing and self.dead is None
 
     def open_stream(self) -> OutputStream:
-        return OutputStream(self)
+        return OutputStream(self, self.stall_timeout)
 
     async def add(self, stream: OutputStream, request_ids: list[str], add: Callable[[Engine], T]) -> T:
         """Run ``add(engine)`` on the engine thread (it must call ``engine.add_request``
@@ -229,7 +264,7 @@ class AsyncEngine:
                 self.dead = exc
             error = EngineDeadError(f"the engine failed: {exc!r}")
             for stream in set(self._streams.values()):
-                self._to_loop(stream._queue.put_nowait, error)
+                self._to_loop(stream._fail, error)
             self._streams.clear()
         finally:
             with self._lock:
@@ -318,4 +353,4 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 def _deliver(deliveries: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, out in deliveries:
-        stream._queue.put_nowait(out)
+        stream._put(out)

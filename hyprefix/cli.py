@@ -9,6 +9,7 @@ import os
 import sys
 
 from hyprefix.config import EngineArgs
+from hyprefix.server.limits import ServerLimits
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     api_key = ns.api_key or os.environ.get("HYPREFIX_API_KEY") or None
     run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_key,
-               access_log=ns.access_log, log_level=ns.log_level)
+               access_log=ns.access_log, log_level=ns.log_level,
+               limits=ServerLimits(**{name: getattr(ns, name) for name, *_ in ServerLimits.flags()}))
     return 0
 
 
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYPREFIX_API_KEY)")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                        help="log one line per HTTP request")
+    for name, kind, default, help_text in ServerLimits.flags():
+        serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
+                           help=f"{help_text} (default: %(default)s)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")

@@ -23,6 +23,13 @@ DEMO_VERSION = "2"
 
 ARCHS = ("dense", "hybrid")
 SIZES = ("tiny", "bench")
+# Names ``--model`` accepts for the demo models: (arch, size) of ``demo_model_path``.
+DEMO_ALIASES = {
+    "demo-dense-0.6b": ("dense", "bench"),
+    "demo-hybrid-0.5b": ("hybrid", "bench"),
+    "demo-dense-tiny": ("dense", "tiny"),
+    "demo-hybrid-tiny": ("hybrid", "tiny"),
+}
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 TOKENIZER_JSON = ASSETS_DIR / "tokenizer.json"
@@ -272,6 +279,15 @@ def demo_model_path(arch: str = "dense", size: str = "tiny") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def resolve_demo_alias(name: str) -> str | None:
+    """The cached directory of the demo model ``name`` names (built on first use), or
+    None when ``name`` is not one of ``DEMO_ALIASES``."""
+    if name not in DEMO_ALIASES:
+        return None
+    arch, size = DEMO_ALIASES[name]
+    return str(demo_model_path(arch, size))
 
 
 def _remove_stale_tmp(root: Path, name: str, max_age_s: float = 24 * 3600) -> None:

@@ -20,6 +20,7 @@ from hyprefix.request import Request
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.text import check_text, check_texts
 
 log = logging.getLogger("hyprefix")
 
@@ -157,6 +158,8 @@ class Engine:
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise ValueError("cache_salt must be a string")
+            if salt is not None:
+                check_text(salt, "cache_salt")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -166,6 +169,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            check_text(prompt, "the prompt")
             return prompt, list(self.tokenizer.encode(prompt)), salt
         if isinstance(prompt, list | tuple):
             ids = list(prompt)
@@ -181,6 +185,7 @@ class Engine:
 
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
+        check_texts(messages, "messages")
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         try:
@@ -191,9 +196,10 @@ class Engine:
         return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, group: str | None = None) -> None:
         """Validate and queue a request. Every user error raises ValueError before
-        anything is allocated."""
+        anything is allocated. ``group``: the client call the request belongs to (the
+        scheduler shares slots fairly between groups); by default its own."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -209,7 +215,8 @@ class Engine:
         samples = []
         for i, child_id in enumerate(child_ids):
             request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
-                              eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival)
+                              eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
+                              group=group or request_id)
             samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, ids, params.stop_list)))
         parent = _Parent(request_id, text, ids, samples, arrival)
         self._parents[request_id] = parent

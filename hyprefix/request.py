@@ -16,7 +16,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues find and remove a request without comparing fields
 class Request:
     """One sequence: prompt tokens plus the tokens generated so far.
 
@@ -30,6 +30,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    group: str | None = None  # the client call it belongs to (fair scheduling); None: its own group
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -47,6 +48,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def group_id(self) -> str:
+        return self.request_id if self.group is None else self.group
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +89,7 @@ class Request:
         last = self.output_token_ids[-1]
         if not self.params.ignore_eos and last in self.eos_token_ids:
             self.finish_reason, self.stop_reason = "stop", None
-        elif self.params.stop_token_ids and last in self.params.stop_token_ids:
+        elif last in self.params.stop_token_set:
             self.finish_reason, self.stop_reason = "stop", last
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
+
+from hyprefix.text import check_text
+
+# Every decode step checks every stop string (and id) of every running request, so one
+# request's long lists would slow every other client's tokens.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# What torch.Generator.manual_seed accepts (negative seeds wrap modulo 2**64).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
@@ -39,15 +51,30 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                f"seed must be an integer or None, got {self.seed!r}")
+        top = MAX_SEED - (self.n - 1)  # sample i of n uses seed + i
+        _check(self.seed is None or MIN_SEED <= self.seed <= top,
+               f"seed must be in [{MIN_SEED}, {top}]" + (f" with n={self.n}" if self.n > 1 else "")
+               + f", got {self.seed!r}")
         _check(self.stop is None or isinstance(self.stop, str | list | tuple),
-               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+               f"stop must be a non-empty string or a list of non-empty strings, got {reprlib.repr(self.stop)}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(len(stop) <= MAX_STOP_STRINGS,
+               f"stop has {len(stop)} strings, more than the limit of {MAX_STOP_STRINGS}")
         _check(all(isinstance(s, str) and s for s in stop),
-               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list | tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)),
-               f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+               f"stop must be a non-empty string or a list of non-empty strings, got {reprlib.repr(self.stop)}")
+        for i, s in enumerate(stop):
+            _check(len(s) <= MAX_STOP_STRING_CHARS,
+                   f"stop string {i} has {len(s)} characters, more than the limit of {MAX_STOP_STRING_CHARS}")
+            check_text(s, f"stop string {i}")
+        ids = self.stop_token_ids
+        _check(ids is None or isinstance(ids, list | tuple),
+               f"stop_token_ids must be a list of non-negative integers, got {reprlib.repr(ids)}")
+        _check(len(ids or ()) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids has {len(ids or ())} ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids or ()),
+               f"stop_token_ids must be a list of non-negative integers, got {reprlib.repr(ids)}")
         object.__setattr__(self, "stop_list", tuple(stop))
+        object.__setattr__(self, "stop_token_set", frozenset(ids or ()))
 
     @property
     def greedy(self) -> bool:

@@ -2,10 +2,18 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a request cap
 (``max_num_seqs``). Running requests (decodes and unfinished prefill chunks) are
-served first, in admission order, then waiting requests FCFS. Long prompts are
-prefilled in chunks that fit the budget. When the KV pool runs out, the newest
-running request is preempted: its blocks are freed and it is recomputed later
-(prompt plus the tokens it already generated), so nothing crashes.
+served first, in admission order, then waiting requests: FCFS within a group (one
+client call), round-robin between groups, groups with fewer running requests first
+(``wait_queue.py``). Long prompts are prefilled in chunks that fit the budget. When
+the KV pool runs out, the newest running request is preempted: its blocks are freed
+and it is recomputed later (prompt plus the tokens it already generated), so nothing
+crashes. When every slot is taken and a group waits with nothing running, a group
+holding more than half the slots gives back its newest one the same way, so one big
+call cannot hold the engine for everyone.
+
+Per step, admission looks at no more than ``max(SCAN_MIN, SCAN_PER_SEQ *
+max_num_seqs)`` waiting requests, so a queue of thousands costs no more than a
+short one; aborting a waiting or running request touches nothing else.
 
 With prefix caching, admission takes the longest cached prefix (skipped, not
 counted against the budget), requests wait for blocks a running sibling is
@@ -15,13 +23,17 @@ computing, and blocks are published after the step that completed them.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass
 
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.state_policy import StatePolicy
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
+from hyprefix.wait_queue import WaitQueue
+
+SCAN_MIN = 256
+SCAN_PER_SEQ = 4
 
 
 @dataclass(frozen=True)
@@ -35,8 +47,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.states = states  # hybrid models: Mamba live slots and checkpoints
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = WaitQueue()
+        self.running: list[Request] = []  # in admission order
+        self._running_in_group: Counter[str] = Counter()
         self.requests: dict[str, Request] = {}
         self._finished_since_schedule: list[str] = []
         self.num_preemptions = 0
@@ -72,13 +85,14 @@ class Scheduler:
         preempted: list[str] = []
         state_ops: list[tuple[int | None, int]] = []
         now = time.time()
+        fairness_preempted = self._preempt_for_fairness()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -90,6 +104,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(planned, budget, now, state_ops)
+        preempted = fairness_preempted + preempted
 
         seqs = [self._seq(request, n, write) for request, n, write in planned]
         finished, self._finished_since_schedule = self._finished_since_schedule, []
@@ -112,14 +127,16 @@ class Scheduler:
         requests cannot starve it.
         """
         bs = self.kv.block_size
-        kept: deque[Request] = deque()
+        admitted: list[Request] = []
         blocked = False
-        while self.waiting:
-            request = self.waiting.popleft()
+        scan = max(SCAN_MIN, SCAN_PER_SEQ * self.config.max_num_seqs)
+        for request in self.waiting.in_turn(self._running_in_group.__getitem__):
+            scan -= 1
+            if scan < 0:
+                break
             if blocked or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 if self.states is not None and self.kv.enable_caching:
                     self._ask_for_branch_checkpoint(request)  # it may branch off a prefill running now
-                kept.append(request)
                 continue
             hit_blocks = self.kv.match_prefix(request)
             owner = self.kv.pending_owner(request, len(hit_blocks))
@@ -129,7 +146,6 @@ class Scheduler:
                     self.sibling_waits += 1
                 if self.states is not None:
                     self._ask_for_branch_checkpoint(request)
-                kept.append(request)
                 continue
             request.waiting_on = None
             kv_hit_blocks, restore = len(hit_blocks), None
@@ -141,7 +157,6 @@ class Scheduler:
             n = min(request.num_tokens - hit_tokens, budget)
             if not self.kv.admit(request, hit_blocks, hit_tokens + n):
                 blocked = True
-                kept.append(request)
                 continue
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit_tokens
@@ -153,12 +168,47 @@ class Scheduler:
             if self.states is not None:
                 state_ops.append(self.states.admit(request, kv_hit_blocks, hit_tokens, restore))
             request.status = Status.RUNNING
-            self.running.append(request)
+            admitted.append(request)
+            self._run(request)
             # Positions below len(hit_blocks) * bs already sit in shared blocks.
             planned.append((request, n, hit_tokens >= len(hit_blocks) * bs))
             budget -= n
-        self.waiting = kept
+        for request in admitted:
+            self.waiting.remove(request)
         return budget
+
+    def _run(self, request: Request) -> None:
+        self.running.append(request)
+        self._running_in_group[request.group_id] += 1
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)  # identity (Request has eq=False); at most max_num_seqs entries
+        group = request.group_id
+        self._running_in_group[group] -= 1
+        if not self._running_in_group[group]:
+            del self._running_in_group[group]
+
+    def _preempt_for_fairness(self) -> list[str]:
+        """While every slot is taken and groups wait with nothing running (and not waiting
+        on a sibling's blocks), the group holding the most slots, if more than half,
+        gives back its newest requests: one per such group, down to half."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return []
+        big, held = max(self._running_in_group.items(), key=lambda item: item[1])
+        excess = held - self.config.max_num_seqs // 2
+        if excess <= 0:
+            return []
+        starving = 0
+        for group in self.waiting.groups():
+            head = self.waiting.head(group)
+            if self._running_in_group[group] == 0 and head is not None and head.waiting_on is None:
+                starving += 1
+                if starving == excess:
+                    break
+        victims = [r for r in reversed(self.running) if r.group_id == big][:starving]
+        for victim in victims:
+            self._preempt(victim)
+        return [victim.request_id for victim in victims]
 
     def _ask_for_branch_checkpoint(self, request: Request) -> None:
         """Hybrids: a waiting request will resume where its path leaves the blocks
@@ -191,6 +241,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        self._stop_running(request)
         self._release(request)
         request.num_computed_tokens = 0
         request.waiting_on = None
@@ -235,7 +286,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status == Status.RUNNING:
-            self.running.remove(request)
+            self._stop_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
@@ -259,6 +310,7 @@ class Scheduler:
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs
+        assert self._running_in_group == Counter(r.group_id for r in self.running), "group counts out of sync"
         for request in self.waiting:
             assert not self.kv.holds(request.request_id), f"waiting {request.request_id} holds blocks"
             assert request.num_computed_tokens == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.sampling import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_SEED
+from hyprefix.text import check_text
 
 VOCAB = 4096
 MAX_MODEL_LEN = 64
@@ -130,10 +132,48 @@ def test_bad_prompt_dicts(llm, prompt):
     dict(stop=123), dict(stop=[1]), dict(stop=[""]), dict(stop=""), dict(stop=["ok", None]),
     dict(stop={"a": 1}),
     dict(stop_token_ids=5), dict(stop_token_ids=[-1]), dict(stop_token_ids=[1.5]), dict(stop_token_ids=["2"]),
-], ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
+    dict(seed=2**64), dict(seed=MIN_SEED - 1), dict(seed=MAX_SEED, n=2), dict(seed=MAX_SEED - 2, n=4),
+    dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), dict(stop="x" * (MAX_STOP_STRING_CHARS + 1)),
+    dict(stop=["ok", "bad\ud800"]), dict(stop="\udfff"),
+    dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))),
+], ids=lambda kw: "-".join(f"{k}={v!r}"[:40] for k, v in kw.items()))
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(seed=2**64), "seed must be in"),
+    (dict(stop=["s"] * 20_000), f"limit of {MAX_STOP_STRINGS}"),
+    (dict(stop=["ok", "x" * 5000]), f"stop string 1 has 5000 characters, more than the limit of "
+                                     f"{MAX_STOP_STRING_CHARS}"),
+    (dict(stop=["ok", "ab\ud800"]), "stop string 1 is not valid Unicode (lone surrogate U+D800 at position 2)"),
+    (dict(stop_token_ids=[7] * 20_000), f"limit of {MAX_STOP_TOKEN_IDS}"),
+])
+def test_sampling_param_limits_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert message in str(info.value)
+    assert len(str(info.value)) < 200  # the message does not echo a huge input
+
+
+def test_seed_range_is_what_torch_accepts():
+    import torch
+
+    for seed in (MIN_SEED, -1, 0, 2**63, MAX_SEED):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+    params = SamplingParams(seed=MAX_SEED - 3, n=4)
+    for i in range(4):
+        torch.Generator().manual_seed(params.for_sample(i).seed)
+    for seed in (MIN_SEED - 1, MAX_SEED + 1):
+        with pytest.raises((ValueError, RuntimeError)):
+            torch.Generator().manual_seed(seed)
+
+
+def test_check_text():
+    check_text("plain, accentué, 漢字, 🙂", "x")
+    with pytest.raises(ValueError, match=r"^prompt is not valid Unicode \(lone surrogate U\+DC80 at position 3\)$"):
+        check_text("abc\udc80def", "prompt")
 
 
 def test_valid_sampling_params_edges():
@@ -142,6 +182,9 @@ def test_valid_sampling_params_edges():
     assert SamplingParams(stop=["a", "bc"]).stop_list == ("a", "bc")
     assert SamplingParams(stop="a").stop_list == ("a",)
     assert SamplingParams(stop=None).stop_list == ()
+    SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    SamplingParams(stop="x" * MAX_STOP_STRING_CHARS, seed=MAX_SEED - 1, n=2)
+    assert SamplingParams(stop_token_ids=[5, 7, 5]).stop_token_set == frozenset({5, 7})
 
 
 def test_params_of_the_wrong_type(llm):
@@ -186,4 +229,18 @@ def test_request_id_clashing_with_a_sample_of_another_request(llm):
     assert sorted(engine.scheduler.requests) == ["c#1", "d#0", "d#1"]
     assert engine.abort("c#1") and engine.abort("d")
     engine.step()
+    assert_untouched(llm)
+
+
+def test_many_stop_token_ids_still_stop_at_the_right_token(llm):
+    prompt = [5, 6, 7, 8]
+    (full,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    g = full.outputs[0].token_ids
+    k = next(i for i in range(2, len(g)) if g[i] not in g[:i])
+    others = [t for t in range(3, VOCAB) if t not in g[:k + 1]][:MAX_STOP_TOKEN_IDS - 1]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[*others, g[k]])
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == g[:k + 1]
+    assert (c.finish_reason, c.stop_reason) == ("stop", g[k])
     assert_untouched(llm)

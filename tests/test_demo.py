@@ -9,7 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hyprefix import demo
-from hyprefix.demo import demo_model_path, make_demo_model
+from hyprefix.bench.cli import resolve_model
+from hyprefix.demo import demo_model_path, make_demo_model, resolve_demo_alias
+from hyprefix.models.loader import resolve_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +193,16 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(RuntimeError):
         demo_model_path()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_model_aliases_name_the_demo_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_model_dir("demo-dense-tiny") == demo_model_path("dense", "tiny")
+    monkeypatch.setattr(demo, "demo_model_path", lambda arch, size: Path("/demo") / f"{arch}-{size}")
+    assert {name: resolve_demo_alias(name) for name in demo.DEMO_ALIASES} == {
+        "demo-dense-0.6b": "/demo/dense-bench", "demo-hybrid-0.5b": "/demo/hybrid-bench",
+        "demo-dense-tiny": "/demo/dense-tiny", "demo-hybrid-tiny": "/demo/hybrid-tiny"}
+    assert resolve_demo_alias("Qwen/Qwen3-0.6B") is None
+    assert resolve_model_dir("demo-hybrid-0.5b") == Path("/demo/hybrid-bench")
+    assert resolve_model("demo-hybrid-tiny") == ("/demo/hybrid-tiny", "demo-hybrid-tiny")  # the bench's --model
+    assert resolve_model(None) == ("/demo/dense-bench", "demo-dense-0.6b")
+    assert resolve_model("/some/dir") == ("/some/dir", "/some/dir")

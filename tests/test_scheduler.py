@@ -376,3 +376,109 @@ def test_eos_and_stop_token_ids_finish_early():
     assert r_eos.output_token_ids == [fake_token("e", 5), fake_token("e", 6), eos_tok]
     assert (r_eos.finish_reason, r_eos.stop_reason) == ("stop", None)
     assert r_ign.output_token_ids == expected_output(r_ign) and r_ign.finish_reason == "length"
+
+
+# ------------------------------------------------------------ fairness between client calls
+def grouped(group: str, count: int, n_prompt: int = 3, max_tokens: int = 4) -> list[Request]:
+    """``count`` sequences of one client call (as the server adds prompts x n)."""
+    return [Request(f"{group}-{i}", prompt_of(f"{group}-{i}", n_prompt),
+                    SamplingParams(temperature=0, max_tokens=max_tokens), group=group) for i in range(count)]
+
+
+def test_waiting_calls_take_turns():
+    # 2 slots, two calls of 4 sequences each: FCFS would run all of A before B.
+    s = make(num_blocks=64, budget=64, max_seqs=2)
+    a, b = grouped("A", 4, max_tokens=1), grouped("B", 4, max_tokens=1)
+    for r in a + b:
+        s.add_request(r)
+    admitted = [[q.request_id for q in step(s).seqs] for _ in range(4)]
+    assert admitted == [["A-0", "B-0"], ["A-1", "B-1"], ["A-2", "B-2"], ["A-3", "B-3"]]
+    assert s.num_preemptions == 0 and not s.has_unfinished()
+
+
+def test_a_call_holding_every_slot_gives_slots_back_down_to_half():
+    # Long decodes of one call fill all 4 slots; a newcomer must not wait for them to end.
+    s = make(num_blocks=64, budget=64, max_seqs=4)
+    big = grouped("big", 8, max_tokens=40)
+    for r in big:
+        s.add_request(r)
+    step(s)
+    assert [r.request_id for r in s.running] == ["big-0", "big-1", "big-2", "big-3"]
+    small = req("small", 3, max_tokens=2)
+    s.add_request(small)
+    out = step(s)  # the newest sequence of the big call is preempted, small runs in the same step
+    assert out.preempted_ids == ["big-3"] and big[3].status == Status.PREEMPTED
+    assert [q.request_id for q in out.seqs] == ["big-0", "big-1", "big-2", "small"]
+    out = step(s)
+    assert small.is_finished and small.output_token_ids == expected_output(small)
+    assert [r.request_id for r in s.running] == ["big-0", "big-1", "big-2"]
+    others = [req("x", 3, max_tokens=30), req("y", 3, max_tokens=30), req("z", 3, max_tokens=30)]
+    for r in others:
+        s.add_request(r)
+    out = step(s)  # a free slot: the first newcomer takes it, nobody is preempted
+    assert out.preempted_ids == [] and [r.request_id for r in s.running][-1] == "x"
+    out = step(s)  # big holds 3 of 4: it gives one back, down to half, and no further
+    assert out.preempted_ids == ["big-2"] and [r.request_id for r in s.running][-1] == "y"
+    out = step(s)
+    assert out.preempted_ids == [] and is_waiting(s, others[2])
+    run_to_end(s)
+    for r in big + others:
+        assert r.is_finished and r.output_token_ids == expected_output(r), r.request_id
+    assert s.kv.pool.num_used == 0
+
+
+def is_waiting(s: Scheduler, r: Request) -> bool:
+    return r in s.waiting and r.status == Status.WAITING
+
+
+def test_calls_within_half_the_slots_are_never_preempted_for_fairness():
+    # An offline batch: many calls of 2 sequences each, 4 slots; nobody holds more than half.
+    s = make(num_blocks=64, budget=64, max_seqs=4)
+    calls = [grouped(f"c{i}", 2, max_tokens=6) for i in range(6)]
+    for call in calls:
+        for r in call:
+            s.add_request(r)
+    run_to_end(s)
+    assert s.num_preemptions == 0
+    for call in calls:
+        for r in call:
+            assert r.output_token_ids == expected_output(r)
+
+
+def test_admission_looks_at_a_bounded_number_of_waiting_requests(monkeypatch):
+    from hyprefix import scheduler as scheduler_module
+
+    s = make(num_blocks=4096, block_size=4, budget=64, max_seqs=2, caching=True)
+    shared = prompt_of("shared", 40)
+    for i in range(3000):  # one call: 3,000 samples of a 40-token prompt; all but one wait for its blocks
+        s.add_request(Request(f"r{i}", shared, SamplingParams(temperature=0, max_tokens=1), group="fanout"))
+    looked = []
+    match = s.kv.match_prefix
+    monkeypatch.setattr(s.kv, "match_prefix", lambda r: looked.append(r.request_id) or match(r))
+    step(s)
+    limit = max(scheduler_module.SCAN_MIN, scheduler_module.SCAN_PER_SEQ * 2)
+    assert 0 < len(looked) <= limit
+    run_to_end(s, max_steps=5000)
+    assert s.kv.pool.num_used == 0
+
+
+def test_aborting_queued_and_running_sequences_compares_no_requests(monkeypatch):
+    s = make(num_blocks=64, budget=16, max_seqs=8)
+    reqs = grouped("fanout", 4096, max_tokens=8)
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    comparisons = []
+
+    def counting_eq(self, other):
+        comparisons.append(1)
+        return self is other
+
+    monkeypatch.setattr(Request, "__eq__", counting_eq)
+    for r in reversed(reqs):  # the newest first: every one is deep in the queue
+        s.finish(r.request_id, "abort")
+    # A deque would compare each aborted request with the ones before it (~8M times);
+    # only the running list (max_num_seqs long) is scanned now.
+    assert len(comparisons) <= 8 * 8
+    s.check_invariants()
+    assert not s.has_unfinished() and s.kv.pool.num_used == 0

@@ -43,7 +43,7 @@ def launch_server(log_path: Path, *extra: str, model_args: tuple[str, ...] | Non
     """Start ``hyprefix serve``, wait for /health, yield (base url, process), then SIGTERM it."""
     port = _free_port()
     if model_args is None:
-        model_args = ("--model", str(demo_model_path("dense")), "--served-model-name", MODEL)
+        model_args = ("--model", "demo-dense-tiny", "--served-model-name", MODEL)
     cmd = [sys.executable, "-m", "hyprefix.cli", "serve", *model_args, "--port", str(port),
            "--num-kv-blocks", "1024", "--enforce-eager", "--log-stats-interval", "0", "--no-access-log", *extra]
     log = log_path.open("w")
@@ -134,6 +134,25 @@ def test_health_models_and_version(server, client):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_models_do_not_show_the_model_directory(server):
+    response = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    (card,) = response.json()["data"]
+    assert card["id"] == card["root"] == MODEL
+    model_dir = str(demo_model_path("dense"))  # what --model demo-dense-tiny loads
+    assert model_dir not in response.text and "demo-dense-tiny" not in response.text
+
+
+def test_openapi_documents_the_errors_the_server_sends(server):
+    schema = httpx.get(f"{server}/openapi.json").json()
+    assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404", "413"):
+            assert responses[status]["content"]["application/json"]["schema"] == error_ref, (path, status)
+    assert set(schema["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
 
 
 def test_completion_stream_and_non_stream_agree(client):
@@ -342,6 +361,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "stop": [1, 2]}, 400, "stop"),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["s"] * 20_000}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["ok", "x\ud800"]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop_token_ids": list(range(5000))}, 400, "stop_token_ids"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
@@ -397,6 +419,24 @@ def test_bad_requests_get_openai_errors(server, endpoint, body, status, param):
 def test_malformed_bodies(server, content, status):
     _assert_error(_post(server, "completions", content), status)
     _assert_error(_post(server, "chat", content), status)
+
+
+def test_request_body_over_the_limit_gets_413(server, client):
+    """The server runs with the default --max-request-body-mb 16: a 17 MiB body is refused
+    whether its Content-Length says so or it arrives chunked."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    body = json.dumps({"model": MODEL, "prompt": "x" * (17 * 2**20), "max_tokens": 1}).encode()
+    declared = httpx.post(f"{server}/v1/completions", content=body, headers=headers, timeout=30)
+    assert _assert_error(declared, 413)["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(body), 2**20):
+            yield body[start:start + 2**20]
+
+    chunked = httpx.post(f"{server}/v1/chat/completions", content=chunks(), headers=headers, timeout=30)
+    assert "content-length" not in chunked.request.headers
+    assert _assert_error(chunked, 413)["code"] == "request_too_large"
+    assert client.completions.create(prompt="still fine", max_tokens=2, **GREEDY).usage.completion_tokens == 2
 
 
 def test_api_key(server, client):

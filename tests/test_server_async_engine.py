@@ -163,3 +163,53 @@ def test_engine_failure_fails_every_caller(engine):
             assert engine.get_stats()["kv_blocks_used"] == 0
 
     asyncio.run(main())
+
+
+def test_a_stream_nobody_reads_holds_only_the_latest_outputs(engine):
+    # n=4 samples, 150 tokens each, and the consumer reads nothing until the end: a queue of
+    # cumulative outputs would hold ~150 outputs of up to 600 token ids each.
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=150, ignore_eos=True, n=4)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            stream = ae.open_stream()
+            await ae.add(stream, ["fan"], adder("fan", [5, 6, 7], params))
+            peak = 0
+            while not (stream._latest.get("fan") and stream._latest["fan"].finished):
+                await asyncio.sleep(0.01)
+                held = sum(len(c.token_ids) for out in stream._latest.values() for c in out.outputs)
+                peak = max(peak, held)
+                assert stream.num_buffered <= 1
+            assert peak <= 4 * 150  # bounded by the current output, never steps x tokens
+            (final,) = await stream.__anext__()
+            assert final.finished and [len(c.token_ids) for c in final.outputs] == [150] * 4
+            assert stream.finished
+            await settle(ae)
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_reader_stalls_is_aborted_and_freed(engine):
+    async def main() -> None:
+        ae = AsyncEngine(engine, stall_timeout=0.3)
+        ae.start()
+        try:
+            reader = ae.open_stream()  # read steadily: never stalls, however long it runs
+            await ae.add(reader, ["steady"], adder("steady", [3, 4, 5], GREEDY))
+            stalled = ae.open_stream()
+            await ae.add(stalled, ["stuck"], adder("stuck", list(range(3, 40)), LONG))
+            assert (await collect(reader))["steady"].outputs[0].finish_reason == "length"
+            assert not reader.stalled
+            stats = await settle(ae)  # waits until "stuck" is gone: the stall aborted it
+            assert stats["kv_blocks_used"] == 0 and stalled.stalled
+            outs = await asyncio.wait_for(stalled.__anext__(), 5)  # what it held when aborted
+            assert len(outs) == 1 and not outs[0].finished
+            assert len(outs[0].outputs[0].token_ids) < LONG.max_tokens
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

@@ -13,13 +13,6 @@ WORKLOADS = ("throughput", "shared-prefix", "rl-burst", "multi-turn", "random")
 PREFIX_WORKLOADS = ("shared-prefix", "rl-burst", "multi-turn", "random")
 DEFAULT_ARMS = {"throughput": ["hyprefix", "transformers"]}
 PREFIX_DEFAULT_ARMS = ["hyprefix", "hyprefix-nocache", "transformers"]
-# --model aliases: (demo arch, demo size) of hyprefix.demo.demo_model_path
-MODEL_ALIASES = {
-    "demo-dense-0.6b": ("dense", "bench"),
-    "demo-hybrid-0.5b": ("hybrid", "bench"),
-    "demo-dense-tiny": ("dense", "tiny"),
-    "demo-hybrid-tiny": ("hybrid", "tiny"),
-}
 DEFAULT_MODEL = "demo-dense-0.6b"
 # Workload flags (argparse dest) -> the workload's field, per workload; a flag given for a
 # workload that does not take it is an error. None defaults mean the workload's default.
@@ -125,13 +118,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
 def resolve_model(name: str | None) -> tuple[str, str]:
     """(path or hub id, label) of a ``--model`` value: demo aliases become their cached
     directory (built on first use)."""
-    name = name or DEFAULT_MODEL
-    if name in MODEL_ALIASES:
-        from hyprefix.demo import demo_model_path
+    from hyprefix.demo import resolve_demo_alias
 
-        arch, size = MODEL_ALIASES[name]
-        return str(demo_model_path(arch, size=size)), name
-    return name, name
+    name = name or DEFAULT_MODEL
+    return resolve_demo_alias(name) or name, name
 
 
 def build_workload(ns: argparse.Namespace) -> Any:

@@ -1,4 +1,4 @@
-"""Load an HF checkpoint (local directory or hub id): config, safetensors weights, tokenizer."""
+"""Load an HF checkpoint (local directory, hub id or demo alias): config, safetensors weights, tokenizer."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ class LoadedModel:
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """The local directory of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``),
+    a directory, or a hub id (downloaded)."""
+    from hyprefix.demo import resolve_demo_alias
+
+    demo = resolve_demo_alias(model)
+    if demo is not None:
+        return Path(demo)
     path = Path(model).expanduser()
     if path.is_dir():
         return path

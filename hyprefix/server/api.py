@@ -15,18 +15,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hyprefix import __version__
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
 from hyprefix.metrics import ServerMetrics
+from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -38,14 +41,16 @@ DEMO_MODEL_NAME = "hyprefix-demo"
 _PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
 
 
-def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """An app serving ``engine``. Its engine thread starts and stops with the app's
     lifespan; ``app.state.async_engine`` and ``app.state.metrics`` expose both."""
     names = model_names or [engine.args.model or DEMO_MODEL_NAME]
-    async_engine = AsyncEngine(engine)
+    limits = limits or ServerLimits()
+    async_engine = AsyncEngine(engine, stall_timeout=limits.stream_stall_timeout or None)
     metrics = ServerMetrics(lambda: async_engine.stats, names[0])
     async_engine.on_outputs = metrics.observe
-    serving = OpenAIServing(async_engine, names)
+    serving = OpenAIServing(async_engine, names, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,7 +64,9 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
     app.state.async_engine, app.state.metrics = async_engine, metrics
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)  # the outermost: before any reading
     _add_error_handlers(app)
+    protected, generate = _documented_errors(api_key is not None, limits.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,22 +82,22 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=protected)
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, root=str(engine.model_path), max_model_len=engine.max_model_len)
-                 for name in names]
+        # root is the name, not engine.model_path: clients need not know the server's directories
+        cards = [ModelCard(id=name, root=name, max_model_len=engine.max_model_len) for name in names]
         return ModelList(data=cards).model_dump()
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=protected)
     async def reset_prefix_cache() -> dict[str, int]:
         dropped = await async_engine.call(engine.reset_prefix_cache)
         return {"dropped_blocks": dropped}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generate)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.completions(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generate)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, serving.chat(body))
 
@@ -124,6 +131,57 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _documented_errors(with_key: bool, max_body_bytes: int) -> tuple[dict[int | str, Any], dict[int | str, Any]]:
+    """OpenAPI ``responses`` of the protected routes and of the generation routes. Every
+    error has the ``ErrorResponse`` shape; declaring ``default`` also keeps FastAPI from
+    documenting its 422, which this server never sends (invalid bodies get a 400)."""
+    def error(description: str) -> dict[str, Any]:
+        return {"model": ErrorResponse, "description": description}
+
+    protected: dict[int | str, Any] = {}
+    if with_key:
+        protected[401] = error("Missing or wrong API key (code `invalid_api_key`)")
+    generate = {
+        400: error("Invalid value, type or JSON, or a prompt over the context (code `context_length_exceeded`)"),
+        **protected,
+        404: error("Unknown model (code `model_not_found`)"),
+        413: error(f"Request body over {max_body_bytes} bytes (code `request_too_large`)"),
+        "default": error("Any other error (405, 500, 503)"),
+    }
+    return protected, generate
+
+
+class _BodyLimit:
+    """Answers 413 to a request whose body is over ``max_bytes``: at once when its
+    Content-Length says so, else as soon as the bytes received (chunked) pass it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = f"The request body is larger than the limit of {self.max_bytes} bytes."
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await _error_response(APIError(413, too_large, code="request_too_large"))(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                # FastAPI re-raises an HTTPException met while reading the body; the handler answers it
+                raise StarletteHTTPException(413, too_large)
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+
 class _BearerAuth:
     """Requires ``Authorization: Bearer <key>`` on the OpenAI routes and cache control."""
 
@@ -145,6 +203,8 @@ class _BearerAuth:
 
 def _error_response(error: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    # A message may quote the client's text: escape what UTF-8 cannot carry (lone surrogates).
+    error.message = error.message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -164,7 +224,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        code = "request_too_large" if exc.status_code == 413 else None
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
 
     @app.exception_handler(EngineClosedError)
     async def closing(request: Request, exc: EngineClosedError) -> JSONResponse:
@@ -208,10 +269,11 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, model_names: list[str] | None = None,
-               api_key: str | None = None, access_log: bool = True, log_level: str = "info") -> None:
+               api_key: str | None = None, access_log: bool = True, log_level: str = "info",
+               limits: ServerLimits | None = None) -> None:
     """Load the model, then serve until SIGINT/SIGTERM (blocking)."""
     engine = Engine(args)
-    app = build_app(engine, model_names, api_key)
+    app = build_app(engine, model_names, api_key, limits)
     names = ", ".join(model_names or [args.model or DEMO_MODEL_NAME])
     log.info("serving %s on http://%s:%d (API key %s)", names, host, port, "required" if api_key else "off")
     config = uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level=log_level.lower(),

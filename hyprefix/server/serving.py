@@ -17,6 +17,7 @@ from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadErro
 from hyprefix.engine import Engine
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
+from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
     APIError,
     AssistantMessage,
@@ -35,7 +36,8 @@ from hyprefix.server.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "n")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "n",
+                    "cache_salt")
 
 
 @dataclass
@@ -52,14 +54,18 @@ class _Call:
     include_usage: bool
     return_token_ids: bool = False
 
+    def __post_init__(self) -> None:
+        self._index = {engine_id: i for i, engine_id in enumerate(self.engine_ids)}
+
     def prompt_index(self, engine_id: str) -> int:
-        return self.engine_ids.index(engine_id)
+        return self._index[engine_id]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
+        self.limits = limits or ServerLimits()
 
     # ------------------------------------------------------------- shared
     def _check(self, req: _SamplingRequest) -> str:
@@ -99,6 +105,7 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
 
         prompts = req.prompts()
+        self.limits.check_seqs(len(prompts), req.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
@@ -108,10 +115,11 @@ class OpenAIServing:
             tokenized = [engine.tokenize_prompt(p)[:2] for p in prompts]
             for _, ids in tokenized:
                 engine._validate(ids, params)
+            self.limits.check_tokens([len(ids) for _, ids in tokenized], max_tokens, req.n)
             texts = []
             for engine_id, (text, ids) in zip(engine_ids, tokenized, strict=True):
                 engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
-                                   arrival_time=arrival)
+                                   arrival_time=arrival, group=request_id)
                 texts.append(engine.tokenizer.decode(ids) if req.echo and text is None else text)
             return texts
 
@@ -149,6 +157,7 @@ class OpenAIServing:
         model = self._check(req)
         arrival = time.time()
         messages = [m.template_dict() for m in req.messages]
+        self.limits.check_seqs(1, req.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def add(engine: Engine) -> list[str | None]:
@@ -156,6 +165,7 @@ class OpenAIServing:
             pool_tokens = int(engine.get_stats()["kv_blocks_total"]) * engine.args.block_size
             room = min(engine.max_model_len, pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
+            self.limits.check_tokens([len(ids)], params.max_tokens, req.n)
             engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
                                arrival_time=arrival)
             return [None]
