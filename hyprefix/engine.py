@@ -102,6 +102,12 @@ class Engine:
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
 
+    def warmup(self) -> None:
+        """Compile the kernels of large steps now (the server calls it before serving)."""
+        t0 = time.perf_counter()
+        if self.runner.warmup():
+            log.info("warmed up the compiled kernels in %.1fs", time.perf_counter() - t0)
+
     def _kv_pool_size(self, model) -> tuple[int, int]:
         args = self.args
         bytes_per_block = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size)

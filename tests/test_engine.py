@@ -314,3 +314,23 @@ def test_abort_waiting_request(qwen3_dir):
     engine.step()
     engine.check_invariants()
     assert not engine.has_unfinished() and engine.get_stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "nemotron_h"])
+def test_warmup_compiles_ahead_and_changes_nothing(tiny_models, hybrid_models, arch):
+    """The server's warm-up step compiles the large-step kernels before any request; it
+    leaves no trace in the cache, the stats or the outputs."""
+    path = {**tiny_models, **hybrid_models}[arch][0]
+    cold = make_llm(path, enforce_eager=True)
+    expected = toks(gen(cold, PROMPTS, GREEDY))
+    llm = make_llm(path)
+    assert not llm.engine.runner.kernels._compiled
+    llm.engine.warmup()
+    compiled = set(llm.engine.runner.kernels._compiled)
+    assert "rms_norm" in compiled
+    stats = llm.get_stats()
+    assert stats["prefill_computed_tokens"] == stats["kv_blocks_used"] == stats["kv_blocks_cached"] == 0
+    assert toks(gen(llm, PROMPTS, GREEDY)) == expected  # with steps of 47 tokens: no new kernel
+    assert set(llm.engine.runner.kernels._compiled) == compiled
+    llm.check_invariants()
+    assert not make_llm(path, enforce_eager=True).engine.runner.warmup()  # nothing to compile

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from hyprefix.models.fused import Kernels
+from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.mamba2 import MambaLayerState
-from hyprefix.outputs import SchedulerOutput
+from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.sampler import Sampler
+from hyprefix.sampling import SamplingParams
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -68,6 +69,24 @@ class ModelRunner:
                 else:
                     layer.conv[dst].copy_(layer.ckpt_conv[src])
                     layer.ssm[dst].copy_(layer.ckpt_ssm[src])
+
+    def warmup(self) -> bool:
+        """Run one throwaway step big enough for the compiled kernels, so they compile
+        now rather than inside the first large request (which would hold every client).
+        It writes K/V into the first blocks and live state slot 0, which nothing reads
+        before its owner writes them. Returns whether it ran."""
+        tokens = COMPILE_MIN_TOKENS
+        num_blocks = -(-tokens // self.block_size)
+        if not self.kernels.compile_enabled or (self.kv_caches and self.kv_caches[0][0].shape[0] < num_blocks):
+            return False
+        live = bool(self.states) and self.states[0].conv.shape[0] > 0
+        if self.states and not live:
+            return False
+        seq = ScheduledSeq("warmup", [0] * tokens, 0, list(range(num_blocks)), sample=True,
+                           params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1)
+        self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
+        self.sampler.forget(["warmup"])
+        return True
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:

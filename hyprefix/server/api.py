@@ -273,6 +273,7 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, mode
                limits: ServerLimits | None = None) -> None:
     """Load the model, then serve until SIGINT/SIGTERM (blocking)."""
     engine = Engine(args)
+    engine.warmup()
     app = build_app(engine, model_names, api_key, limits)
     names = ", ".join(model_names or [args.model or DEMO_MODEL_NAME])
     log.info("serving %s on http://%s:%d (API key %s)", names, host, port, "required" if api_key else "off")
