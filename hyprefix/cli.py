@@ -50,8 +50,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from hyprefix.server import run_server
 
-    api_key = ns.api_key or os.environ.get("HYPREFIX_API_KEY") or None
-    run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_key,
+    env_keys = [key for key in os.environ.get("HYPREFIX_API_KEY", "").split(",") if key]
+    api_keys = ns.api_key or env_keys or None
+    run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_keys,
+               cache_per_key=ns.cache_per_key,
                access_log=ns.access_log, log_level=ns.log_level,
                limits=ServerLimits(**{name: getattr(ns, name) for name, *_ in ServerLimits.flags()}))
     return 0
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) clients use (default: --model, or hyprefix-demo)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYPREFIX_API_KEY)")
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: "
+                            "$HYPREFIX_API_KEY, comma-separated)")
+    serve.add_argument("--cache-per-key", action="store_true",
+                       help="each API key is a tenant: its requests share cached prefixes only with requests "
+                            "made with the same key, whatever cache_salt they send")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                        help="log one line per HTTP request")
     for name, kind, default, help_text in ServerLimits.flags():

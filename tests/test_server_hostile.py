@@ -196,3 +196,24 @@ def test_load_64_streams_a_third_cancelled_and_a_fan_out(server):
     wait_idle(server)
     assert metric(server, "hyprefix:kv_blocks_used") == 0
     assert metric(server, "hyprefix:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------- tenants
+def test_cache_per_key_keeps_tenants_apart(tmp_path):
+    keys = ["sk-tenant-a", "sk-tenant-b"]
+    with launch_server(tmp_path / "server.log", "--api-key", *keys, "--cache-per-key") as (url, _):
+        def cached(key: str, salt: str | None = None) -> int:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+            extra = {"cache_salt": salt} if salt else {}
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                            extra_body=extra)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        prompt = "A system prompt both tenants happen to send, long enough for a few blocks. " * 3
+        assert cached(keys[0], "shared-guess") == 0
+        assert cached(keys[0], "shared-guess") >= 16  # a tenant hits its own cache
+        assert cached(keys[1], "shared-guess") == 0  # the same salt from another key reaches nothing
+        assert cached(keys[1]) == 0
+        assert cached(keys[1]) >= 16
+        assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                          headers={"Authorization": "Bearer sk-nobody"}).status_code == 401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -41,10 +42,15 @@ DEMO_MODEL_NAME = "hyprefix-demo"
 _PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
 
 
-def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | list[str] | None = None,
+              limits: ServerLimits | None = None, cache_per_key: bool = False) -> FastAPI:
     """An app serving ``engine``. Its engine thread starts and stops with the app's
-    lifespan; ``app.state.async_engine`` and ``app.state.metrics`` expose both."""
+    lifespan; ``app.state.async_engine`` and ``app.state.metrics`` expose both.
+
+    ``api_key``: one key or several; with ``cache_per_key`` every key is a tenant whose
+    requests share cached blocks only with requests made with the same key (its
+    ``cache_salt`` is bound to the key), so no salt a client guesses reaches another
+    tenant's cache."""
     names = model_names or [engine.args.model or DEMO_MODEL_NAME]
     limits = limits or ServerLimits()
     async_engine = AsyncEngine(engine, stall_timeout=limits.stream_stall_timeout or None)
@@ -62,11 +68,14 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
 
     app = FastAPI(title="hyprefix", version=__version__, lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
-    if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if cache_per_key and not keys:
+        raise ValueError("--cache-per-key needs --api-key")
+    if keys:
+        app.add_middleware(_BearerAuth, api_keys=keys, tenants=cache_per_key)
     app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)  # the outermost: before any reading
     _add_error_handlers(app)
-    protected, generate = _documented_errors(api_key is not None, limits.max_body_bytes)
+    protected, generate = _documented_errors(bool(keys), limits.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -95,11 +104,11 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
 
     @app.post("/v1/completions", responses=generate)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completions(body))
+        return await _respond(request, serving.completions(body, _tenant(request)))
 
     @app.post("/v1/chat/completions", responses=generate)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body))
+        return await _respond(request, serving.chat(body, _tenant(request)))
 
     return app
 
@@ -182,22 +191,33 @@ class _BodyLimit:
         await self.app(scope, receive_within_limit, send)
 
 
-class _BearerAuth:
-    """Requires ``Authorization: Bearer <key>`` on the OpenAI routes and cache control."""
+def _tenant(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("tenant")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class _BearerAuth:
+    """Requires ``Authorization: Bearer <key>`` on the OpenAI routes and cache control.
+    With ``tenants``, the request's scope state gets ``tenant``: a digest of its key."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], tenants: bool = False) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [key.encode() for key in api_keys]
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            token = token.strip()
+            # compare with every key (constant time each), so the time does not tell which matched
+            matched = [key for key in self.expected if hmac.compare_digest(token, key)]
+            if scheme.lower() != b"bearer" or not matched:
                 error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                  code="invalid_api_key")
                 await _error_response(error)(scope, receive, send)
                 return
+            if self.tenants:
+                scope.setdefault("state", {})["tenant"] = hashlib.sha256(matched[0]).hexdigest()[:32]
         await self.app(scope, receive, send)
 
 
@@ -269,12 +289,12 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, model_names: list[str] | None = None,
-               api_key: str | None = None, access_log: bool = True, log_level: str = "info",
-               limits: ServerLimits | None = None) -> None:
+               api_key: str | list[str] | None = None, access_log: bool = True, log_level: str = "info",
+               limits: ServerLimits | None = None, cache_per_key: bool = False) -> None:
     """Load the model, then serve until SIGINT/SIGTERM (blocking)."""
     engine = Engine(args)
     engine.warmup()
-    app = build_app(engine, model_names, api_key, limits)
+    app = build_app(engine, model_names, api_key, limits, cache_per_key)
     names = ", ".join(model_names or [args.model or DEMO_MODEL_NAME])
     log.info("serving %s on http://%s:%d (API key %s)", names, host, port, "required" if api_key else "off")
     config = uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level=log_level.lower(),

@@ -99,7 +99,8 @@ class OpenAIServing:
         return ordered, _usage(ordered)
 
     # -------------------------------------------------------- completions
-    async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest,
+                          tenant: str | None = None) -> CompletionResponse | AsyncIterator[str]:
         model = self._check(req)
         arrival = time.time()
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -117,8 +118,9 @@ class OpenAIServing:
                 engine._validate(ids, params)
             self.limits.check_tokens([len(ids) for _, ids in tokenized], max_tokens, req.n)
             texts = []
+            salt = _salt(req.cache_salt, tenant)
             for engine_id, (text, ids) in zip(engine_ids, tokenized, strict=True):
-                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
+                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": salt}, params,
                                    arrival_time=arrival, group=request_id)
                 texts.append(engine.tokenizer.decode(ids) if req.echo and text is None else text)
             return texts
@@ -153,7 +155,8 @@ class OpenAIServing:
             call.stream.close()
 
     # --------------------------------------------------------------- chat
-    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest,
+                   tenant: str | None = None) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self._check(req)
         arrival = time.time()
         messages = [m.template_dict() for m in req.messages]
@@ -166,8 +169,8 @@ class OpenAIServing:
             room = min(engine.max_model_len, pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
             self.limits.check_tokens([len(ids)], params.max_tokens, req.n)
-            engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": req.cache_salt}, params,
-                               arrival_time=arrival)
+            engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": _salt(req.cache_salt, tenant)},
+                               params, arrival_time=arrival)
             return [None]
 
         call = await self._start(req, request_id, [request_id], model, add, "messages")
@@ -228,6 +231,11 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
     except (EngineClosedError, EngineDeadError) as exc:
         yield sse(APIError(503, str(exc), type="service_unavailable").body())
     yield "data: [DONE]\n\n"
+
+
+def _salt(cache_salt: str | None, tenant: str | None) -> str | None:
+    """The engine's cache salt: the client's, bound to its tenant when there is one."""
+    return cache_salt if tenant is None else f"{tenant}|{cache_salt or ''}"
 
 
 def _usage(outs: list[RequestOutput]) -> Usage:
