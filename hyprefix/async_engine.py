@@ -253,7 +253,7 @@ class AsyncEngine:
                 if running and engine.has_unfinished():
                     outputs = engine.step()
                     self._dispatch(outputs)
-                    if not outputs and not engine.scheduler.has_unfinished():
+                    if not outputs and not engine.has_unfinished_sequences():
                         # nothing schedulable yet something unfinished: wait, never spin
                         running = self._run_commands(block=True, timeout=0.05)
                 self.stats = engine.get_stats()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from hyprefix.cache.state import StateCache
 from hyprefix.cache.state_policy import StatePolicy
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
+from hyprefix.errors import RequestError
 from hyprefix.models.loader import load_model, load_tokenizer
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyprefix.request import Request
@@ -155,100 +157,120 @@ class Engine:
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache salt) of one prompt; raises ValueError on bad input."""
+        """(text, token ids, cache salt) of one prompt; raises RequestError on bad input."""
         salt = None
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unknown prompt keys {sorted(unknown)}")
+                raise RequestError(f"unknown prompt keys {sorted(unknown)}", param="prompt")
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
-                raise ValueError("cache_salt must be a string")
+                raise RequestError("cache_salt must be a string", param="cache_salt")
             if salt is not None:
-                check_text(salt, "cache_salt")
+                check_text(salt, "cache_salt", param="cache_salt")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
-            check_text(prompt, "the prompt")
+                raise RequestError("the prompt is empty", param="prompt")
+            check_text(prompt, "the prompt", param="prompt")
             return prompt, list(self.tokenizer.encode(prompt)), salt
         if isinstance(prompt, list | tuple):
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt token ids must be integers")
+                raise RequestError("prompt token ids must be integers", param="prompt")
             return None, ids, salt
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
+                           param="prompt")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation under the tokenizer's chat template (the one
-        implementation behind ``LLM.chat`` and the server); bad input raises ValueError."""
+        implementation behind ``LLM.chat`` and the server); bad input raises RequestError."""
         from jinja2 import TemplateError
 
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        check_texts(messages, "messages")
+            raise RequestError("messages must be a non-empty list", param="messages")
+        check_texts(messages, "messages", param="messages")
         if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
+            raise RequestError("this model's tokenizer has no chat template", param="messages")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
         except TemplateError as exc:
-            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
         return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, group: str | None = None) -> None:
-        """Validate and queue a request. Every user error raises ValueError before
-        anything is allocated. ``group``: the client call the request belongs to (the
-        scheduler shares slots fairly between groups); by default its own."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        for child_id in child_ids:  # e.g. "a#1" given by the user, then "a" with n=2
-            if child_id in self._samples or child_id in self.scheduler.requests:
-                raise ValueError(f"request id {request_id!r} clashes with request {child_id!r} in use")
-        text, ids, salt = self.tokenize_prompt(prompt)
-        self._validate(ids, params)
-        arrival = time.time() if arrival_time is None else arrival_time
-        samples = []
-        for i, child_id in enumerate(child_ids):
-            request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
-                              eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
-                              group=group or request_id)
-            samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, ids, params.stop_list)))
-        parent = _Parent(request_id, text, ids, samples, arrival)
-        self._parents[request_id] = parent
-        for sample in samples:
-            self._samples[sample.request.request_id] = (parent, sample)
-            self.scheduler.add_request(sample.request)
+        """Validate and queue one request (``add_requests`` with one item)."""
+        self.add_requests([(request_id, prompt, params)], arrival_time, group)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def add_requests(self, requests: Sequence[tuple[str, PromptInput, SamplingParams | None]],
+                     arrival_time: float | None = None, group: str | None = None) -> list[tuple[str | None, list[int]]]:
+        """Validate every request, then queue them all: a bad one (``RequestError``)
+        queues none and allocates nothing. ``group``: the client call they belong to
+        (the scheduler shares slots fairly between groups); by default each is its own.
+        Returns each prompt's (text or None, token ids)."""
+        checked = []
+        taken: set[str] = set()
+        for request_id, prompt, params in requests:
+            params = params or SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+            child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+            if request_id in self._parents or request_id in taken:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            for child_id in child_ids:  # e.g. "a#1" given by the user, then "a" with n=2
+                if child_id in self._samples or child_id in self.scheduler.requests or child_id in taken:
+                    raise RequestError(f"request id {request_id!r} clashes with request {child_id!r} in use")
+            taken.update([request_id, *child_ids])
+            text, ids, salt = self.tokenize_prompt(prompt)
+            self.validate(ids, params)
+            checked.append((request_id, child_ids, params, text, ids, salt))
+        arrival = time.time() if arrival_time is None else arrival_time
+        for request_id, child_ids, params, text, ids, salt in checked:
+            samples = []
+            for i, child_id in enumerate(child_ids):
+                request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
+                                  eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
+                                  group=group or request_id)
+                samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, ids, params.stop_list)))
+            parent = _Parent(request_id, text, ids, samples, arrival)
+            self._parents[request_id] = parent
+            for sample in samples:
+                self._samples[sample.request.request_id] = (parent, sample)
+                self.scheduler.add_request(sample.request)
+        return [(text, ids) for _, _, _, text, ids, _ in checked]
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` unless the prompt ``ids`` with ``params`` can ever run here."""
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
+        too_long = "context_length_exceeded"
         if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}",
+                               param="prompt", code=too_long)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len={self.max_model_len}")
-        capacity = self.kv.num_blocks * self.kv.block_size
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                               f"max_model_len={self.max_model_len}", param="prompt", code=too_long)
         if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens can never fit in the KV pool "
-                f"({self.kv.num_blocks} blocks = {capacity} tokens)")
+            raise RequestError(f"prompt + max_tokens = {total} tokens can never fit in the KV pool "
+                               f"({self.kv.num_blocks} blocks = {self.max_pool_tokens} tokens)", param="prompt",
+                               code=too_long)
+
+    @property
+    def max_pool_tokens(self) -> int:
+        """Tokens the whole KV pool holds: no request may need more."""
+        return self.kv.num_blocks * self.kv.block_size
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its samples); its blocks are freed at once. Returns
@@ -270,7 +292,12 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def has_unfinished(self) -> bool:
+        """Requests not finished, or outputs not yet returned by ``step``."""
         return bool(self._parents) or bool(self._pending_outputs)
+
+    def has_unfinished_sequences(self) -> bool:
+        """Sequences waiting or running: whether another ``step`` can make progress."""
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed."""

@@ -52,12 +52,8 @@ class LLM:
         for p in params_list:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
-        for prompt, p in zip(prompts, params_list, strict=True):
-            _, ids, _ = self.engine.tokenize_prompt(prompt)
-            self.engine._validate(ids, p)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, p)
+        self.engine.add_requests(list(zip(ids, prompts, params_list, strict=True)))
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -82,7 +78,7 @@ class LLM:
         try:
             while len(done) < len(ids):
                 outputs = self.engine.step()
-                if not outputs and not self.engine.scheduler.has_unfinished():
+                if not outputs and not self.engine.has_unfinished_sequences():
                     raise RuntimeError(f"engine went idle with {len(ids) - len(done)} requests unfinished")
                 for out in outputs:
                     if out.finished and out.request_id in wanted:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.errors import RequestError
 from hyprefix.sampling import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_SEED
 from hyprefix.text import check_text
 
@@ -37,10 +38,13 @@ def assert_untouched(llm: LLM) -> None:
     llm.check_invariants()
 
 
-def rejects(llm: LLM, prompt, params: SamplingParams = OK, request_id: str = "bad") -> None:
-    """Both entry points raise ValueError and queue / allocate nothing."""
-    with pytest.raises(ValueError):
+def rejects(llm: LLM, prompt, params: SamplingParams = OK, request_id: str = "bad",
+            param: str | None = "prompt") -> None:
+    """Both entry points raise RequestError (a ValueError naming the offending field) and
+    queue / allocate nothing."""
+    with pytest.raises(RequestError) as caught:
         llm.engine.add_request(request_id, prompt, params)
+    assert caught.value.param == param
     assert_untouched(llm)
     with pytest.raises(ValueError):
         llm.generate([prompt], params, use_tqdm=False)
@@ -119,7 +123,7 @@ def test_prompt_of_the_wrong_type(llm, prompt):
     {"prompt": "hello", "cache_salt": 5},
 ], ids=["extra-key", "misplaced-param", "wrong-key", "empty-dict", "salt-not-str"])
 def test_bad_prompt_dicts(llm, prompt):
-    rejects(llm, prompt)
+    rejects(llm, prompt, param="cache_salt" if "cache_salt" in prompt else "prompt")
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -188,7 +192,7 @@ def test_valid_sampling_params_edges():
 
 
 def test_params_of_the_wrong_type(llm):
-    rejects(llm, [5, 6, 7], {"temperature": 0})  # type: ignore[arg-type]
+    rejects(llm, [5, 6, 7], {"temperature": 0}, param=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         llm.generate([[5, 6], [7, 8]], [OK], use_tqdm=False)  # one params for two prompts
     assert_untouched(llm)
@@ -243,4 +247,36 @@ def test_many_stop_token_ids_still_stop_at_the_right_token(llm):
     c = out.outputs[0]
     assert c.token_ids == g[:k + 1]
     assert (c.finish_reason, c.stop_reason) == ("stop", g[k])
+    assert_untouched(llm)
+
+
+def test_errors_carry_the_field_and_the_code():
+    with pytest.raises(RequestError) as caught:
+        SamplingParams(top_p=0)
+    assert (caught.value.param, caught.value.code) == ("top_p", None)
+    with pytest.raises(RequestError) as caught:
+        SamplingParams(stop=["ok", "a\ud800"])
+    assert caught.value.param == "stop" and "Unicode" in str(caught.value)
+
+
+def test_context_errors_say_context_length_exceeded(llm, tiny_pool_llm):
+    for engine, params in ((llm.engine, SamplingParams(max_tokens=MAX_MODEL_LEN)),
+                           (tiny_pool_llm.engine, SamplingParams(max_tokens=20))):
+        with pytest.raises(RequestError) as caught:
+            engine.validate([5, 6, 7], params)
+        assert (caught.value.param, caught.value.code) == ("prompt", "context_length_exceeded")
+
+
+def test_add_requests_adds_all_or_none(llm):
+    engine = llm.engine
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_requests([("x", [5, 6], OK), ("x", [7, 8], OK)])
+    assert_untouched(llm)
+    added = engine.add_requests([("x", "hello", OK), ("y", [7, 8], OK)], group="call")
+    assert added[1] == (None, [7, 8]) and added[0][0] == "hello"
+    assert {r.group for r in engine.scheduler.requests.values()} == {"call"}
+    for request_id in ("x", "y"):
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
     assert_untouched(llm)

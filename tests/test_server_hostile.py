@@ -217,3 +217,35 @@ def test_cache_per_key_keeps_tenants_apart(tmp_path):
         assert cached(keys[1]) >= 16
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                           headers={"Authorization": "Bearer sk-nobody"}).status_code == 401
+
+
+# ------------------------------------------------------------------ our bugs
+def test_an_internal_error_is_a_500_with_a_log_line_not_a_400(monkeypatch, caplog):
+    """A ValueError that is no RequestError is a bug of ours: 500, logged, and the server
+    goes on serving."""
+    from fastapi.testclient import TestClient
+
+    from hyprefix.config import EngineArgs
+    from hyprefix.demo import demo_model_path
+    from hyprefix.engine import Engine
+    from hyprefix.server import build_app
+
+    engine = Engine(EngineArgs(model=str(demo_model_path("dense")), num_kv_blocks=64, enforce_eager=True,
+                               log_stats_interval=0))
+    real = engine.encode_chat
+
+    def broken(messages, add_generation_prompt=True):
+        if messages[0]["content"] == "boom":
+            raise ValueError("an internal invariant broke")
+        return real(messages, add_generation_prompt)
+
+    monkeypatch.setattr(engine, "encode_chat", broken)
+    with TestClient(build_app(engine, ["demo"]), raise_server_exceptions=False) as client:
+        response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "boom"}]})
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "internal_server_error"
+        assert "invariant" not in response.text  # internals stay in the log
+        assert "internal error on POST /v1/chat/completions" in caplog.text
+        fine = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2})
+        assert fine.status_code == 200

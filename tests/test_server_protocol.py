@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from hyprefix.errors import RequestError
 from hyprefix.server.api import _validation_error
 from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
-from hyprefix.server.serving import _bad_request
+from hyprefix.server.serving import request_error
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -69,10 +70,11 @@ def test_unsupported_fields_are_refused_not_ignored():
 
 
 def test_error_mapping():
-    error = _bad_request("prompt (5 tokens) + max_tokens (9000) = 9005 exceeds max_model_len=4096", "messages")
+    too_long = RequestError("prompt + max_tokens exceeds max_model_len", param="prompt", code="context_length_exceeded")
+    error = request_error(too_long, "messages")
     assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
-    assert _bad_request("temperature must be a number >= 0, got -1", "prompt").param == "temperature"
-    assert _bad_request("the prompt is empty", "prompt").param == "prompt"
+    assert request_error(RequestError("temperature must be >= 0", param="temperature"), "prompt").param == "temperature"
+    assert request_error(RequestError("the prompt is empty", param="prompt"), "prompt").param == "prompt"
     try:
         CompletionRequest.model_validate({"prompt": "a", "max_tokens": -1})
     except ValidationError as exc:

@@ -144,7 +144,7 @@ class EngineArm:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.llm.engine.kv.num_blocks * self.llm.engine.kv.block_size
+        return self.llm.engine.max_pool_tokens
 
     def reset(self) -> None:
         self.llm.reset_prefix_cache()

@@ -237,9 +237,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(_validation_error(exc.errors()))
 
-    @app.exception_handler(ValueError)
-    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(APIError(400, str(exc)))
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Client errors are APIError or pydantic's; anything else is a bug of ours, not a 400.
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(APIError(500, "internal server error", type="internal_server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

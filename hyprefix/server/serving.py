@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError, OutputStream
 from hyprefix.engine import Engine
+from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
 from hyprefix.server.limits import ServerLimits
@@ -36,8 +37,6 @@ from hyprefix.server.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "n",
-                    "cache_salt")
 
 
 @dataclass
@@ -82,8 +81,8 @@ class OpenAIServing:
         stream = self.engine.open_stream()
         try:
             texts = await self.engine.add(stream, engine_ids, add)
-        except ValueError as exc:
-            raise _bad_request(str(exc), prompt_param) from exc
+        except RequestError as exc:
+            raise request_error(exc, prompt_param) from exc
         return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage,
                      getattr(req, "return_token_ids", False))
 
@@ -111,19 +110,17 @@ class OpenAIServing:
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
         def add(engine: Engine) -> list[str | None]:
-            # Validate every prompt before adding any, so a bad one leaves nothing behind.
+            # Every prompt is checked before any is added, so a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
             tokenized = [engine.tokenize_prompt(p)[:2] for p in prompts]
-            for _, ids in tokenized:
-                engine._validate(ids, params)
+            for _, ids in tokenized:  # a prompt over the context says so before the size limit does
+                engine.validate(ids, params)
             self.limits.check_tokens([len(ids) for _, ids in tokenized], max_tokens, req.n)
-            texts = []
             salt = _salt(req.cache_salt, tenant)
-            for engine_id, (text, ids) in zip(engine_ids, tokenized, strict=True):
-                engine.add_request(engine_id, {"prompt_token_ids": ids, "cache_salt": salt}, params,
-                                   arrival_time=arrival, group=request_id)
-                texts.append(engine.tokenizer.decode(ids) if req.echo and text is None else text)
-            return texts
+            engine.add_requests([(engine_id, {"prompt_token_ids": ids, "cache_salt": salt}, params)
+                                 for engine_id, (_, ids) in zip(engine_ids, tokenized, strict=True)],
+                                arrival_time=arrival, group=request_id)
+            return [engine.tokenizer.decode(ids) if req.echo and text is None else text for text, ids in tokenized]
 
         call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
@@ -165,12 +162,12 @@ class OpenAIServing:
 
         def add(engine: Engine) -> list[str | None]:
             ids = engine.encode_chat(messages, req.add_generation_prompt)
-            pool_tokens = int(engine.get_stats()["kv_blocks_total"]) * engine.args.block_size
-            room = min(engine.max_model_len, pool_tokens)
+            room = min(engine.max_model_len, engine.max_pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
+            engine.validate(ids, params)
             self.limits.check_tokens([len(ids)], params.max_tokens, req.n)
-            engine.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": _salt(req.cache_salt, tenant)},
-                               params, arrival_time=arrival)
+            engine.add_requests([(request_id, {"prompt_token_ids": ids, "cache_salt": _salt(req.cache_salt, tenant)},
+                                  params)], arrival_time=arrival)
             return [None]
 
         call = await self._start(req, request_id, [request_id], model, add, "messages")
@@ -253,11 +250,8 @@ def _finalize_on_gc(events: AsyncIterator[str], stream: OutputStream) -> AsyncIt
     return events
 
 
-def _bad_request(message: str, prompt_param: str) -> APIError:
-    """A 400 for an engine ValueError, with the offending parameter when it is clear."""
-    if "max_model_len" in message or "KV pool" in message:
-        return APIError(400, message, param=prompt_param, code="context_length_exceeded")
-    head = message.split(" ", 1)[0]
-    if head in _SAMPLING_FIELDS:
-        return APIError(400, message, param=head)
-    return APIError(400, message, param=prompt_param if "prompt" in message or "message" in message else None)
+def request_error(exc: RequestError, prompt_param: str) -> APIError:
+    """The 400 of an engine ``RequestError``: its param and code, where the engine's
+    "prompt" is the endpoint's prompt field (``messages`` for a chat)."""
+    param = prompt_param if exc.param == "prompt" else exc.param
+    return APIError(400, str(exc), param=param, code=exc.code)
