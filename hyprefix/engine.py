@@ -210,11 +210,14 @@ class Engine:
         self.add_requests([(request_id, prompt, params)], arrival_time, group)
 
     def add_requests(self, requests: Sequence[tuple[str, PromptInput, SamplingParams | None]],
-                     arrival_time: float | None = None, group: str | None = None) -> list[tuple[str | None, list[int]]]:
+                     arrival_time: float | None = None, group: str | None = None,
+                     max_total_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
         """Validate every request, then queue them all: a bad one (``RequestError``)
         queues none and allocates nothing. ``group``: the client call they belong to
         (the scheduler shares slots fairly between groups); by default each is its own.
-        Returns each prompt's (text or None, token ids)."""
+        ``max_total_tokens``: the most tokens they may ask for together, n x (prompt +
+        max_tokens) summed (a server's per-call limit). Returns each prompt's (text or
+        None, token ids)."""
         checked = []
         taken: set[str] = set()
         for request_id, prompt, params in requests:
@@ -231,6 +234,11 @@ class Engine:
             text, ids, salt = self.tokenize_prompt(prompt)
             self.validate(ids, params)
             checked.append((request_id, child_ids, params, text, ids, salt))
+        total = sum(params.n * (len(ids) + params.max_tokens) for _, _, params, _, ids, _ in checked)
+        if max_total_tokens is not None and total > max_total_tokens:
+            raise RequestError(f"this request asks for up to {total} tokens (n x (prompt tokens + max_tokens) over "
+                               f"its prompts), more than the limit of {max_total_tokens} per request: lower n or "
+                               "max_tokens", param="max_tokens", code="request_too_large")
         arrival = time.time() if arrival_time is None else arrival_time
         for request_id, child_ids, params, text, ids, salt in checked:
             samples = []

@@ -200,8 +200,7 @@ class Scheduler:
             return []
         starving = 0
         for group in self.waiting.groups():
-            head = self.waiting.head(group)
-            if self._running_in_group[group] == 0 and head is not None and head.waiting_on is None:
+            if self._running_in_group[group] == 0 and self.waiting.head(group).waiting_on is None:
                 starving += 1
                 if starving == excess:
                     break

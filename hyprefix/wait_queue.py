@@ -25,9 +25,6 @@ class WaitQueue:
     def __len__(self) -> int:
         return self._len
 
-    def __bool__(self) -> bool:
-        return self._len > 0
-
     def __contains__(self, request: Request) -> bool:
         queue = self._groups.get(request.group_id)
         return queue is not None and queue.get(request.request_id) is request
@@ -39,9 +36,9 @@ class WaitQueue:
     def groups(self) -> Iterator[str]:
         return iter(self._groups)
 
-    def head(self, group: str) -> Request | None:
-        queue = self._groups.get(group)
-        return next(iter(queue.values())) if queue else None
+    def head(self, group: str) -> Request:
+        """The first waiting request of ``group``, one of ``groups()`` (never empty)."""
+        return next(iter(self._groups[group].values()))
 
     def append(self, request: Request) -> None:
         queue = self._groups.setdefault(request.group_id, OrderedDict())

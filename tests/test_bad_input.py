@@ -272,6 +272,10 @@ def test_add_requests_adds_all_or_none(llm):
     with pytest.raises(RequestError, match="already in use"):
         engine.add_requests([("x", [5, 6], OK), ("x", [7, 8], OK)])
     assert_untouched(llm)
+    with pytest.raises(RequestError) as caught:  # 2 x (2 prompt tokens + 4 max_tokens) = 12 tokens
+        engine.add_requests([("x", [5, 6], OK), ("y", [7, 8], OK)], max_total_tokens=11)
+    assert (caught.value.param, caught.value.code) == ("max_tokens", "request_too_large")
+    assert_untouched(llm)
     added = engine.add_requests([("x", "hello", OK), ("y", [7, 8], OK)], group="call")
     assert added[1] == (None, [7, 8]) and added[0][0] == "hello"
     assert {r.group for r in engine.scheduler.requests.values()} == {"call"}

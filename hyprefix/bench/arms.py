@@ -85,13 +85,6 @@ class Arm(Protocol):
     def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeTiming: ...
 
 
-def _torch_dtype(dtype: str) -> torch.dtype:
-    value = getattr(torch, dtype, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return value
-
-
 def run_dtype(model: str, dtype: str) -> str:
     """``dtype`` with "auto" resolved as the engine resolves it on this CPU
     (``hardware.DeviceCaps.auto_dtype`` of the checkpoint's dtype)."""
@@ -211,7 +204,9 @@ class TransformersArm:
         from transformers import AutoModelForCausalLM
 
         self.name = name
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_torch_dtype(dtype))
+        from hyprefix.hardware import DTYPES
+
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
         self.model.eval()
 
     def info(self) -> dict:

@@ -156,7 +156,7 @@ def _run_throughput(ns: argparse.Namespace) -> int:
     from hyprefix.bench.peak import measure_matmul_peak
     from hyprefix.bench.report import format_throughput, write_json
     from hyprefix.bench.throughput import ThroughputConfig, load_arm, run_throughput
-    from hyprefix.hardware import device_caps
+    from hyprefix.hardware import DTYPES, device_caps
 
     given = [f for f in (*(d for m in WORKLOAD_FLAGS.values() for d in m if d != "prompt_len"),
                          *PREFIX_ONLY_FLAGS) if getattr(ns, f, None) is not None]
@@ -185,7 +185,7 @@ def _run_throughput(ns: argparse.Namespace) -> int:
         model, _ = resolve_model(ns.model)
         dtype = run_dtype(model, ns.dtype)
         progress(f"{dtype} matmul peak")
-        peak = measure_matmul_peak(dtype=getattr(torch, dtype))
+        peak = measure_matmul_peak(dtype=DTYPES[dtype])
         arms: dict[str, Any] = {}
         for name in cfg.arms:
             progress(f"load {name}")

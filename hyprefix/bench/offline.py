@@ -174,13 +174,13 @@ class TransformersWorkloadArm:
     """Plain ``transformers`` ``generate``, one request at a time."""
 
     def __init__(self, model: str, dtype: str, name: str = "transformers") -> None:
-        import torch
         from transformers import AutoModelForCausalLM
 
         from hyprefix.bench.arms import run_dtype
+        from hyprefix.hardware import DTYPES
 
         self.name, self.model = name, model
-        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, run_dtype(model, dtype)))
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[run_dtype(model, dtype)])
         self.hf.eval()
 
     def info(self) -> dict:

@@ -46,13 +46,3 @@ class ServerLimits:
             raise APIError(400, f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
                            f"n={n}); the server allows at most {self.max_request_seqs} per request "
                            "(--max-request-seqs)", param="n", code="request_too_large")
-
-    def check_tokens(self, prompt_lengths: list[int], max_tokens: int, n: int) -> None:
-        from hyprefix.server.protocol import APIError
-
-        total = n * sum(length + max_tokens for length in prompt_lengths)
-        if total > self.max_request_tokens:
-            raise APIError(400, f"this request asks for up to {total} tokens (n x (prompt tokens + max_tokens) "
-                           f"over its prompts); the server allows at most {self.max_request_tokens} per "
-                           "request (--max-request-tokens): lower n or max_tokens", param="max_tokens",
-                           code="request_too_large")

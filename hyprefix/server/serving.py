@@ -110,17 +110,14 @@ class OpenAIServing:
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
         def add(engine: Engine) -> list[str | None]:
-            # Every prompt is checked before any is added, so a bad one leaves nothing behind.
+            # add_requests checks every prompt before it adds any: a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
-            tokenized = [engine.tokenize_prompt(p)[:2] for p in prompts]
-            for _, ids in tokenized:  # a prompt over the context says so before the size limit does
-                engine.validate(ids, params)
-            self.limits.check_tokens([len(ids) for _, ids in tokenized], max_tokens, req.n)
             salt = _salt(req.cache_salt, tenant)
-            engine.add_requests([(engine_id, {"prompt_token_ids": ids, "cache_salt": salt}, params)
-                                 for engine_id, (_, ids) in zip(engine_ids, tokenized, strict=True)],
-                                arrival_time=arrival, group=request_id)
-            return [engine.tokenizer.decode(ids) if req.echo and text is None else text for text, ids in tokenized]
+            added = engine.add_requests(
+                [(engine_id, {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt}, params)
+                 for engine_id, p in zip(engine_ids, prompts, strict=True)],
+                arrival_time=arrival, group=request_id, max_total_tokens=self.limits.max_request_tokens)
+            return [engine.tokenizer.decode(ids) if req.echo and text is None else text for text, ids in added]
 
         call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
@@ -164,10 +161,8 @@ class OpenAIServing:
             ids = engine.encode_chat(messages, req.add_generation_prompt)
             room = min(engine.max_model_len, engine.max_pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
-            engine.validate(ids, params)
-            self.limits.check_tokens([len(ids)], params.max_tokens, req.n)
             engine.add_requests([(request_id, {"prompt_token_ids": ids, "cache_salt": _salt(req.cache_salt, tenant)},
-                                  params)], arrival_time=arrival)
+                                  params)], arrival_time=arrival, max_total_tokens=self.limits.max_request_tokens)
             return [None]
 
         call = await self._start(req, request_id, [request_id], model, add, "messages")
