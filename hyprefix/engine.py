@@ -29,6 +29,21 @@ log = logging.getLogger("hyprefix")
 PromptInput = str | list[int] | dict
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """Sizes of the loaded model that a benchmark or a capacity plan needs, read from
+    the model the engine runs (never re-derived from ``config.json``)."""
+
+    dtype: str
+    vocab_size: int
+    matmul_params: int  # weights of every linear layer but the LM head: multiply-adds per token
+    lm_head_params: int
+    attention_layers: int
+    attention_width: int  # query heads x head dim of one attention layer (0 without attention)
+    kv_bytes_per_token: int  # K + V of every attention layer
+    state_bytes_per_sequence: int  # recurrent state of every Mamba layer (0 for dense models)
+
+
 @dataclass
 class _Sample:
     request: Request
@@ -103,6 +118,23 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        model = self.runner.model
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        head = getattr(model, "lm_head", None)
+        attention = [m for m in model.modules() if hasattr(m, "q_size") and hasattr(m, "o_proj")]
+        return ModelFacts(
+            dtype=str(self.dtype).replace("torch.", ""),
+            vocab_size=self.vocab_size,
+            matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head),
+            lm_head_params=int(self.hf_config.hidden_size) * self.vocab_size,
+            attention_layers=len(attention),
+            attention_width=attention[0].q_size if attention else 0,
+            kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, self.dtype, 1),
+            state_bytes_per_sequence=self.state_bytes_per_slot,
+        )
 
     def warmup(self) -> None:
         """Compile the kernels of large steps now (the server calls it before serving)."""
