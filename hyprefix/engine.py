@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.kv import KVCacheManager
-from hyprefix.cache.state import StateCache
-from hyprefix.cache.state_policy import StatePolicy
+from hyprefix.cache.recurrent import RecurrentStateCache
+from hyprefix.cache.state_pool import StatePool
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
 from hyprefix.errors import RequestError
@@ -86,18 +87,17 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
 
         num_blocks, bytes_per_block = self._kv_pool_size(loaded.model)
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
         state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
         num_ckpts = self._checkpoint_slots(state_bytes) if state_bytes else 0
-        policy = None
+        kinds: list[CacheKind] = []
+        if loaded.model.kv_layout.num_layers:
+            kinds.append(AttentionKV())
         if loaded.model.state_layout is not None:
-            states = StateCache(args.max_num_seqs, num_ckpts)
-            self.kv.pool.on_forget = states.drop
-            policy = StatePolicy(states, args.block_size, self.kv.update_hashes)
-        self.state_policy = policy
+            kinds.append(RecurrentStateCache(StatePool(args.max_num_seqs, num_ckpts), args.block_size))
+        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
+        self.cache = CacheCoordinator(kv, kinds)
         self.state_bytes_per_slot = state_bytes
-        self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.kv, policy)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
                                   compile_enabled=not args.enforce_eager,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
@@ -302,15 +302,15 @@ class Engine:
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                                f"max_model_len={self.max_model_len}", param="prompt", code=too_long)
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
+        if total > self.max_pool_tokens:
             raise RequestError(f"prompt + max_tokens = {total} tokens can never fit in the KV pool "
-                               f"({self.kv.num_blocks} blocks = {self.max_pool_tokens} tokens)", param="prompt",
-                               code=too_long)
+                               f"({self.cache.kv.num_blocks} blocks = {self.max_pool_tokens} tokens)",
+                               param="prompt", code=too_long)
 
     @property
     def max_pool_tokens(self) -> int:
         """Tokens the whole KV pool holds: no request may need more."""
-        return self.kv.num_blocks * self.kv.block_size
+        return self.cache.kv.num_blocks * self.cache.block_size
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its samples); its blocks are freed at once. Returns
@@ -394,7 +394,8 @@ class Engine:
     # ------------------------------------------------------------------- stats
     def get_stats(self) -> dict[str, int | float]:
         """Cumulative token counters and current pool usage (see README)."""
-        sched, pool = self.scheduler, self.kv.pool
+        sched = self.scheduler
+        cache = self.cache.stats()
         return {
             "num_requests_running": sched.num_running,
             "num_requests_waiting": sched.num_waiting,
@@ -406,19 +407,19 @@ class Engine:
             "decode_tokens": sched.decode_tokens,
             "num_preemptions": sched.num_preemptions,
             "sibling_waits": sched.sibling_waits,
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_cached": pool.num_cached_free,
-            "kv_blocks_free": pool.num_free - pool.num_cached_free,
-            "mamba_checkpoints_used": self.state_policy.states.num_used if self.state_policy else 0,
-            "mamba_checkpoints_capacity": self.state_policy.states.capacity if self.state_policy else 0,
+            "kv_blocks_total": cache["kv_blocks_total"],
+            "kv_blocks_used": cache["kv_blocks_used"],
+            "kv_blocks_cached": cache["kv_blocks_cached"],
+            "kv_blocks_free": cache["kv_blocks_free"],
+            "mamba_checkpoints_used": cache.get("state_checkpoints_used", 0),
+            "mamba_checkpoints_capacity": cache.get("state_checkpoints_capacity", 0),
             "mamba_checkpoint_bytes": self.state_bytes_per_slot,
-            "hybrid_hit_tokens_lost": self.state_policy.hybrid_hit_tokens_lost if self.state_policy else 0,
+            "hybrid_hit_tokens_lost": cache["hit_tokens_lost"],
         }
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no running request holds; returns how many."""
-        dropped = self.kv.reset_cache()
+        dropped = self.cache.reset_cache()
         log.info("reset the prefix cache: dropped %d cached blocks", dropped)
         return dropped
 
@@ -429,7 +430,7 @@ class Engine:
         now = time.monotonic()
         if self.args.log_stats_interval <= 0 or now - self._last_log < self.args.log_stats_interval:
             return
-        sched, pool = self.scheduler, self.kv.pool
+        sched, cache = self.scheduler, self.cache.stats()
         dt = now - self._last_log
         p0, d0 = self._logged_tokens
         computed, decode = sched.prefill_computed_tokens, sched.decode_tokens
@@ -438,7 +439,7 @@ class Engine:
             "skipped %d | prefix hit rate %.1f%% | KV blocks used %d, cached %d, free %d of %d",
             sched.num_running, sched.num_waiting, (computed - p0) / dt, (decode - d0) / dt, computed,
             sched.prefill_skipped_tokens, 100 * sched.prefix_cache_hits / max(1, sched.prefix_cache_queries),
-            pool.num_used, pool.num_cached_free, pool.num_free - pool.num_cached_free, pool.num_blocks)
+            cache["kv_blocks_used"], cache["kv_blocks_cached"], cache["kv_blocks_free"], cache["kv_blocks_total"])
         self._last_log, self._logged_tokens = now, (computed, decode)
 
 

@@ -17,7 +17,9 @@ short one; aborting a waiting or running request touches nothing else.
 
 With prefix caching, admission takes the longest cached prefix (skipped, not
 counted against the budget), requests wait for blocks a running sibling is
-computing, and blocks are published after the step that completed them.
+computing, and blocks are published after the step that completed them. Every
+cache question goes to the ``CacheCoordinator``, whatever kinds of layers the
+model has (attention, recurrent state or both).
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from hyprefix.cache.kv import KVCacheManager
-from hyprefix.cache.state_policy import StatePolicy
+from hyprefix.cache.coordinator import CacheCoordinator, StateOp
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
 from hyprefix.wait_queue import WaitQueue
@@ -43,10 +44,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePolicy | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator) -> None:
         self.config = config
-        self.kv = kv
-        self.states = states  # hybrid models: Mamba live slots and checkpoints
+        self.cache = cache
         self.waiting = WaitQueue()
         self.running: list[Request] = []  # in admission order
         self._running_in_group: Counter[str] = Counter()
@@ -83,7 +83,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Request, int, bool]] = []  # (request, tokens to compute, write their K/V)
         preempted: list[str] = []
-        state_ops: list[tuple[int | None, int]] = []
+        state_ops: list[StateOp] = []
         now = time.time()
         fairness_preempted = self._preempt_for_fairness()
 
@@ -91,7 +91,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -117,7 +117,7 @@ class Scheduler:
         )
 
     def _admit_waiting(self, planned: list[tuple[Request, int, bool]], budget: int, now: float,
-                       state_ops: list[tuple[int | None, int]]) -> int:
+                       state_ops: list[StateOp]) -> int:
         """Admit waiting requests FCFS; returns the budget left.
 
         A request takes its longest cached prefix first; only the rest counts
@@ -126,7 +126,6 @@ class Scheduler:
         first request that does not fit in the KV pool stops admission, so later
         requests cannot starve it.
         """
-        bs = self.kv.block_size
         admitted: list[Request] = []
         blocked = False
         scan = max(SCAN_MIN, SCAN_PER_SEQ * self.config.max_num_seqs)
@@ -135,27 +134,20 @@ class Scheduler:
             if scan < 0:
                 break
             if blocked or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                if self.states is not None and self.kv.enable_caching:
-                    self._ask_for_branch_checkpoint(request)  # it may branch off a prefill running now
+                self.cache.note_waiting(request)  # it may branch off a prefill running now
                 continue
-            hit_blocks = self.kv.match_prefix(request)
-            owner = self.kv.pending_owner(request, len(hit_blocks))
-            if owner is not None:
-                if request.waiting_on != owner:
-                    request.waiting_on = owner
+            hit = self.cache.find_hit(request)
+            if hit.wait_for is not None:
+                if request.waiting_on != hit.wait_for:
+                    request.waiting_on = hit.wait_for
                     self.sibling_waits += 1
-                if self.states is not None:
-                    self._ask_for_branch_checkpoint(request)
+                self.cache.note_waiting(request)
                 continue
             request.waiting_on = None
-            kv_hit_blocks, restore = len(hit_blocks), None
-            if self.states is not None:
-                usable, restore = self.states.hybrid_hit(request, kv_hit_blocks)
-                hit_blocks = hit_blocks[:usable]
-            # A full hit still computes the last token (its logits are needed).
-            hit_tokens = min(len(hit_blocks) * bs, request.num_tokens - 1)
+            hit_tokens = hit.num_tokens  # a full hit still computes the last token (its logits are needed)
             n = min(request.num_tokens - hit_tokens, budget)
-            if not self.kv.admit(request, hit_blocks, hit_tokens + n):
+            ops = self.cache.admit(request, hit, hit_tokens + n)
+            if ops is None:
                 blocked = True
                 continue
             self.prefix_cache_queries += request.num_tokens
@@ -165,13 +157,11 @@ class Scheduler:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = hit_tokens
             request.num_computed_tokens = hit_tokens
-            if self.states is not None:
-                state_ops.append(self.states.admit(request, kv_hit_blocks, hit_tokens, restore))
+            state_ops.extend(ops)
             request.status = Status.RUNNING
             admitted.append(request)
             self._run(request)
-            # Positions below len(hit_blocks) * bs already sit in shared blocks.
-            planned.append((request, n, hit_tokens >= len(hit_blocks) * bs))
+            planned.append((request, n, hit.write_kv))
             budget -= n
         for request in admitted:
             self.waiting.remove(request)
@@ -209,39 +199,25 @@ class Scheduler:
             self._preempt(victim)
         return [victim.request_id for victim in victims]
 
-    def _ask_for_branch_checkpoint(self, request: Request) -> None:
-        """Hybrids: a waiting request will resume where its path leaves the blocks
-        being computed for it; the request computing them checkpoints there."""
-        assert self.states is not None
-        blocks, owner_id = self.kv.shared_path(request)
-        bs = self.kv.block_size
-        position = min(blocks * bs, (request.num_tokens - 1) // bs * bs)
-        owner = self.requests.get(owner_id) if owner_id is not None else None
-        if owner is not None and position > 0:
-            self.states.request_tap(owner, position)
-
     def _seq(self, request: Request, n: int, write_kv: bool) -> ScheduledSeq:
         start = request.num_computed_tokens
-        state_slot, taps = -1, ()
-        if self.states is not None:
-            decoding = bool(request.output_token_ids) and start + n == request.num_tokens
-            state_slot, taps = self.states.plan_step(request, start, n, decoding)
+        cache = self.cache.plan_step(request, start, n)
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.tokens_in(start, start + n),
             start_pos=start,
-            block_table=list(self.kv.block_table(request.request_id)),
+            block_table=cache.block_table,
             sample=start + n == request.num_tokens,
             params=request.params,
             num_generated=len(request.output_token_ids),
             write_kv=write_kv,
-            state_slot=state_slot,
-            state_taps=taps,
+            state_slot=cache.state_slot,
+            state_taps=cache.state_taps,
         )
 
     def _preempt(self, request: Request) -> None:
         self._stop_running(request)
-        self._release(request)
+        self.cache.free(request)
         request.num_computed_tokens = 0
         request.waiting_on = None
         request.status = Status.PREEMPTED
@@ -266,9 +242,7 @@ class Scheduler:
             else:
                 self.prefill_computed_tokens += seq.num_tokens
             request.num_computed_tokens += seq.num_tokens
-            self.kv.publish(request)
-            if self.states is not None:
-                self.states.after_step(request)
+            self.cache.after_step(request)
             if not seq.sample:
                 continue
             request.append_token(sampled[seq.request_id])
@@ -288,33 +262,24 @@ class Scheduler:
             self._stop_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
+        self.cache.free(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.finished_time = time.time()
         self._finished_since_schedule.append(request_id)
         return request
 
-    def _release(self, request: Request) -> None:
-        self.kv.free(request.request_id)
-        if self.states is not None:
-            self.states.release(request)
-
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         running = {r.request_id for r in self.running}
-        self.kv.check_invariants(running)
-        if self.states is not None:
-            self.states.check_invariants(running, self.kv.pool.lookup)
+        self.cache.check_invariants(running)
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_in_group == Counter(r.group_id for r in self.running), "group counts out of sync"
         for request in self.waiting:
-            assert not self.kv.holds(request.request_id), f"waiting {request.request_id} holds blocks"
+            assert not self.cache.holds(request.request_id), f"waiting {request.request_id} holds blocks"
             assert request.num_computed_tokens == 0
         for request in self.running:
-            table = self.kv.block_table(request.request_id)
-            assert len(table) * self.kv.block_size >= request.num_computed_tokens
-        if not self.running:
-            assert self.kv.pool.num_used == 0, "blocks referenced while nothing runs"
+            table = self.cache.block_table(request.request_id)
+            assert len(table) * self.cache.block_size >= request.num_computed_tokens

@@ -141,7 +141,7 @@ def our_last_logits(llm, prompts: list[list[int]], chunk: int | None = None) -> 
     from hyprefix.runner.batch import build_batch
     from hyprefix.sampling import SamplingParams
 
-    runner, kv = llm.engine.runner, llm.engine.kv
+    runner, kv = llm.engine.runner, llm.engine.cache.kv
     params = SamplingParams(temperature=0)
     for i, p in enumerate(prompts):
         assert kv.allocate_slots(f"t{i}", len(p))

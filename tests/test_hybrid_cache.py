@@ -7,6 +7,7 @@ import logging
 
 import pytest
 from conftest import HYBRID_ARCHS, random_prompts
+from plain_scheduling import kv, state_kind
 from test_prefix_cache_engine import mixed_prompts
 
 from hyprefix import LLM, SamplingParams
@@ -30,8 +31,8 @@ def checkpoint_at(llm: LLM, prompt: list[int], position: int) -> bool:
     from hyprefix.request import Request
 
     probe = Request("probe", prompt, GREEDY)
-    hashes = llm.engine.kv.update_hashes(probe)
-    return llm.engine.state_policy.states.lookup(hashes[position // 16 - 1]) is not None
+    hashes = kv(llm.engine.scheduler).update_hashes(probe)
+    return state_kind(llm.engine.scheduler).pool.lookup(hashes[position // 16 - 1]) is not None
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 from conftest import random_prompts
+from plain_scheduling import kv, state_kind
 from stress_driver import drive, rng_tokens, verify
 
 from hyprefix import LLM, SamplingParams
@@ -39,7 +40,7 @@ class Probe:
 
     def __init__(self, engine) -> None:
         self.restores = self.taps = self.evictions = 0
-        sc = engine.state_policy.states
+        sc = state_kind(engine.scheduler).pool
         reserve = sc.reserve
 
         def counting_reserve(block_hash):
@@ -62,12 +63,12 @@ class Probe:
 def check_states(engine) -> None:
     """Live slots and reservations belong exactly to running requests; the checkpoint
     pool stays in budget."""
-    sc = engine.state_policy.states
+    sc = state_kind(engine.scheduler).pool
     running = {r.request_id for r in engine.scheduler.running}
     assert set(sc._live) == running, "live Mamba slot leaked or missing"
     if not running:
         assert not sc._reserved, "a checkpoint reservation outlived its request"
-    engine.state_policy.check_invariants(running, engine.kv.pool.lookup)
+    state_kind(engine.scheduler).check_invariants(running, kv(engine.scheduler).pool.lookup)
     assert sc.num_used <= sc.capacity
 
 
@@ -102,8 +103,8 @@ def test_hybrid_prefix_cache_stress_matches_cache_off(hybrid_models, arch, seed,
 
     run = drive(llm, rng, todo, block_size=block_size, max_prompt=max_prompt, abort_p=0.08, reset_step=40,
                 follow_p=0.4, follow_max_tokens=12, max_steps=MAX_STEPS, check=lambda: check_states(engine))
-    assert not engine.state_policy.states._live, "live Mamba slots leaked"
-    assert not engine.state_policy._plans, "state plans leaked"
+    assert not state_kind(engine.scheduler).pool._live, "live Mamba slots leaked"
+    assert not state_kind(engine.scheduler)._plans, "state plans leaked"
     done = verify(llm, ref_llm, run, NUM_REQUESTS)
     stats = engine.get_stats()
 

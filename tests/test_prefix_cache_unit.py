@@ -11,14 +11,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from plain_scheduling import expected_output, fake_token, kv, make_scheduler, plan, req, seq_of, step, toks
+from plain_scheduling import run_to_end as _run_to_end
 
 from hyprefix.cache import hashing
 from hyprefix.cache.block_pool import BlockPool
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.outputs import SchedulerOutput
 from hyprefix.request import Request, Status
-from hyprefix.sampling import SamplingParams
-from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.scheduler import Scheduler
 
 BS = 4  # block size of every test here
 
@@ -26,86 +27,40 @@ BS = 4  # block size of every test here
 # ---------------------------------------------------------------------------- helpers
 def make(num_blocks: int = 16, budget: int = 64, max_seqs: int = 8, caching: bool = True,
          model_identity: str = "test-model") -> Scheduler:
-    kv = KVCacheManager(num_blocks, BS, caching, model_identity=model_identity)
-    return Scheduler(SchedulerConfig(budget, max_seqs), kv)
-
-
-def toks(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
-
-
-def req(rid: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None) -> Request:
-    return Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                   cache_salt=salt)
-
-
-def fake_token(request_id: str, position: int) -> int:
-    """The token sampled at ``position``: depends only on the request and the position."""
-    return 5000 + 37 * sum(map(ord, request_id)) % 1000 + position
-
-
-def expected_output(r: Request) -> list[int]:
-    n = r.num_prompt_tokens
-    return [fake_token(r.request_id, p) for p in range(n, n + r.params.max_tokens)]
-
-
-def step(s: Scheduler) -> SchedulerOutput:
-    s.check_invariants()
-    out = s.schedule()
-    s.check_invariants()
-    sampled = {q.request_id: fake_token(q.request_id, q.context_len) for q in out.seqs if q.sample}
-    s.update(out, sampled)
-    s.check_invariants()
-    return out
-
-
-def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    """(request id, start position, number of tokens, samples) of every scheduled seq."""
-    return [(q.request_id, q.start_pos, q.num_tokens, q.sample) for q in out.seqs]
-
-
-def seq_of(out: SchedulerOutput, rid: str):
-    (q,) = [q for q in out.seqs if q.request_id == rid]
-    return q
+    return make_scheduler(num_blocks, BS, budget, max_seqs, caching, model_identity)
 
 
 def run_to_end(s: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
-    outs = []
-    for _ in range(max_steps):
-        if not s.has_unfinished():
-            s.check_invariants()
-            return outs
-        outs.append(step(s))
-    raise AssertionError("scheduler did not finish")
+    return _run_to_end(s, max_steps)
 
 
 def refs(s: Scheduler) -> list[int]:
-    return [b.ref_cnt for b in s.kv.pool.blocks]
+    return [b.ref_cnt for b in kv(s).pool.blocks]
 
 
 def free_list(s: Scheduler) -> list[int]:
     """The free list in reuse order (read directly: allocating would drop hashes)."""
-    return list(s.kv.pool._free)
+    return list(kv(s).pool._free)
 
 
 def index(s: Scheduler) -> dict[bytes, int]:
-    return dict(s.kv.pool._hash_index)
+    return dict(kv(s).pool._hash_index)
 
 
 def snapshot(s: Scheduler):
-    pool = s.kv.pool
+    pool = kv(s).pool
     return (refs(s), free_list(s), index(s), [b.block_hash for b in pool.blocks], pool.num_cached_free)
 
 
 def owner(s: Scheduler, r: Request, block_index: int) -> str | None:
     """Who is computing the request's block ``block_index`` right now (hashes filled in first)."""
-    s.kv.update_hashes(r)
-    return s.kv.pending_owner(r, block_index)
+    kv(s).update_hashes(r)
+    return kv(s).pending_owner(r, block_index)
 
 
 def lookup_chain(s: Scheduler, r: Request) -> list[int | None]:
     """Where each of the request's full-block hashes is indexed (None: not findable)."""
-    return [s.kv.pool.lookup(h) for h in s.kv.update_hashes(r)]
+    return [kv(s).pool.lookup(h) for h in kv(s).update_hashes(r)]
 
 
 # ---------------------------------------------------------------------------- hashing
@@ -180,7 +135,7 @@ def test_hit_on_blocks_still_held_by_a_running_request():
     a = req("a", [*shared, 1, 2], max_tokens=8)
     s.add_request(a)
     assert plan(step(s)) == [("a", 0, 10, True)]
-    assert s.kv.block_table("a") == [0, 1, 2]
+    assert kv(s).block_table("a") == [0, 1, 2]
     assert lookup_chain(s, a) == [0, 1]  # the partial tail block is not published
     b = req("b", [*shared, 7, 8, 9], max_tokens=2)
     s.add_request(b)
@@ -194,7 +149,7 @@ def test_hit_on_blocks_still_held_by_a_running_request():
     assert (s.prefix_cache_queries, s.prefix_cache_hits, s.prefill_skipped_tokens) == (21, 8, 8)
     run_to_end(s)
     assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def test_hit_on_free_cached_blocks_takes_them_off_the_free_list():
@@ -205,9 +160,9 @@ def test_hit_on_free_cached_blocks_takes_them_off_the_free_list():
     run_to_end(s)
     # a computed 11 of its 12 tokens: blocks 0 and 1 are full and published, block 2 is not.
     assert lookup_chain(s, a) == [0, 1, None]
-    assert s.kv.pool.blocks[2].block_hash is None
+    assert kv(s).pool.blocks[2].block_hash is None
     assert free_list(s) == [*range(3, 16), 2, 1, 0]  # freed tail first
-    assert s.kv.pool.num_cached_free == 2
+    assert kv(s).pool.num_cached_free == 2
     b = req("b", [*shared, 7, 8, 9], max_tokens=2)
     s.add_request(b)
     out = step(s)
@@ -215,7 +170,7 @@ def test_hit_on_free_cached_blocks_takes_them_off_the_free_list():
     assert out.seqs[0].block_table == [0, 1, 3]
     assert refs(s)[:4] == [1, 1, 0, 1]
     assert free_list(s) == [*range(4, 16), 2]
-    assert s.kv.pool.num_cached_free == 0
+    assert kv(s).pool.num_cached_free == 0
     assert b.num_computed_tokens == 11 and b.num_cached_tokens == 8
     run_to_end(s)
     assert b.output_token_ids == expected_output(b)
@@ -301,7 +256,7 @@ def test_eviction_takes_the_chain_tail_first():
     s.add_request(c)
     out = step(s)
     assert out.seqs[0].block_table == [2]  # the tail is reused first
-    assert s.kv.pool.lookup(tail_hash) is None and s.kv.pool.blocks[2].block_hash is None
+    assert kv(s).pool.lookup(tail_hash) is None and kv(s).pool.blocks[2].block_hash is None
     assert lookup_chain(s, a) == [0, 1, None]
     assert c.is_finished and free_list(s) == [1, 0, 2]
     d = req("d", prompt, max_tokens=1)
@@ -362,15 +317,15 @@ def test_failed_admission_changes_no_ref_count_and_no_free_order():
     a = req("a", z_prompt[:4] + toks(600, 7), max_tokens=2)  # shares z's first block
     s.add_request(a)
     assert plan(step(s)) == [("a", 4, 7, True)]
-    assert s.kv.block_table("a") == [0, 2, 3]
+    assert kv(s).block_table("a") == [0, 2, 3]
     assert free_list(s) == [1]  # z's second block: free but still cached
 
     b = req("b", z_prompt + toks(800, 8), max_tokens=1)  # hits [0, 1], needs 2 more: only 0 spare
     before = snapshot(s)
-    hits = s.kv.match_prefix(b)
+    hits = kv(s).match_prefix(b)
     assert hits == [0, 1]
-    assert not s.kv.admit(b, hits, b.num_tokens)
-    assert snapshot(s) == before and not s.kv.holds("b")
+    assert not kv(s).admit(b, hits, b.num_tokens)
+    assert snapshot(s) == before and not kv(s).holds("b")
 
     s.add_request(b)
     queries = s.prefix_cache_queries
@@ -394,7 +349,7 @@ def test_idle_and_blocked_schedule_calls_change_nothing():
     s.add_request(a)
     run_to_end(s)
     before = snapshot(s)
-    assert before[1] == [3, 2, 1, 0] and s.kv.pool.num_cached_free == 3
+    assert before[1] == [3, 2, 1, 0] and kv(s).pool.num_cached_free == 3
     queries = s.prefix_cache_queries
     for _ in range(3):
         out = s.schedule()
@@ -412,7 +367,7 @@ def test_idle_and_blocked_schedule_calls_change_nothing():
         s.update(out, {})
     assert snapshot(s) == before
     assert s.prefix_cache_queries == queries and s.sibling_waits == 0
-    assert list(s.waiting) == [big] and not s.kv.holds("big")
+    assert list(s.waiting) == [big] and not kv(s).holds("big")
 
 
 # ------------------------------------------------------------------ decode publication
@@ -457,7 +412,7 @@ def test_same_prompt_admitted_together_waits_then_hits():
     assert seq_of(out, "b").block_table == [0, 1, 2] and not seq_of(out, "b").write_kv
     assert s.sibling_waits == 1 and b.waiting_on is None
     run_to_end(s)
-    assert s.kv.pool.num_cached == 3  # no duplicate was ever computed
+    assert kv(s).pool.num_cached == 3  # no duplicate was ever computed
 
 
 def test_duplicate_content_published_by_two_requests_stays_private():
@@ -468,7 +423,7 @@ def test_duplicate_content_published_by_two_requests_stays_private():
     a = req("a", toks(100, 6), max_tokens=3)
     s.add_request(a)
     step(s)
-    assert s.kv.block_table("a") == [0, 1] and lookup_chain(s, a) == [0]
+    assert kv(s).block_table("a") == [0, 1] and lookup_chain(s, a) == [0]
     b = req("b", [*toks(100, 6), fake_token("a", 6), fake_token("a", 7)], max_tokens=2)
     s.add_request(b)
     out = step(s)
@@ -476,15 +431,15 @@ def test_duplicate_content_published_by_two_requests_stays_private():
     assert seq_of(out, "b").block_table == [0, 2]
     assert s.sibling_waits == 0
     dup = b.block_hashes[1]
-    assert s.kv.pool.lookup(dup) == 2  # b's copy is indexed
+    assert kv(s).pool.lookup(dup) == 2  # b's copy is indexed
     out = step(s)  # a decodes position 7: its block 1 is full, with the same content
     assert plan(out)[0] == ("a", 7, 1, True)
     assert a.block_hashes[1] == dup
-    assert s.kv.pool.blocks[1].block_hash is None  # a's copy stays private
-    assert s.kv.pool.lookup(dup) == 2
+    assert kv(s).pool.blocks[1].block_hash is None  # a's copy stays private
+    assert kv(s).pool.lookup(dup) == 2
     assert a.is_finished  # freed: the private copy goes back without a hash
-    assert s.kv.pool.is_free(1) and s.kv.pool.blocks[1].block_hash is None
-    assert s.kv.pool.lookup(dup) == 2
+    assert kv(s).pool.is_free(1) and kv(s).pool.blocks[1].block_hash is None
+    assert kv(s).pool.lookup(dup) == 2
     c = req("c", [*b.prompt_token_ids, 1], max_tokens=1)
     s.add_request(c)
     out = step(s)
@@ -493,7 +448,7 @@ def test_duplicate_content_published_by_two_requests_stays_private():
     assert b.output_token_ids == expected_output(b)
     # Every remaining hash points at the block carrying it.
     for h, block_id in index(s).items():
-        assert s.kv.pool.blocks[block_id].block_hash == h
+        assert kv(s).pool.blocks[block_id].block_hash == h
 
 
 def test_duplicate_publish_through_the_manager_directly():
@@ -578,14 +533,14 @@ def test_reset_cache_drops_only_free_blocks():
     a = req("a", toks(100, 12), max_tokens=10)
     s.add_request(a)
     step(s)
-    assert s.kv.block_table("a") == [2, 3, 4] and lookup_chain(s, a) == [2, 3, 4]
+    assert kv(s).block_table("a") == [2, 3, 4] and lookup_chain(s, a) == [2, 3, 4]
     free_before = free_list(s)
-    assert s.kv.reset_cache() == 2
+    assert s.cache.reset_cache() == 2
     s.check_invariants()
     assert lookup_chain(s, z) == [None, None]
     assert lookup_chain(s, a) == [2, 3, 4]
-    assert s.kv.pool.num_cached_free == 0 and free_list(s) == free_before
-    assert s.kv.reset_cache() == 0
+    assert kv(s).pool.num_cached_free == 0 and free_list(s) == free_before
+    assert s.cache.reset_cache() == 0
     b = req("b", toks(100, 12), max_tokens=1)
     s.add_request(b)
     out = step(s)
@@ -593,8 +548,8 @@ def test_reset_cache_drops_only_free_blocks():
     # After a finishes its blocks are free and cached; a reset now drops them.
     s.finish("a", "abort")
     s.check_invariants()
-    assert s.kv.pool.num_cached_free == 3
-    assert s.kv.reset_cache() == 3
+    assert kv(s).pool.num_cached_free == 3
+    assert s.cache.reset_cache() == 3
     assert index(s) == {}
     s.check_invariants()
 
@@ -679,7 +634,7 @@ def test_waiter_does_not_wait_on_an_owner_aborted_mid_step():
     assert s.sibling_waits == 2 and b.waiting_on == c.waiting_on == "a"
     s.finish("a", "abort")  # while its step is in flight: nothing of it gets published
     s.check_invariants()
-    assert s.kv._pending == {} and owner(s, b, 0) is None
+    assert kv(s)._pending == {} and owner(s, b, 0) is None
     s.update(out, {"a": fake_token("a", 12)})
     s.check_invariants()
     assert index(s) == {} and a.output_token_ids == []
@@ -707,8 +662,8 @@ def test_aborted_chunked_owner_leaves_its_published_chunks():
     assert lookup_chain(s, a) == [0, None, None] and owner(s, b, 1) == "a"
     s.finish("a", "abort")
     s.check_invariants()
-    assert s.kv._pending == {} and owner(s, b, 1) is None
-    assert s.kv.pool.is_free(0) and lookup_chain(s, b) == [0, None, None]
+    assert kv(s)._pending == {} and owner(s, b, 1) is None
+    assert kv(s).pool.is_free(0) and lookup_chain(s, b) == [0, None, None]
     out = step(s)
     assert plan(out) == [("b", 4, 4, False)] and out.finished_ids == ["a"]
     assert out.seqs[0].block_table == [0, 1]
@@ -733,12 +688,12 @@ def test_a_preempted_owner_drops_its_pending_blocks_and_keeps_its_hashes():
     assert plan(step(s)) == [("r", 4, 1, True), ("a", 0, 4, False)]
     assert plan(step(s)) == [("r", 5, 1, True), ("a", 4, 4, False)]
     assert plan(step(s)) == [("r", 6, 1, True), ("a", 8, 4, False)]
-    assert s.kv.pool.num_free == 0 and lookup_chain(s, a) == [2, 3, 4, None, None]
+    assert kv(s).pool.num_free == 0 and lookup_chain(s, a) == [2, 3, 4, None, None]
     assert owner(s, w, 3) == "a"
     out = step(s)
     assert out.preempted_ids == ["a"] and plan(out) == [("r", 7, 1, True)]
     assert a.status == Status.PREEMPTED and list(s.waiting) == [a, w]
-    assert s.kv._pending == {} and owner(s, w, 3) is None
+    assert kv(s)._pending == {} and owner(s, w, 3) is None
     assert lookup_chain(s, a) == [2, 3, 4, None, None]  # preemption keeps the hashes
     assert free_list(s) == [4, 3, 2]
     # r decodes on, taking a's freed tail blocks 4 and 3 (their hashes go); a cannot
@@ -774,12 +729,12 @@ def test_preempted_request_keeps_its_hashes_and_hits_them_on_readmission():
     assert plan(step(s)) == [("a", 0, 8, True), ("b", 0, 8, True)]
     for _ in range(4):
         step(s)
-    assert s.kv.block_table("a") == [0, 1, 4] and s.kv.block_table("b") == [2, 3, 5]
+    assert kv(s).block_table("a") == [0, 1, 4] and kv(s).block_table("b") == [2, 3, 5]
     assert b.num_computed_tokens == 12 and lookup_chain(s, b) == [2, 3, 5]
     out = step(s)
     assert out.preempted_ids == ["b"]
     # b freed tail first; a took b's tail (dropping its hash); b's head blocks stay cached.
-    assert s.kv.block_table("a") == [0, 1, 4, 5]
+    assert kv(s).block_table("a") == [0, 1, 4, 5]
     assert lookup_chain(s, b) == [2, 3, None]
     assert free_list(s) == [3, 2]
     step(s)
@@ -792,7 +747,7 @@ def test_preempted_request_keeps_its_hashes_and_hits_them_on_readmission():
     assert b.num_cached_tokens == 0  # only the first admission counts as "cached"
     run_to_end(s)
     assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 # ------------------------------------------------- randomized, with a simulated KV store
@@ -807,7 +762,7 @@ class FakeKV:
         self.slots: dict[int, int] = {}
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
-        bs, pool = self.s.kv.block_size, self.s.kv.pool
+        bs, pool = kv(self.s).block_size, kv(self.s).pool
         for q in out.seqs:  # every write of the step happens before any read
             for i, tok in enumerate(q.token_ids):
                 pos = q.start_pos + i
@@ -850,7 +805,7 @@ def run_random_traffic(seed: int, caching: bool) -> tuple[dict[str, list[int]], 
         for _ in range(rng.choice([0, 0, 1, 2, 3])):
             if todo:
                 rid, prompt, max_tokens, salt = todo.pop(0)
-                if s.kv.blocks_for(len(prompt) + max_tokens) > s.kv.num_blocks:
+                if kv(s).blocks_for(len(prompt) + max_tokens) > kv(s).num_blocks:
                     continue  # could never fit (the engine rejects these up front)
                 reqs[rid] = r = req(rid, prompt, max_tokens=max_tokens, salt=salt)
                 s.add_request(r)
@@ -861,7 +816,7 @@ def run_random_traffic(seed: int, caching: bool) -> tuple[dict[str, list[int]], 
             aborted.add(rid)
             s.check_invariants()
         if rng.random() < 0.02:
-            s.kv.reset_cache()
+            s.cache.reset_cache()
             s.check_invariants()
         out = s.schedule()
         s.check_invariants()
@@ -883,7 +838,7 @@ def run_random_traffic(seed: int, caching: bool) -> tuple[dict[str, list[int]], 
             break
     else:
         raise AssertionError("scheduler did not finish")
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
     return {rid: r.output_token_ids for rid, r in reqs.items() if rid not in aborted}, s
 
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from plain_scheduling import expected_output, fake_token, kv, make_scheduler, plan, run_to_end, step
 
-from hyprefix.cache.kv import KVCacheManager
-from hyprefix.outputs import SchedulerOutput
 from hyprefix.request import Request, Status
 from hyprefix.sampling import SamplingParams
-from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.scheduler import Scheduler
 
 
 def make(num_blocks: int = 16, block_size: int = 4, budget: int = 16, max_seqs: int = 8,
          caching: bool = False) -> Scheduler:
     """Prefix caching is off unless asked for: these tests pin the base scheduling."""
-    return Scheduler(SchedulerConfig(budget, max_seqs), KVCacheManager(num_blocks, block_size, caching))
+    return make_scheduler(num_blocks, block_size, budget, max_seqs, caching)
 
 
 def prompt_of(rid: str, n: int) -> list[int]:
@@ -24,40 +23,6 @@ def prompt_of(rid: str, n: int) -> list[int]:
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, **kw) -> Request:
     return Request(rid, prompt_of(rid, n_prompt), SamplingParams(temperature=0, max_tokens=max_tokens, **kw))
-
-
-def fake_token(request_id: str, position: int) -> int:
-    """A deterministic "model": the token sampled at ``position`` depends only on the
-    request and the position, as greedy decoding of a fixed prompt would."""
-    return 5000 + 37 * sum(map(ord, request_id)) % 1000 + position
-
-
-def step(s: Scheduler, sampler=fake_token) -> SchedulerOutput:
-    out = s.schedule()
-    s.check_invariants()
-    sampled = {seq.request_id: sampler(seq.request_id, seq.context_len) for seq in out.seqs if seq.sample}
-    s.update(out, sampled)
-    s.check_invariants()
-    return out
-
-
-def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    """(request id, start position, number of tokens, samples) of every scheduled seq."""
-    return [(q.request_id, q.start_pos, q.num_tokens, q.sample) for q in out.seqs]
-
-
-def run_to_end(s: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
-    outs = []
-    for _ in range(max_steps):
-        if not s.has_unfinished():
-            return outs
-        outs.append(step(s))
-    raise AssertionError("scheduler did not finish")
-
-
-def expected_output(r: Request) -> list[int]:
-    n = r.num_prompt_tokens
-    return [fake_token(r.request_id, p) for p in range(n, n + r.params.max_tokens)]
 
 
 # ----------------------------------------------------------------------------- basics
@@ -82,7 +47,7 @@ def test_single_request_lifecycle():
     assert out.seqs[0].block_table == [0, 1]
     assert a.is_finished and a.finish_reason == "length"
     assert a.output_token_ids == expected_output(a)
-    assert not s.has_unfinished() and s.kv.pool.num_used == 0
+    assert not s.has_unfinished() and kv(s).pool.num_used == 0
     out = s.schedule()
     assert out.is_empty and out.finished_ids == ["a"]
     assert s.schedule().finished_ids == []  # reported once
@@ -169,7 +134,7 @@ def test_waiting_requests_are_admitted_fcfs():
     big, small = req("big", 16, max_tokens=1), req("small", 2, max_tokens=1)
     s.add_request(a)
     assert plan(step(s)) == [("a", 0, 12, True)]
-    assert s.kv.block_table("a") == [0, 1, 2]
+    assert kv(s).block_table("a") == [0, 1, 2]
     s.add_request(big)
     s.add_request(small)
     out = step(s)  # a finishes; big needs 4 blocks but only 2 are free (a needs one more)
@@ -180,7 +145,7 @@ def test_waiting_requests_are_admitted_fcfs():
     # big gets the never-used blocks first, then a's freed chain from its tail
     assert out.seqs[0].block_table == [4, 5, 3, 2] and out.seqs[1].block_table == [1]
     assert big.is_finished and small.is_finished
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def test_admission_order_equals_arrival_order():
@@ -204,10 +169,10 @@ def test_preemption_of_the_newest_running_request():
     s.add_request(b)
     out = step(s)
     assert plan(out) == [("a", 0, 8, True), ("b", 0, 8, True)]
-    assert s.kv.block_table("a") == [0, 1] and s.kv.block_table("b") == [2, 3]
+    assert kv(s).block_table("a") == [0, 1] and kv(s).block_table("b") == [2, 3]
     out = step(s)  # token 9 of each needs a third block
-    assert s.kv.block_table("a") == [0, 1, 4] and s.kv.block_table("b") == [2, 3, 5]
-    assert s.kv.pool.num_free == 0
+    assert kv(s).block_table("a") == [0, 1, 4] and kv(s).block_table("b") == [2, 3, 5]
+    assert kv(s).pool.num_free == 0
     for _ in range(3):  # positions 9, 10, 11 still fit
         out = step(s)
         assert plan(out) == [("a", a.num_computed_tokens - 1, 1, True), ("b", b.num_computed_tokens - 1, 1, True)]
@@ -219,13 +184,13 @@ def test_preemption_of_the_newest_running_request():
     out = step(s)  # a needs a 4th block: b (the newest) is preempted
     assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 12, 1, True)]
-    assert s.kv.block_table("a") == [0, 1, 4, 5]  # b's tail block, freed first, is reused first
-    assert not s.kv.holds("b")
+    assert kv(s).block_table("a") == [0, 1, 4, 5]  # b's tail block, freed first, is reused first
+    assert not kv(s).holds("b")
     assert b.status == Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert b.output_token_ids == b_generated  # generated tokens are kept, only recomputed
     assert list(s.waiting) == [b] and s.running == [a]
     assert s.num_preemptions == 1
-    assert s.kv.pool.num_free == 2  # blocks 3 and 2
+    assert kv(s).pool.num_free == 2  # blocks 3 and 2
 
     # b needs 4 blocks to recompute its 13 tokens; it waits until a finishes.
     assert plan(step(s)) == [("a", 13, 1, True)]
@@ -239,7 +204,7 @@ def test_preemption_of_the_newest_running_request():
     assert b.is_finished and b.finish_reason == "length"
     # the same tokens as without preemption, none lost or duplicated
     assert b.output_token_ids == expected_output(b)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def test_preemption_puts_the_victim_at_the_front_of_the_queue():
@@ -248,17 +213,17 @@ def test_preemption_puts_the_victim_at_the_front_of_the_queue():
     s.add_request(a)
     s.add_request(b)
     step(s)
-    assert s.kv.block_table("a") == [0] and s.kv.block_table("b") == [1]
+    assert kv(s).block_table("a") == [0] and kv(s).block_table("b") == [1]
     s.add_request(c)  # c fits in the two free blocks
     out = step(s)
     assert plan(out) == [("a", 3, 1, True), ("b", 3, 1, True), ("c", 0, 8, True)]
-    assert s.kv.pool.num_free == 0
+    assert kv(s).pool.num_free == 0
     d = req("d", 2, max_tokens=1)
     s.add_request(d)  # waits: no free block
     out = step(s)  # a needs another block: c, the newest, goes first
     assert out.preempted_ids == ["c"]
     assert [q.request_id for q in out.seqs] == ["a", "b"]  # nobody is admitted in a preempting step
-    assert s.kv.block_table("a") == [0, 3] and s.kv.block_table("b") == [1, 2]
+    assert kv(s).block_table("a") == [0, 3] and kv(s).block_table("b") == [1, 2]
     assert list(s.waiting) == [c, d] and c.num_computed_tokens == 0
     assert c.status == Status.PREEMPTED and d.status == Status.WAITING
     run_to_end(s)
@@ -272,10 +237,10 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     s.add_request(a)
     s.add_request(b)
     assert plan(step(s)) == [("a", 0, 6, True), ("b", 0, 4, True)]
-    assert s.kv.block_table("a") == [0, 1] and s.kv.block_table("b") == [2]
+    assert kv(s).block_table("a") == [0, 1] and kv(s).block_table("b") == [2]
     out = step(s)  # a still fits in its blocks; b needs a 2nd block and is itself the newest
     assert out.preempted_ids == ["b"] and plan(out) == [("a", 6, 1, True)]
-    assert b.status == Status.PREEMPTED and not s.kv.holds("b") and b.output_token_ids == [fake_token("b", 4)]
+    assert b.status == Status.PREEMPTED and not kv(s).holds("b") and b.output_token_ids == [fake_token("b", 4)]
     assert plan(step(s)) == [("a", 7, 1, True)]  # b needs 2 blocks, only 1 is free
     assert a.is_finished
     out = step(s)
@@ -285,7 +250,7 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     assert a.output_token_ids == expected_output(a)
     assert b.output_token_ids == expected_output(b)
     assert (a.num_preemptions, b.num_preemptions) == (0, 1)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def test_many_requests_with_preemption_finish_with_the_same_tokens():
@@ -298,7 +263,7 @@ def test_many_requests_with_preemption_finish_with_the_same_tokens():
     for r in reqs:
         assert r.is_finished and r.finish_reason == "length"
         assert r.output_token_ids == expected_output(r), r.request_id
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 # ------------------------------------------------------------------------------ abort
@@ -324,18 +289,18 @@ def test_abort_running_request_frees_its_blocks():
     s.add_request(a)
     s.add_request(b)
     step(s)
-    assert s.kv.block_table("a") == [0, 1, 2] and s.kv.block_table("b") == [3]
+    assert kv(s).block_table("a") == [0, 1, 2] and kv(s).block_table("b") == [3]
     s.finish("a", "abort")
     s.check_invariants()
     assert a.is_finished and a.finish_reason == "abort"
-    assert not s.kv.holds("a") and s.running == [b]
-    assert s.kv.pool.num_used == 1
+    assert not kv(s).holds("a") and s.running == [b]
+    assert kv(s).pool.num_used == 1
     out = step(s)
     assert out.finished_ids == ["a"] and plan(out) == [("b", 4, 1, True)]
-    assert s.kv.block_table("b") == [3, 4]
+    assert kv(s).block_table("b") == [3, 4]
     s.finish("b", "abort")
     s.check_invariants()
-    assert s.kv.pool.num_used == 0 and not s.has_unfinished()
+    assert kv(s).pool.num_used == 0 and not s.has_unfinished()
     # a's chain was freed tail first, then b's: reuse follows that order
     c = req("c", 32, max_tokens=1)
     s.add_request(c)
@@ -355,7 +320,7 @@ def test_abort_of_a_preempted_request():
     assert b.finish_reason == "abort" and s.num_waiting == 0
     run_to_end(s)
     assert a.output_token_ids == expected_output(a)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 # ------------------------------------------------------------------------- stop checks
@@ -424,7 +389,7 @@ def test_a_call_holding_every_slot_gives_slots_back_down_to_half():
     run_to_end(s)
     for r in big + others:
         assert r.is_finished and r.output_token_ids == expected_output(r), r.request_id
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def is_waiting(s: Scheduler, r: Request) -> bool:
@@ -453,13 +418,13 @@ def test_admission_looks_at_a_bounded_number_of_waiting_requests(monkeypatch):
     for i in range(3000):  # one call: 3,000 samples of a 40-token prompt; all but one wait for its blocks
         s.add_request(Request(f"r{i}", shared, SamplingParams(temperature=0, max_tokens=1), group="fanout"))
     looked = []
-    match = s.kv.match_prefix
-    monkeypatch.setattr(s.kv, "match_prefix", lambda r: looked.append(r.request_id) or match(r))
+    match = kv(s).match_prefix
+    monkeypatch.setattr(kv(s), "match_prefix", lambda r: looked.append(r.request_id) or match(r))
     step(s)
     limit = max(scheduler_module.SCAN_MIN, scheduler_module.SCAN_PER_SEQ * 2)
     assert 0 < len(looked) <= limit
     run_to_end(s, max_steps=5000)
-    assert s.kv.pool.num_used == 0
+    assert kv(s).pool.num_used == 0
 
 
 def test_aborting_queued_and_running_sequences_compares_no_requests(monkeypatch):
@@ -481,4 +446,4 @@ def test_aborting_queued_and_running_sequences_compares_no_requests(monkeypatch)
     # only the running list (max_num_seqs long) is scanned now.
     assert len(comparisons) <= 8 * 8
     s.check_invariants()
-    assert not s.has_unfinished() and s.kv.pool.num_used == 0
+    assert not s.has_unfinished() and kv(s).pool.num_used == 0

@@ -1,7 +1,7 @@
-"""Exact unit tests of Mamba state caching on plain data (no torch): the
-``StateCache`` pool (live slots, budgeted checkpoints, reserve / commit / cancel /
-drop, LRU) and the ``StatePolicy`` driven through the ``Scheduler`` with fake
-tokens, wired as ``engine.py`` wires it (``kv.pool.on_forget = states.drop``).
+"""Exact unit tests of recurrent-state caching on plain data (no torch): the
+``StatePool`` (live slots, budgeted checkpoints, reserve / commit / cancel /
+drop, LRU) and the ``RecurrentStatePool`` kind driven through the ``Scheduler``
+and its ``CacheCoordinator`` with fake tokens, wired as ``engine.py`` wires them.
 
 The block size is 4 everywhere, so a checkpoint "at position p" is keyed by the
 hash of the request's block ``p // 4 - 1`` and holds the state after ``p`` tokens.
@@ -11,14 +11,16 @@ Invariants (KV, checkpoints, live slots) are checked before and after every step
 from __future__ import annotations
 
 import pytest
+from plain_scheduling import expected_output, kv, make_scheduler, seq_of, state_kind, toks
+from plain_scheduling import req as _req
+from plain_scheduling import run_to_end as _run_to_end
+from plain_scheduling import step as _step
 
-from hyprefix.cache.kv import KVCacheManager
-from hyprefix.cache.state import StateCache, before_last_token, block_of
-from hyprefix.cache.state_policy import StatePolicy
+from hyprefix.cache.recurrent import RecurrentStateCache
+from hyprefix.cache.state_pool import StatePool, before_last_token, block_of
 from hyprefix.outputs import SchedulerOutput
 from hyprefix.request import Request, Status
-from hyprefix.sampling import SamplingParams
-from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.scheduler import Scheduler
 
 BS = 4
 
@@ -27,8 +29,8 @@ def h(i: int) -> bytes:
     return b"hash-%d" % i
 
 
-# =============================================================== StateCache alone
-def committed(sc: StateCache, block_hash: bytes) -> int:
+# =============================================================== StatePool alone
+def committed(sc: StatePool, block_hash: bytes) -> int:
     slot = sc.reserve(block_hash)
     assert slot is not None
     assert sc.commit(slot) == block_hash
@@ -36,7 +38,7 @@ def committed(sc: StateCache, block_hash: bytes) -> int:
 
 
 def test_checkpoint_slots_are_handed_out_in_order():
-    sc = StateCache(num_live_slots=2, num_checkpoint_slots=3)
+    sc = StatePool(num_live_slots=2, num_checkpoint_slots=3)
     assert [sc.reserve(h(i)) for i in range(3)] == [0, 1, 2]
     assert sc.num_used == 3 and sc.capacity == 3
     assert [sc.lookup(h(i)) for i in range(3)] == [None] * 3  # reserved is not findable
@@ -47,7 +49,7 @@ def test_checkpoint_slots_are_handed_out_in_order():
 
 
 def test_reserve_refuses_a_hash_already_committed_or_reserved():
-    sc = StateCache(1, 4)
+    sc = StatePool(1, 4)
     slot = sc.reserve(h(0))
     assert slot == 0 and sc.has(h(0))
     assert sc.reserve(h(0)) is None  # being written this step
@@ -58,7 +60,7 @@ def test_reserve_refuses_a_hash_already_committed_or_reserved():
 
 
 def test_zero_capacity_never_reserves():
-    sc = StateCache(2, 0)
+    sc = StatePool(2, 0)
     assert sc.reserve(h(0)) is None
     assert sc.num_used == 0 and sc.lookup(h(0)) is None and not sc.has(h(0))
     sc.check_invariants(lambda _: None)
@@ -66,7 +68,7 @@ def test_zero_capacity_never_reserves():
 
 
 def test_lru_evicts_the_least_recently_committed_checkpoint():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     assert committed(sc, h(0)) == 0
     assert committed(sc, h(1)) == 1
     assert sc.reserve(h(2)) == 0  # h(0) is the least recently used: evicted, its slot reused
@@ -78,7 +80,7 @@ def test_lru_evicts_the_least_recently_committed_checkpoint():
 
 
 def test_forgetting_a_block_drops_both_of_its_checkpoints():
-    sc = StateCache(num_live_slots=1, num_checkpoint_slots=3)
+    sc = StatePool(num_live_slots=1, num_checkpoint_slots=3)
     slots = [committed(sc, key) for key in (h(1), before_last_token(h(1)), h(2))]
     assert block_of(before_last_token(h(1))) == h(1) and block_of(h(1)) == h(1)
     assert sc.drop(h(1))
@@ -89,7 +91,7 @@ def test_forgetting_a_block_drops_both_of_its_checkpoints():
 
 
 def test_touch_refreshes_a_checkpoint():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     committed(sc, h(0))
     committed(sc, h(1))
     sc.touch(0)  # a hit on h(0)
@@ -101,7 +103,7 @@ def test_touch_refreshes_a_checkpoint():
 
 
 def test_reservations_are_never_evicted():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     committed(sc, h(0))
     assert sc.reserve(h(1)) == 1  # free slot
     assert sc.reserve(h(2)) == 0  # evicts the committed h(0)
@@ -112,7 +114,7 @@ def test_reservations_are_never_evicted():
 
 
 def test_commit_and_cancel():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     slot = sc.reserve(h(0))
     assert sc.commit(slot) == h(0)
     assert sc.commit(slot) is None  # not reserved any more
@@ -130,7 +132,7 @@ def test_commit_and_cancel():
 
 
 def test_drop_frees_the_slot():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     committed(sc, h(0))
     committed(sc, h(1))
     assert sc.drop(h(0)) is True
@@ -144,7 +146,7 @@ def test_drop_frees_the_slot():
 
 
 def test_live_slots():
-    sc = StateCache(num_live_slots=2, num_checkpoint_slots=1)
+    sc = StatePool(num_live_slots=2, num_checkpoint_slots=1)
     assert sc.assign_live("a") == 0
     assert sc.assign_live("a") == 0  # idempotent
     assert sc.assign_live("b") == 1
@@ -160,7 +162,7 @@ def test_live_slots():
 
 
 def test_check_invariants_catches_a_checkpoint_whose_block_is_gone():
-    sc = StateCache(1, 2)
+    sc = StatePool(1, 2)
     committed(sc, h(0))
     committed(sc, h(1))
     kv_index = {h(0): 5, h(1): 6}
@@ -168,75 +170,49 @@ def test_check_invariants_catches_a_checkpoint_whose_block_is_gone():
     del kv_index[h(1)]  # the KV block was evicted but nobody told the state cache
     with pytest.raises(AssertionError, match="no longer cached"):
         sc.check_invariants(kv_index.get)
-    sc.drop(h(1))  # what on_forget does
+    sc.drop(h(1))  # what the coordinator does with a forgotten hash
     sc.check_invariants(kv_index.get)
 
 
-# ====================================================== StatePolicy via the Scheduler
-def make(num_blocks: int = 32, budget: int = 64, max_seqs: int = 4, ckpts: int = 8) -> Scheduler:
-    """Wired as engine.py does."""
-    kv = KVCacheManager(num_blocks, BS, True, model_identity="hybrid-test")
-    states = StateCache(max_seqs, ckpts)
-    kv.pool.on_forget = states.drop
-    return Scheduler(SchedulerConfig(budget, max_seqs), kv, StatePolicy(states, BS, kv.update_hashes))
-
-
-def toks(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
+# ============================================ RecurrentStateCache via the Scheduler
+def make(num_blocks: int = 32, budget: int = 64, max_seqs: int = 4, ckpts: int = 8,
+         attention: bool = True) -> Scheduler:
+    """Wired as engine.py does: attention KV plus a recurrent state."""
+    return make_scheduler(num_blocks, BS, budget, max_seqs, model_identity="hybrid-test", checkpoints=ckpts,
+                          attention=attention)
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
-    return Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return _req(rid, prompt, max_tokens)
 
 
-def fake_token(request_id: str, position: int) -> int:
-    return 5000 + 37 * sum(map(ord, request_id)) % 1000 + position
-
-
-def expected_output(r: Request) -> list[int]:
-    n = r.num_prompt_tokens
-    return [fake_token(r.request_id, p) for p in range(n, n + r.params.max_tokens)]
-
-
-def cache(s: Scheduler) -> StateCache:
-    assert s.states is not None
-    return s.states.states
+def cache(s: Scheduler) -> StatePool:
+    return state_kind(s).pool
 
 
 def check(s: Scheduler) -> None:
     s.check_invariants()
     sc = cache(s)
     assert set(sc._live) == {r.request_id for r in s.running}, "live slots != running requests"
-    assert set(s.states._plans) == {r.request_id for r in s.running}, "plans != running requests"
+    assert set(state_kind(s)._plans) == {r.request_id for r in s.running}, "plans != running requests"
+
+
+def _every_seq_has_its_live_slot(s: Scheduler, out: SchedulerOutput) -> None:
+    for q in out.seqs:
+        assert q.state_slot == cache(s).live_slot(q.request_id)
 
 
 def step(s: Scheduler) -> SchedulerOutput:
-    check(s)
-    out = s.schedule()
-    check(s)
-    for q in out.seqs:  # every scheduled seq of a hybrid has its live slot
-        assert q.state_slot == cache(s).live_slot(q.request_id)
-    sampled = {q.request_id: fake_token(q.request_id, q.context_len) for q in out.seqs if q.sample}
-    s.update(out, sampled)
+    out = _step(s, check=check, on_plan=lambda out: _every_seq_has_its_live_slot(s, out))
     assert not cache(s)._reserved, "a reservation outlived its step"
-    check(s)
     return out
 
 
 def run_to_end(s: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
-    outs = []
-    for _ in range(max_steps):
-        if not s.has_unfinished():
-            check(s)
-            assert not cache(s)._live
-            return outs
-        outs.append(step(s))
-    raise AssertionError("scheduler did not finish")
-
-
-def seq_of(out: SchedulerOutput, rid: str):
-    (q,) = [q for q in out.seqs if q.request_id == rid]
-    return q
+    outs = _run_to_end(s, max_steps, check=check, on_plan=lambda out: _every_seq_has_its_live_slot(s, out))
+    check(s)
+    assert not cache(s)._live
+    return outs
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, int, tuple]]:
@@ -248,7 +224,7 @@ def ckpt(s: Scheduler, tokens: list[int], position: int) -> int | None:
     """The checkpoint slot holding the state after ``position`` tokens of ``tokens``."""
     assert position % BS == 0 and position > 0
     probe = req("probe", tokens)
-    return cache(s).lookup(s.kv.update_hashes(probe)[position // BS - 1])
+    return cache(s).lookup(kv(s).update_hashes(probe)[position // BS - 1])
 
 
 def ckpts(s: Scheduler, tokens: list[int]) -> dict[int, int]:
@@ -288,7 +264,7 @@ def test_block_aligned_prompt_checkpoints_before_its_last_token_and_an_identical
     # the final token, whose K/V already sits in the shared block (as on a dense model)
     assert out.state_ops == [(1, 0)]
     assert plan(out) == [("b", 11, 1, ())] and not seq_of(out, "b").write_kv
-    assert b.num_cached_tokens == 11 and s.states.hybrid_hit_tokens_lost == 0
+    assert b.num_cached_tokens == 11 and s.cache.hit_tokens_lost == 0
     assert s.prefix_cache_hits == 11
     run_to_end(s)
     assert b.output_token_ids == expected_output(b)
@@ -308,7 +284,7 @@ def test_block_aligned_prompt_without_before_last_checkpoint_resumes_a_block_ear
     assert out.state_ops == [(0, 0)]
     assert plan(out) == [("b", 8, 4, ((11, 1),))] and seq_of(out, "b").write_kv
     # a dense model would have hit 11 tokens
-    assert b.num_cached_tokens == 8 and s.states.hybrid_hit_tokens_lost == 3
+    assert b.num_cached_tokens == 8 and s.cache.hit_tokens_lost == 3
 
 
 def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
@@ -319,7 +295,7 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     assert plan(step(s)) == [("a", 0, 30, ((28, 0),))]
     run_to_end(s)
     assert ckpts(s, P) == {28: 0}
-    assert s.kv.block_table("a") == [] and s.kv.pool.lookup(a.block_hashes[6]) == 6
+    assert kv(s).block_table("a") == [] and kv(s).pool.lookup(a.block_hashes[6]) == 6
 
     # b shares P's first 3 blocks but there is no state at 12: a KV hit of 12, usable 0.
     b = req("b", P[:12] + toks(900, 6))
@@ -327,7 +303,7 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     out = step(s)
     assert out.state_ops == [(None, 0)]
     assert plan(out) == [("b", 0, 18, ((12, 1), (16, 2)))]  # divergence point 12, last boundary 16
-    assert b.num_cached_tokens == 0 and s.states.hybrid_hit_tokens_lost == 12
+    assert b.num_cached_tokens == 0 and s.cache.hit_tokens_lost == 12
     run_to_end(s)
     assert ckpts(s, P) == {12: 1, 28: 0}
 
@@ -336,13 +312,13 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     s.add_request(d)
     out = step(s)
     assert plan(out) == [("d", 0, 48, ((44, 3), (47, 4)))]  # 48 is block-aligned: also before its last token
-    assert len(s.kv.block_table("d")) == 12
+    assert len(kv(s).block_table("d")) == 12
     c = req("c", P[:24] + toks(3000, 26))  # 50 tokens: KV hit 24, checkpoints at 12 and 28
     s.add_request(c)
     attempts = []
-    hybrid_hit = s.states.hybrid_hit
-    s.states.hybrid_hit = lambda r, n: attempts.append((r.request_id, n)) or hybrid_hit(r, n)
-    lost_before = s.states.hybrid_hit_tokens_lost
+    find_hit = s.cache.find_hit
+    s.cache.find_hit = lambda r: attempts.append((r.request_id, (hit := find_hit(r)).num_tokens)) or hit
+    lost_before = s.cache.hit_tokens_lost
     out = step(s)  # d's first decode takes a 13th block: the LRU free block 6 (P's block 6)
     assert plan(out) == [("d", 48, 1, ())]
     assert c.status == Status.WAITING
@@ -351,8 +327,8 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     while c.status == Status.WAITING:
         out = step(s)
     assert d.is_finished
-    assert attempts == [("c", 6)] * len(attempts) and len(attempts) >= 3  # blocked attempts...
-    assert s.states.hybrid_hit_tokens_lost - lost_before == 12  # ...but the 12 lost tokens counted once
+    assert attempts == [("c", 12)] * len(attempts) and len(attempts) >= 3  # blocked attempts...
+    assert s.cache.hit_tokens_lost - lost_before == 12  # ...but the 12 lost tokens counted once
     assert c.num_cached_tokens == 12  # usable hit: the last checkpoint at or below the KV hit
     assert out.state_ops == [(1, 0)]  # restore the checkpoint at 12 into live slot 0
     # c's 10 new blocks come off the LRU free list: P's blocks 3..5 (c's own KV hit beyond
@@ -362,7 +338,7 @@ def test_hybrid_hit_rule_restore_and_lost_tokens_counted_once_per_admission():
     # boundary 48, in the slots freed last-in first-out: 4, then 2.
     assert seq_of(out, "c").block_table == [0, 1, 2, 5, 4, 3, 12, 11, 10, 9, 8, 6, 7]
     assert ckpts(s, b.all_token_ids) == {12: 1}
-    assert cache(s).lookup(d.block_hashes[10]) == 3 and s.kv.pool.lookup(d.block_hashes[11]) is None
+    assert cache(s).lookup(d.block_hashes[10]) == 3 and kv(s).pool.lookup(d.block_hashes[11]) is None
     assert plan(out) == [("c", 12, 38, ((24, 4), (48, 2)))]
     run_to_end(s)
     assert c.output_token_ids == expected_output(c)
@@ -419,7 +395,7 @@ def test_waiting_request_asks_a_running_prefill_for_a_checkpoint_where_it_branch
     s.add_request(w)
     out = step(s)  # o takes the whole budget; w would wait on o's blocks anyway
     assert plan(out) == [("o", 0, 12, ())]
-    assert s.states._plans["o"].taps == [20, 28]  # 20 asked for by w
+    assert state_kind(s)._plans["o"].taps == [20, 28]  # 20 asked for by w
     out = step(s)
     assert plan(out) == [("o", 12, 12, ((20, 0),))]  # inside the chunk 12..24
     assert w.status == Status.WAITING
@@ -427,8 +403,8 @@ def test_waiting_request_asks_a_running_prefill_for_a_checkpoint_where_it_branch
     # o's last chunk; w hits the 5 blocks o published and the state at 20
     assert plan(out) == [("o", 24, 6, ((28, 1),)), ("w", 20, 6, ((24, 2),))]
     assert out.state_ops == [(0, 1)]
-    assert w.num_cached_tokens == 20 and s.states.hybrid_hit_tokens_lost == 0
-    assert s.kv.block_table("w")[:5] == s.kv.block_table("o")[:5]
+    assert w.num_cached_tokens == 20 and s.cache.hit_tokens_lost == 0
+    assert kv(s).block_table("w")[:5] == kv(s).block_table("o")[:5]
     run_to_end(s)
     assert o.output_token_ids == expected_output(o) and w.output_token_ids == expected_output(w)
 
@@ -449,7 +425,7 @@ def test_sibling_of_a_running_prefill_resumes_at_the_shared_last_boundary():
     assert out.state_ops == [(0, 1)]
     run_to_end(s)
     assert b.num_cached_tokens == 16 and b.output_token_ids == expected_output(b)
-    assert s.states.hybrid_hit_tokens_lost == 0
+    assert s.cache.hit_tokens_lost == 0
 
 
 def test_checkpoint_dropped_when_its_block_is_evicted():
@@ -459,12 +435,12 @@ def test_checkpoint_dropped_when_its_block_is_evicted():
     s.add_request(a)
     run_to_end(s)
     assert ckpts(s, P) == {8: 0}
-    assert list(s.kv.pool._free) == [3, 4, 5, 2, 1, 0]
+    assert list(kv(s).pool._free) == [3, 4, 5, 2, 1, 0]
     big = req("big", toks(500, 19), max_tokens=2)  # 5 blocks: 3, 4, 5, then evicts 2 and 1
     s.add_request(big)
     step(s)
-    assert s.kv.block_table("big") == [3, 4, 5, 2, 1]
-    assert s.kv.pool.lookup(a.block_hashes[1]) is None  # P's block 1 (tokens 4..8) is gone...
+    assert kv(s).block_table("big") == [3, 4, 5, 2, 1]
+    assert kv(s).pool.lookup(a.block_hashes[1]) is None  # P's block 1 (tokens 4..8) is gone...
     assert ckpts(s, P) == {}  # ...and the checkpoint on it died with it
     assert cache(s).num_used == 1  # only big's own checkpoint at 16, in the freed slot 0
     assert ckpts(s, big.prompt_token_ids) == {16: 0}
@@ -473,7 +449,7 @@ def test_checkpoint_dropped_when_its_block_is_evicted():
     s.add_request(again)
     out = step(s)
     assert out.state_ops == [(None, 0)] and again.num_cached_tokens == 0
-    assert s.states.hybrid_hit_tokens_lost == 4  # block 0 still hits in KV, no state at 4
+    assert s.cache.hit_tokens_lost == 4  # block 0 still hits in KV, no state at 4
 
 
 def test_reset_prefix_cache_drops_checkpoints_of_dropped_blocks_only():
@@ -486,7 +462,7 @@ def test_reset_prefix_cache_drops_checkpoints_of_dropped_blocks_only():
     s.add_request(q)
     step(s)  # q is running and holds its blocks
     assert ckpts(s, P) == {8: 0} and ckpts(s, Q) == {12: 1}
-    assert s.kv.reset_cache() == 2  # P's 2 free cached blocks
+    assert s.cache.reset_cache() == 2  # P's 2 free cached blocks
     check(s)
     assert ckpts(s, P) == {}  # dropped with the hashes
     assert ckpts(s, Q) == {12: 1}  # q's blocks are held: still findable, checkpoint kept
@@ -511,7 +487,7 @@ def test_zero_checkpoint_capacity_takes_no_taps_and_never_restores():
     assert all(src is None for o in outs for src, _ in o.state_ops)
     assert [src for o in outs for src, _ in o.state_ops] == [None, None]
     assert s.prefix_cache_hits == 0 and cache(s).num_used == 0
-    assert s.states.hybrid_hit_tokens_lost == 16  # b's whole KV hit (4 blocks) lost, once
+    assert s.cache.hit_tokens_lost == 16  # b's whole KV hit (4 blocks) lost, once
 
 
 def test_preemption_releases_the_live_slot_and_resumes_from_a_checkpoint():
@@ -532,7 +508,7 @@ def test_preemption_releases_the_live_slot_and_resumes_from_a_checkpoint():
     assert preempted_at is not None and preempted_at.preempted_ids == ["r2"]
     assert [q.request_id for q in out.seqs] == ["r1"] and out.state_ops == []
     assert r2.status == Status.PREEMPTED and r2.num_computed_tokens == 0
-    assert cache(s).live_slot("r2") is None and "r2" not in s.states._plans
+    assert cache(s).live_slot("r2") is None and "r2" not in state_kind(s)._plans
     # r2 had decoded to 16: its provisional checkpoint at 16 sat on the block r1 just took
     assert ckpts(s, r2.all_token_ids) == {8: 1}
     readmitted = None
@@ -547,7 +523,7 @@ def test_preemption_releases_the_live_slot_and_resumes_from_a_checkpoint():
     run_to_end(s)
     assert r1.output_token_ids == expected_output(r1)
     assert r2.output_token_ids == expected_output(r2)
-    assert s.kv.pool.num_used == 0 and not cache(s)._live and not cache(s)._reserved
+    assert kv(s).pool.num_used == 0 and not cache(s)._live and not cache(s)._reserved
 
 
 def test_abort_between_schedule_and_update_cancels_the_reservation():
@@ -587,20 +563,64 @@ def test_checkpoint_pool_is_lru_and_a_hit_refreshes_it():
     s.add_request(q2)
     out = step(s)
     assert out.state_ops == [(None, 0)] and q2.num_cached_tokens == 0
-    assert s.states.hybrid_hit_tokens_lost == 8
+    assert s.cache.hit_tokens_lost == 8
 
 
 def test_scheduler_invariants_catch_a_checkpoint_left_on_an_evicted_block():
-    """Without ``on_forget`` wired, evicting a block leaves its checkpoint behind:
-    check_invariants must notice."""
+    """If the coordinator did not pass forgotten hashes on, evicting a block would leave
+    its checkpoint behind: check_invariants must notice."""
     s = make(num_blocks=4)
-    s.kv.pool.on_forget = None
+    kv(s).pool.take_forgotten = lambda: []
     s.add_request(req("a", toks(100, 10), max_tokens=1))
     run_to_end(s)
     assert ckpts(s, toks(100, 10)) == {8: 0}
     s.add_request(req("b", toks(300, 14), max_tokens=1))  # 4 blocks: evicts a's blocks
     s.schedule()
-    assert s.kv.block_table("b") == [3, 2, 1, 0]
+    assert kv(s).block_table("b") == [3, 2, 1, 0]
     with pytest.raises(AssertionError, match="no longer cached"):
         s.check_invariants()
     s.finish("b", "abort")
+
+
+# ======================================================== the coordinator's contract
+def random_traffic(s: Scheduler, seed: int) -> list[tuple]:
+    """Shared prefixes, retries and branches; returns every step's plan and state ops."""
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [toks(100 * (i + 1), n) for i, n in enumerate((8, 13, 20))]
+    log = []
+    for i in range(30):
+        prefix = rng.choice(prefixes)
+        prompt = prefix[: rng.randint(1, len(prefix))] if rng.random() < 0.3 else prefix + toks(5000 + i * 10, i % 7)
+        s.add_request(req(f"r{i}", prompt, max_tokens=rng.randint(1, 6)))
+        if rng.random() < 0.5:
+            out = step(s)
+            log.append((plan(out), out.state_ops))
+    for out in run_to_end(s):
+        log.append((plan(out), out.state_ops))
+    return log
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_model_without_attention_layers_caches_exactly_like_a_hybrid(seed):
+    """The attention kind never shortens a hit: a pure recurrent model (blocks only
+    index the cache) plans every step exactly as a hybrid with the same budget."""
+    hybrid, pure = make(num_blocks=24, ckpts=6), make(num_blocks=24, ckpts=6, attention=False)
+    assert [k.name for k in hybrid.cache.kinds] == ["attention", "recurrent"]
+    assert [k.name for k in pure.cache.kinds] == ["recurrent"]
+    log = random_traffic(hybrid, seed)
+    assert log == random_traffic(pure, seed)
+    assert any(ops and ops[0][0] is not None for _, ops in log), "no step restored a checkpoint"
+    assert hybrid.cache.stats() == pure.cache.stats()
+
+
+def test_a_model_needs_one_kind_and_at_most_one_recurrent_state():
+    from hyprefix.cache.coordinator import CacheCoordinator
+    from hyprefix.cache.kv import KVCacheManager
+
+    with pytest.raises(ValueError, match="at least one kind"):
+        CacheCoordinator(KVCacheManager(4, BS), [])
+    two = [RecurrentStateCache(StatePool(1, 1), BS), RecurrentStateCache(StatePool(1, 1), BS)]
+    with pytest.raises(ValueError, match="at most one kind of recurrent state"):
+        CacheCoordinator(KVCacheManager(4, BS), two)

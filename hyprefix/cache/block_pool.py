@@ -10,7 +10,6 @@ Invariants (see ``check_invariants``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -30,8 +29,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_index: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash
-        # Told every hash the pool forgets (eviction, reset): state checkpoints die with their block.
-        self.on_forget: Callable[[bytes], object] | None = None
+        self._forgotten: list[bytes] = []  # hashes forgotten since the last take_forgotten()
 
     @property
     def num_blocks(self) -> int:
@@ -125,9 +123,14 @@ class BlockPool:
         if block.block_hash is not None:
             if self._hash_index.get(block.block_hash) == block.block_id:
                 del self._hash_index[block.block_hash]
-                if self.on_forget is not None:
-                    self.on_forget(block.block_hash)
+                self._forgotten.append(block.block_hash)
             block.block_hash = None
+
+    def take_forgotten(self) -> list[bytes]:
+        """Hashes the pool stopped indexing (eviction, reset) since the last call: what
+        depends on those blocks (state checkpoints) must go too."""
+        forgotten, self._forgotten = self._forgotten, []
+        return forgotten
 
     def check_invariants(self, expected_refs: dict[int, int]) -> None:
         """``expected_refs`` maps block id -> number of block tables holding it."""

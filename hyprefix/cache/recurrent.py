@@ -1,4 +1,5 @@
-"""Where hybrid models take Mamba state checkpoints and how hits use them (no torch).
+"""The recurrent-state kind of cache (Mamba2 layers; no torch): where checkpoints
+of the state are taken and how prefix hits resume from them.
 
 A hybrid hit of length L needs every KV block below L *and* a checkpoint at
 exactly L (the recurrent state summarises all tokens before L). Checkpoints are
@@ -30,73 +31,63 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hyprefix.cache.state import StateCache, before_last_token
+from hyprefix.cache.coordinator import CacheKind, PrefixHit, StateOp, Taps
+from hyprefix.cache.state_pool import StatePool, before_last_token
 from hyprefix.request import Request
-
-StateOp = tuple[int | None, int]  # (checkpoint slot to restore or None for zeros, live slot)
-Taps = tuple[tuple[int, int], ...]  # (position, checkpoint slot)
 
 
 @dataclass
 class _Plan:
+    request: Request
     taps: list[int] = field(default_factory=list)  # absolute positions still to checkpoint
     # (slot, provisional, tokens the request must have computed before the commit)
     reserved: list[tuple[int, bool, int]] = field(default_factory=list)
     provisional: bytes | None = None  # hash of the request's current decode checkpoint
 
 
-class StatePolicy:
-    def __init__(self, states: StateCache, block_size: int, hashes: Callable[[Request], list[bytes]]) -> None:
-        """``hashes(request)``: the request's full-block hashes, extended to its known tokens."""
-        self.states = states
+class RecurrentStateCache(CacheKind):
+    """One live state slot per running request plus checkpoints in ``pool``."""
+
+    name = "recurrent"
+    has_live_state = True
+    wants_branch_points = True
+
+    def __init__(self, pool: StatePool, block_size: int) -> None:
+        self.pool = pool
         self.block_size = block_size
-        self._hashes = hashes
         self._plans: dict[str, _Plan] = {}
-        self.hybrid_hit_tokens_lost = 0
 
-    def hybrid_hit(self, request: Request, kv_hit_blocks: int) -> tuple[int, int | None]:
-        """(usable hit blocks, checkpoint slot to restore or None for a zero state).
-
-        The usable hit is the longest L at or below both the KV hit and the
-        request's last token that has a checkpoint at exactly L: the final token of
-        a fully cached block-aligned prompt, or a block boundary.
-        """
+    def longest_hit(self, request: Request, limit: int) -> int:
+        """The longest L <= ``limit`` with a checkpoint at exactly L: the final token of
+        a fully cached block-aligned prompt, or a block boundary."""
         bs = self.block_size
         hashes = request.block_hashes
-        best = self._best_hit(request.num_tokens, kv_hit_blocks)
-        if best % bs:  # the final token of a fully cached block-aligned prompt
-            slot = self.states.lookup(self._key(hashes, best))
-            if slot is not None:
-                return best // bs + 1, slot
-        for blocks in range(best // bs, 0, -1):
-            slot = self.states.lookup(hashes[blocks - 1])
-            if slot is not None:
-                return blocks, slot
-        return 0, None
+        # Off a boundary only at the final token of a fully cached block-aligned prompt.
+        if limit % bs and self.pool.lookup(self._key(hashes, limit)) is not None:
+            return limit
+        for blocks in range(limit // bs, 0, -1):
+            if self.pool.lookup(hashes[blocks - 1]) is not None:
+                return blocks * bs
+        return 0
 
-    def admit(self, request: Request, kv_hit_blocks: int, hit_tokens: int, restore: int | None) -> StateOp:
-        """Assign the live slot, count the hit lost to missing checkpoints and plan
-        the checkpoints; returns the state op that initialises the live slot."""
+    def admit(self, request: Request, hit: PrefixHit) -> StateOp:
+        """Assign the live slot and plan the checkpoints; the op initialises the live
+        slot from the checkpoint at the hit (zeros without a hit)."""
         bs, n = self.block_size, request.num_tokens
-        self.hybrid_hit_tokens_lost += self._best_hit(n, kv_hit_blocks) - hit_tokens
-        live = self.states.assign_live(request.request_id)
-        if restore is not None:
-            self.states.touch(restore)
+        live = self.pool.assign_live(request.request_id)
+        restore = None
+        if hit.num_tokens:
+            restore = self.pool.lookup(self._key(request.block_hashes, hit.num_tokens))
+            assert restore is not None, "a hit must end on a checkpoint"
+            self.pool.touch(restore)
         last = (n - 1) // bs * bs
-        divergence = min(kv_hit_blocks * bs, last)
+        divergence = min(hit.kv_blocks * bs, last)
         # Only a fresh prompt: after a preemption n includes output tokens, and only an
         # identical prompt + output could reuse that state.
         before_last = n - 1 if n % bs == 0 and not request.output_token_ids else 0
-        taps = sorted({p for p in (divergence, last, before_last) if p > hit_tokens})
-        self._plans[request.request_id] = _Plan(taps=taps)
+        taps = sorted({p for p in (divergence, last, before_last) if p > hit.num_tokens})
+        self._plans[request.request_id] = _Plan(request, taps=taps)
         return restore, live
-
-    def _best_hit(self, num_tokens: int, kv_hit_blocks: int) -> int:
-        """The longest hit a checkpoint could give: what a dense model would hit."""
-        bs = self.block_size
-        if num_tokens % bs == 0 and kv_hit_blocks * bs >= num_tokens:
-            return num_tokens - 1
-        return min(kv_hit_blocks * bs, num_tokens - 1) // bs * bs
 
     def _commit_after(self, position: int) -> int:
         """Computed tokens after which the checkpoint at ``position`` may become
@@ -113,30 +104,31 @@ class StatePolicy:
         assert (position + 1) % bs == 0, "only block boundaries and before-last-token positions are checkpointed"
         return before_last_token(hashes[position // bs])
 
-    def request_tap(self, owner: Request, position: int) -> None:
-        """Another request waits for ``owner``'s blocks and will branch off at
+    def branch_point(self, owner_id: str, position: int) -> None:
+        """Another request waits for ``owner_id``'s blocks and will branch off at
         ``position``: have the owner checkpoint there if it has not passed it yet."""
-        plan = self._plans.get(owner.request_id)
-        if plan is not None and position > owner.num_computed_tokens and position not in plan.taps:
+        plan = self._plans.get(owner_id)
+        if plan is not None and position > plan.request.num_computed_tokens and position not in plan.taps:
             plan.taps = sorted([*plan.taps, position])
 
-    def plan_step(self, request: Request, start: int, n: int, decoding: bool) -> tuple[int, Taps]:
+    def plan_step(self, request: Request, start: int, n: int) -> tuple[int, Taps]:
         """(live slot, taps as (position, checkpoint slot)) for computing
         positions ``start .. start + n - 1`` this step."""
         plan = self._plans[request.request_id]
-        live = self.states.live_slot(request.request_id)
+        live = self.pool.live_slot(request.request_id)
         assert live is not None
         end = start + n
+        decoding = bool(request.output_token_ids) and end == request.num_tokens
         wanted = [(p, False) for p in plan.taps if start < p <= end]
         plan.taps = [p for p in plan.taps if p > end]
         if decoding and end % self.block_size == 0:
             wanted.append((end, True))
-        if not wanted or self.states.capacity == 0:
+        if not wanted or self.pool.capacity == 0:
             return live, ()
-        hashes = self._hashes(request)
+        hashes = request.block_hashes
         taps = []
         for pos, provisional in wanted:
-            slot = self.states.reserve(self._key(hashes, pos))
+            slot = self.pool.reserve(self._key(hashes, pos))
             if slot is not None:
                 taps.append((pos, slot))
                 plan.reserved.append((slot, provisional, self._commit_after(pos)))
@@ -153,10 +145,10 @@ class StatePolicy:
             if request.num_computed_tokens < commit_after:
                 pending.append((slot, provisional, commit_after))
                 continue
-            block_hash = self.states.commit(slot)
+            block_hash = self.pool.commit(slot)
             if provisional and block_hash is not None:
                 if plan.provisional is not None:
-                    self.states.drop_key(plan.provisional)
+                    self.pool.drop_key(plan.provisional)
                 plan.provisional = block_hash
         plan.reserved = pending
 
@@ -166,15 +158,21 @@ class StatePolicy:
         plan = self._plans.pop(request.request_id, None)
         if plan is not None:
             for slot, _, _ in plan.reserved:
-                self.states.cancel(slot)
-        self.states.release_live(request.request_id)
+                self.pool.cancel(slot)
+        self.pool.release_live(request.request_id)
 
-    def check_invariants(self, running_ids: set[str], kv_lookup) -> None:
+    def forget(self, block_hash: bytes) -> None:
+        self.pool.drop(block_hash)
+
+    def stats(self) -> dict[str, int]:
+        return {"state_checkpoints_used": self.pool.num_used, "state_checkpoints_capacity": self.pool.capacity}
+
+    def check_invariants(self, running_ids: set[str], kv_lookup: Callable[[bytes], int | None]) -> None:
         """Live slots, plans and reserved checkpoint slots belong exactly to the
         running requests, and every checkpoint sits on a cached block."""
-        self.states.check_invariants(kv_lookup)
-        assert self.states.live_request_ids == running_ids, "live Mamba slots out of sync with running requests"
+        self.pool.check_invariants(kv_lookup)
+        assert self.pool.live_request_ids == running_ids, "live state slots out of sync with running requests"
         assert set(self._plans) == running_ids, "checkpoint plans out of sync with running requests"
         held = [slot for plan in self._plans.values() for slot, _, _ in plan.reserved]
-        assert len(held) == len(set(held)) and set(held) == self.states.reserved_slots, \
+        assert len(held) == len(set(held)) and set(held) == self.pool.reserved_slots, \
             "a checkpoint reservation is not held by exactly one running request"

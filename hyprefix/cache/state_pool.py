@@ -1,16 +1,16 @@
-"""Mamba state bookkeeping (no torch): live slots of running requests and a
+"""Recurrent-state slots (no torch): the live slot of each running request and a
 budgeted pool of state checkpoints keyed by KV block hash.
 
-A checkpoint holds the conv + SSM state of every Mamba layer right after the
-last token of the block whose hash keys it. Rules:
+A checkpoint holds the recurrent state of every such layer (Mamba2: conv + SSM)
+right after the last token of the block whose hash keys it. Rules:
 - A slot is reserved when the scheduler plans the step that will compute the
   state (the runner writes it during that step) and committed, i.e. becomes
   findable, only after the step has finished.
 - Committed checkpoints are evicted least recently used first (a hit counts as
   a use) when a reservation finds no free slot; reservations never evict each
   other.
-- A checkpoint dies with its KV block: ``drop`` is called whenever the block
-  pool forgets a hash.
+- A checkpoint dies with its KV block: ``drop`` is called for every hash the
+  block pool forgets (``CacheCoordinator`` passes them on).
 - Zero capacity is valid: nothing is ever checkpointed (hybrid hits disabled).
 
 Keys are block hashes (the state right after the block's last token) or
@@ -36,7 +36,7 @@ def block_of(key: bytes) -> bytes:
     return key[: -len(_BEFORE_LAST)] if key.endswith(_BEFORE_LAST) else key
 
 
-class StateCache:
+class StatePool:
     def __init__(self, num_live_slots: int, num_checkpoint_slots: int) -> None:
         self.capacity = num_checkpoint_slots
         self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
@@ -51,7 +51,7 @@ class StateCache:
         if request_id in self._live:
             return self._live[request_id]
         if not self._free_live:
-            raise RuntimeError("no free live Mamba state slot (more running requests than max_num_seqs)")
+            raise RuntimeError("no free live state slot (more running requests than max_num_seqs)")
         slot = self._free_live.pop()
         self._live[request_id] = slot
         return slot
