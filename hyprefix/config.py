@@ -33,6 +33,11 @@ class EngineArgs:
     max_mamba_checkpoints: int = 4096
     seed: int = 0
     enforce_eager: bool = False
+    # Decode attention reads a shared prefix once for its group when that saves at least
+    # this many K/V rows, and a row's private blocks in place when they hold at least
+    # this many tokens (runner/cascade.py).
+    cascade_min_saved_tokens: int = 256
+    cascade_min_solo_run_tokens: int = 256
     log_stats_interval: float = 5.0
     revision: str | None = None
 
@@ -44,6 +49,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("cascade_min_saved_tokens", "cascade_min_solo_run_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

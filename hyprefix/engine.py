@@ -20,6 +20,7 @@ from hyprefix.errors import RequestError
 from hyprefix.models.loader import load_model, load_tokenizer
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyprefix.request import Request
+from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
@@ -101,7 +102,9 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
                                   compile_enabled=not args.enforce_eager,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
-                                  num_checkpoint_slots=num_ckpts)
+                                  num_checkpoint_slots=num_ckpts,
+                                  cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
+                                                                       args.cascade_min_solo_run_tokens))
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * bytes_per_block,

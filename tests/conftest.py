@@ -91,15 +91,12 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
     return model
 
 
-@pytest.fixture(autouse=True)
-def cascade_on_any_sharing(monkeypatch):
-    """Tiny test prompts share only a few blocks: take the cascade decode path whenever
-    decodes share any block, and read runs of two or more blocks in place, so the tests
-    exercise it (``test_cascade.py`` checks it against the plain gathered path)."""
-    from hyprefix.runner import cascade
-
-    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 0)
-    monkeypatch.setattr(cascade, "MIN_SOLO_RUN_TOKENS", 2)
+# Tiny test prompts share only a few blocks. With these engine arguments decodes take
+# the cascade path whenever they share any block, and read private runs of two or more
+# blocks in place. Engines run the production thresholds unless a test passes these;
+# ``test_cascade.py`` checks the path against the plain gathered one, and takes it with
+# the production thresholds on long prompts.
+TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2}
 
 
 @pytest.fixture(scope="session")
@@ -145,14 +142,14 @@ def our_last_logits(llm, prompts: list[list[int]], chunk: int | None = None) -> 
     params = SamplingParams(temperature=0)
     for i, p in enumerate(prompts):
         assert kv.allocate_slots(f"t{i}", len(p))
-    runner._apply_state_ops([(None, i) for i in range(len(prompts))] if runner.states else [])
+    runner._apply_state_ops([(None, i) for i in range(len(prompts))] if runner.mamba_states else [])
 
     def run(spans: list[tuple[int, int]]) -> torch.Tensor:
         seqs = [ScheduledSeq(f"t{i}", p[a:b], a, kv.block_table(f"t{i}"), True, params, state_slot=i)
                 for i, (p, (a, b)) in enumerate(zip(prompts, spans, strict=True)) if b > a]
         with torch.inference_mode():
-            batch = build_batch(seqs, kv.block_size, runner.device, runner.kernels)
-            hidden = runner.model(batch, runner.kv_caches, runner.states)
+            batch = build_batch(seqs, kv.block_size, runner.device, runner.cascade_thresholds)
+            hidden = runner.model(batch, runner.kv_caches, runner.mamba_states)
             logits = runner.model.compute_logits(hidden[batch.logits_indices])
         order = {s.request_id: j for j, s in enumerate(batch.sample_seqs)}
         return logits[[order.get(f"t{i}", 0) for i in range(len(prompts))]]

@@ -1,8 +1,9 @@
-"""The randomized traffic loop shared by the prefix-cache stress tests (dense and
-hybrid): requests arrive a few per step, some are aborted, the cache is reset once,
-finished conversations continue with their own output, and the invariants are
-checked after every step. ``verify`` then checks that nothing leaked and that greedy
-tokens equal a run with prefix caching off."""
+"""The randomized traffic loop shared by the engine stress tests (dense and hybrid,
+prefix cache on or off): requests arrive a few per step, some are aborted, the
+cache may be reset once, finished conversations may continue with their own output,
+streamed outputs only grow, and the invariants are checked after every step.
+``verify`` then checks that nothing leaked and that greedy tokens equal a run with
+prefix caching off."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.errors import RequestError
+from hyprefix.request import Request
 
 
 def rng_tokens(rng: random.Random, n: int) -> list[int]:
@@ -20,6 +23,8 @@ def rng_tokens(rng: random.Random, n: int) -> list[int]:
 @dataclass
 class StressRun:
     added: dict[str, tuple[dict, SamplingParams]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> the RequestError's message
+    samples: dict[str, Request] = field(default_factory=dict)  # sequence id -> its Request (preemption counts)
     last: dict[str, object] = field(default_factory=dict)  # request id -> latest RequestOutput
     aborted: set[str] = field(default_factory=set)
     num_followups: int = 0
@@ -28,7 +33,11 @@ class StressRun:
 
 def drive(llm: LLM, rng: random.Random, todo: list[tuple[str, dict, SamplingParams]], *, block_size: int,
           max_prompt: int, abort_p: float, reset_step: int, follow_p: float, follow_max_tokens: int,
-          max_steps: int, check: Callable[[], None] = lambda: None) -> StressRun:
+          max_steps: int, check: Callable[[], None] = lambda: None,
+          arrivals: tuple[int, ...] = (0, 0, 0, 1, 1, 2)) -> StressRun:
+    """``arrivals``: how many requests may arrive in a step (one is drawn per step);
+    ``reset_step`` -1 never resets the cache, ``follow_p`` 0 never follows up. A request
+    the engine rejects (``RequestError``) is recorded in ``rejected``, not added."""
     engine = llm.engine
     run = StressRun()
     followed: set[str] = set()
@@ -39,12 +48,19 @@ def drive(llm: LLM, rng: random.Random, todo: list[tuple[str, dict, SamplingPara
         check()
 
     for step_no in range(max_steps):
-        for _ in range(rng.choice([0, 0, 0, 1, 1, 2])):
+        for _ in range(rng.choice(arrivals)):
             if not todo:
                 break
             rid, item, params = todo.pop(0)
-            engine.add_request(rid, item, params)
+            try:
+                engine.add_request(rid, item, params)
+            except RequestError as exc:
+                run.rejected[rid] = str(exc)
+                continue
             run.added[rid] = (item, params)
+            for i in range(params.n):
+                sid = rid if params.n == 1 else f"{rid}#{i}"
+                run.samples[sid] = engine.scheduler.requests[sid]
         if run.added and rng.random() < abort_p:
             rid = rng.choice(sorted(run.added))
             was_live = rid not in run.last or not run.last[rid].finished
@@ -61,10 +77,13 @@ def drive(llm: LLM, rng: random.Random, todo: list[tuple[str, dict, SamplingPara
         for out in engine.step():
             prev = run.last.get(out.request_id)
             assert prev is None or not prev.finished, f"{out.request_id} reported after it finished"
+            if prev is not None:  # streamed tokens only ever grow
+                for a, b in zip(prev.outputs, out.outputs, strict=True):
+                    assert b.token_ids[:len(a.token_ids)] == a.token_ids
             run.last[out.request_id] = out
             # Multi-turn: a finished conversation continues with its own output.
             if out.finished and out.request_id not in run.aborted and out.request_id not in followed \
-                    and rng.random() < follow_p:
+                    and follow_p > 0 and rng.random() < follow_p:
                 followed.add(out.request_id)
                 item, _ = run.added[out.request_id]
                 follow = item["prompt_token_ids"] + list(out.outputs[0].token_ids) + rng_tokens(
@@ -92,7 +111,7 @@ def verify(llm: LLM, ref_llm: LLM, run: StressRun, num_requests: int) -> list[st
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     assert engine.scheduler.requests == {}
     assert set(run.last) == set(run.added)
-    assert len(run.added) == num_requests + run.num_followups  # nothing was rejected
+    assert not run.rejected and len(run.added) == num_requests + run.num_followups
     for rid, (_, params) in run.added.items():
         out = run.last[rid]
         assert out.finished and len(out.outputs) == params.n, rid

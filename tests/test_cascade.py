@@ -3,16 +3,20 @@ drives against the plain gathered path."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from conftest import TINY_CASCADE, hf_greedy, random_prompts
 
-from hyprefix.runner.cascade import Segment
+from hyprefix import LLM, SamplingParams
+from hyprefix.config import EngineArgs
+from hyprefix.runner.cascade import CascadeThresholds, Segment
 from hyprefix.runner.cascade import plan_segments as plan_any
 
-# the grouping alone: lone rows never become groups of their own
-plan_segments = functools.partial(plan_any, min_solo_run_tokens=10**9)
+PRODUCTION = CascadeThresholds(EngineArgs().cascade_min_saved_tokens, EngineArgs().cascade_min_solo_run_tokens)
+
+def plan_segments(tables: list[list[int]], lens: list[int], block_size: int, min_saved_tokens: int):
+    """The grouping alone: lone rows never become segments of their own."""
+    return plan_any(tables, lens, block_size, CascadeThresholds(min_saved_tokens, min_solo_run_tokens=10**9))
 
 
 def test_groups_rows_by_shared_leading_blocks():
@@ -67,12 +71,23 @@ def test_long_private_parts_become_segments_of_their_own():
     # (one range of ids, in any order).
     tables = [[1, 2, 7, 8, 9, 3], [1, 2, 5, 6], [20, 22, 21, 23, 4]]
     lens = [90, 60, 70]
-    groups, covered = plan_any(tables, lens, block_size=16, min_saved_tokens=0, min_solo_run_tokens=48)
+    groups, covered = plan_any(tables, lens, 16, CascadeThresholds(min_saved_tokens=0, min_solo_run_tokens=48))
     assert groups == [Segment(rows=[0, 1], blocks=[1, 2]), Segment(rows=[0], blocks=[7, 8, 9]),
                       Segment(rows=[2], blocks=[20, 22, 21, 23])]
     assert covered == [5, 2, 4]  # row 1's one private block stays in the padded tail
     assert groups[2].contiguous and groups[1].contiguous
-    assert plan_any(tables, lens, 16, min_saved_tokens=0, min_solo_run_tokens=65)[1] == [2, 2, 0]
+    assert plan_any(tables, lens, 16, CascadeThresholds(min_saved_tokens=0, min_solo_run_tokens=65))[1] == [2, 2, 0]
+
+
+def test_production_thresholds_group_from_256_saved_tokens_and_read_256_private_tokens_alone():
+    def pair(shared_blocks: int) -> tuple[list[list[int]], list[int]]:  # two rows, then their current blocks
+        return [[*range(shared_blocks), 100], [*range(shared_blocks), 101]], [shared_blocks * 16 + 1] * 2
+
+    assert plan_any(*pair(16), 16, PRODUCTION)[0] == [Segment(rows=[0, 1], blocks=list(range(16)))]
+    assert plan_any(*pair(15), 16, PRODUCTION) == ([], [0, 0])  # saves 240 < 256
+    lone = [*range(50, 66), 1]
+    assert plan_any([lone], [16 * 16 + 1], 16, PRODUCTION)[0] == [Segment(rows=[0], blocks=lone[:16])]
+    assert plan_any([lone[1:]], [15 * 16 + 1], 16, PRODUCTION)[0] == []
 
 
 def test_contiguous_blocks_are_detected_in_any_order():
@@ -85,7 +100,6 @@ def test_contiguous_blocks_are_detected_in_any_order():
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     from hyprefix.models.attention import paged_attention
-    from hyprefix.models.fused import Kernels
     from hyprefix.outputs import ScheduledSeq
     from hyprefix.runner.batch import build_batch
     from hyprefix.sampling import SamplingParams
@@ -101,7 +115,7 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     seqs = [ScheduledSeq(request_id=str(i), token_ids=[1], start_pos=n - 1, block_table=t, sample=True,
                          params=SamplingParams())
             for i, (t, n) in enumerate(zip(tables, lens, strict=True))]
-    batch = build_batch(seqs, bs, torch.device("cpu"), Kernels(compile_enabled=False))
+    batch = build_batch(seqs, bs, torch.device("cpu"), CascadeThresholds(*TINY_CASCADE.values()))
     plan = batch.decode_cascade
     assert plan is not None
     shared = [g for g in plan.segments if g.rows.numel() > 1]
@@ -136,3 +150,25 @@ def test_math_attention_with_lse_matches_the_fused_cpu_kernel(dtype, tol):
     assert ref_out.dtype == torch.float32 and lse.dtype == ref_lse.dtype == torch.float32
     assert (out.float() - ref_out).abs().max().item() < tol
     assert (lse - ref_lse).abs().max().item() < 1e-4
+
+
+def test_engine_takes_the_cascade_path_with_production_thresholds(tiny_models):
+    """Prompts long enough for the production thresholds (the engine's default): two
+    requests for one 300-token prompt share its 18 full blocks (saving 288 >= 256 K/V
+    rows), and a 290-token prompt reads its 18 private blocks (288 >= 256 tokens) as a
+    segment of its own; greedy tokens equal transformers'."""
+    path, hf = tiny_models["qwen3"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
+    assert llm.engine.runner.cascade_thresholds == PRODUCTION
+    model = llm.engine.runner.model
+    forward, plans = model.forward, []
+    model.forward = lambda batch, *rest: plans.append(batch.decode_cascade) or forward(batch, *rest)
+    shared, alone = random_prompts((300, 290), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([shared, shared, alone], params, use_tqdm=False)
+    segments = [g for plan in plans if plan is not None for g in plan.segments]
+    assert any(g.rows.numel() == 2 and g.blocks.numel() == 18 for g in segments)
+    assert any(g.rows.numel() == 1 and g.blocks.numel() == 18 for g in segments)
+    for prompt, out in zip([shared, shared, alone], outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, params.max_tokens)
+    llm.check_invariants()

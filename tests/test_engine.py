@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from conftest import random_prompts
+from conftest import TINY_CASCADE, random_prompts
 
 from hyprefix import LLM, SamplingParams
 
@@ -18,7 +18,7 @@ EOS = 2  # <|im_end|> in the tiny checkpoints
 
 
 def make_llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", num_kv_blocks=256, block_size=16, log_stats_interval=0)
+    args = dict(dtype="float32", num_kv_blocks=256, block_size=16, log_stats_interval=0, **TINY_CASCADE)
     args.update(kw)
     return LLM(str(path), **args)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import HYBRID_ARCHS, random_prompts
+from conftest import HYBRID_ARCHS, TINY_CASCADE, random_prompts
 from plain_scheduling import kv, state_kind
 from test_prefix_cache_engine import mixed_prompts
 
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 def make(path, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 256)
-    return LLM(str(path), dtype="float32", log_stats_interval=0, **kwargs)
+    return LLM(str(path), dtype="float32", log_stats_interval=0, **TINY_CASCADE, **kwargs)
 
 
 def greedy(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import random_prompts
+from conftest import TINY_CASCADE, random_prompts
 from plain_scheduling import kv, state_kind
 from stress_driver import drive, rng_tokens, verify
 
@@ -78,7 +78,8 @@ def test_hybrid_prefix_cache_stress_matches_cache_off(hybrid_models, arch, seed,
                                                       num_ckpts, budget, max_num_seqs):
     path, _ = hybrid_models[arch]
     rng = random.Random(seed)
-    common = dict(dtype="float32", block_size=block_size, seed=seed, log_stats_interval=0, enforce_eager=True)
+    common = dict(dtype="float32", block_size=block_size, seed=seed, log_stats_interval=0, enforce_eager=True,
+                  **TINY_CASCADE)
     # The reference (caching off) is built first: it tells the size of one state checkpoint.
     ref_llm = LLM(str(path), num_kv_blocks=4 * num_kv_blocks, max_num_batched_tokens=512, max_num_seqs=16,
                   enable_prefix_caching=False, **common)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HYBRID_ARCHS, hf_greedy, logit_errors, random_prompts
+from conftest import HYBRID_ARCHS, TINY_CASCADE, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.hardware import device_caps
@@ -29,8 +29,11 @@ def test_logits_close(hybrid_models, arch, chunk):
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_greedy_matches_hf_generate(hybrid_models, arch, block_size):
+    """Engine greedy decoding (chunked prefill; decode attention through cascade segments,
+    which tiny prompts take with ``TINY_CASCADE``) equals transformers' generate."""
     path, hf = hybrid_models[arch]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=block_size, max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=block_size,
+                          max_num_batched_tokens=32, **TINY_CASCADE)
     prompts = random_prompts(LENGTHS, seed=2)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, logit_errors, random_prompts
+from conftest import ARCHS, TINY_CASCADE, hf_greedy, logit_errors, random_prompts
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.hardware import device_caps
@@ -29,9 +29,11 @@ def test_logits_close(tiny_models, arch, chunk):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_greedy_matches_hf_generate(tiny_models, arch, block_size):
+    """Engine greedy decoding (chunked prefill; decode attention through cascade segments,
+    which tiny prompts take with ``TINY_CASCADE``) equals transformers' generate."""
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=block_size,
-              max_num_batched_tokens=32)  # prompts of 57 and 130 tokens span several chunks
+              max_num_batched_tokens=32, **TINY_CASCADE)  # prompts of 57 and 130 tokens span several chunks
     prompts = random_prompts(LENGTHS, seed=2)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for p, out in zip(prompts, outs, strict=True):

@@ -4,7 +4,7 @@ cache on and off, and a same-prompt burst computed once."""
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHS, random_prompts
+from conftest import ARCHS, TINY_CASCADE, random_prompts
 
 from hyprefix import LLM, SamplingParams
 
@@ -32,7 +32,7 @@ def mixed_prompts(block_size: int) -> list[list[int]]:
 
 def run(path, prompts, waves: int, **kwargs) -> tuple[list[list[int]], dict]:
     """Generate in ``waves`` batches so later prompts can hit earlier ones' blocks."""
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, **kwargs)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, **TINY_CASCADE, **kwargs)
     size = -(-len(prompts) // waves)
     tokens = []
     for i in range(0, len(prompts), size):
@@ -94,7 +94,7 @@ def test_n_samples_share_the_prompt(qwen3_dir):
 
 
 def test_next_chat_turn_hits_the_previous_answer(qwen3_dir):
-    llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=256)
+    llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=256, **TINY_CASCADE)
     prompt = random_prompts([40], seed=23)[0]
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
     history = prompt + first.outputs[0].token_ids  # 80 tokens; the last one was never computed
@@ -105,7 +105,7 @@ def test_next_chat_turn_hits_the_previous_answer(qwen3_dir):
 
 
 def test_cache_salt_separates_tenants(qwen3_dir):
-    llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=256)
+    llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=256, **TINY_CASCADE)
     prompt = random_prompts([64], seed=25)[0]
     llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], GREEDY, use_tqdm=False)
     b = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-b"}], GREEDY, use_tqdm=False)[0]

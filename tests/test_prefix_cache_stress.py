@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import random_prompts
+from conftest import TINY_CASCADE, random_prompts
 from stress_driver import drive, rng_tokens, verify
 
 from hyprefix import LLM, SamplingParams
@@ -35,7 +35,7 @@ def test_prefix_cache_stress_matches_cache_off(qwen3_dir, seed, block_size, num_
     rng = random.Random(seed)
     llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=block_size,
               max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, seed=seed, log_stats_interval=0,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, **TINY_CASCADE)
     engine = llm.engine
     capacity = num_kv_blocks * block_size
     max_prompt = capacity // 2
@@ -59,7 +59,7 @@ def test_prefix_cache_stress_matches_cache_off(qwen3_dir, seed, block_size, num_
                 follow_p=0.35, follow_max_tokens=10, max_steps=MAX_STEPS)
     ref_llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=4 * num_kv_blocks, block_size=block_size,
                   max_num_batched_tokens=512, max_num_seqs=16, seed=seed, log_stats_interval=0,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, **TINY_CASCADE)
     verify(llm, ref_llm, run, NUM_REQUESTS)
     stats = engine.get_stats()
 

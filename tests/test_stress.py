@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import random_prompts
+from conftest import TINY_CASCADE, random_prompts
+from stress_driver import drive
 
 from hyprefix import LLM, SamplingParams
 
@@ -32,55 +33,20 @@ def random_params(rng: random.Random) -> SamplingParams:
 def test_random_traffic_with_aborts_and_preemption(qwen3_dir, seed, block_size, budget, max_num_seqs):
     rng = random.Random(seed)
     llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, block_size=block_size,
-              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, seed=seed, log_stats_interval=0)
+              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, seed=seed, log_stats_interval=0,
+              **TINY_CASCADE)
     engine = llm.engine
     capacity = NUM_KV_BLOCKS * block_size
 
     lengths = [rng.randint(1, 80) for _ in range(NUM_REQUESTS)]
     prompts = random_prompts(lengths, seed=100 + seed)
-    todo = [(f"r{i}", prompts[i], random_params(rng)) for i in range(NUM_REQUESTS)]
-    added: dict[str, tuple[list[int], SamplingParams]] = {}
-    requests = {}  # sample id -> Request, to read preemption counts at the end
-    last: dict[str, object] = {}  # request id -> latest RequestOutput
-    aborted: set[str] = set()
-    rejected = 0
-
-    for _ in range(MAX_STEPS):
-        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
-            if not todo:
-                break
-            rid, prompt, params = todo.pop(0)
-            if -(-(len(prompt) + params.max_tokens) // block_size) > NUM_KV_BLOCKS:
-                with pytest.raises(ValueError):  # can never fit: rejected up front
-                    engine.add_request(rid, prompt, params)
-                rejected += 1
-                continue
-            engine.add_request(rid, prompt, params)
-            added[rid] = (prompt, params)
-            for i in range(params.n):
-                sid = rid if params.n == 1 else f"{rid}#{i}"
-                requests[sid] = engine.scheduler.requests[sid]
-        if added and rng.random() < 0.04:
-            rid = rng.choice(sorted(added))
-            was_live = rid not in last or not last[rid].finished
-            assert engine.abort(rid) is was_live
-            if was_live:
-                aborted.add(rid)
-            engine.check_invariants()
-        for out in engine.step():
-            prev = last.get(out.request_id)
-            assert prev is None or not prev.finished, f"{out.request_id} reported after it finished"
-            if prev is not None:  # streamed tokens only ever grow
-                for a, b in zip(prev.outputs, out.outputs, strict=True):
-                    assert b.token_ids[:len(a.token_ids)] == a.token_ids
-            last[out.request_id] = out
-        engine.check_invariants()
-        stats = engine.get_stats()
-        assert stats["kv_blocks_used"] <= NUM_KV_BLOCKS
-        if not todo and not engine.has_unfinished():
-            break
-    else:
-        raise AssertionError(f"not done after {MAX_STEPS} steps: {engine.get_stats()}")
+    todo = [(f"r{i}", {"prompt_token_ids": prompts[i]}, random_params(rng)) for i in range(NUM_REQUESTS)]
+    too_long = {rid for rid, item, params in todo
+                if -(-(len(item["prompt_token_ids"]) + params.max_tokens) // block_size) > NUM_KV_BLOCKS}
+    run = drive(llm, rng, todo, block_size=block_size, max_prompt=capacity, abort_p=0.04, reset_step=-1,
+                follow_p=0, follow_max_tokens=0, max_steps=MAX_STEPS, arrivals=(0, 0, 1, 1, 2, 4))
+    added = {rid: (item["prompt_token_ids"], params) for rid, (item, params) in run.added.items()}
+    last, aborted, requests = run.last, run.aborted, run.samples
 
     # Everything ended, nothing leaked.
     stats = engine.get_stats()
@@ -88,7 +54,8 @@ def test_random_traffic_with_aborts_and_preemption(qwen3_dir, seed, block_size, 
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     assert engine.scheduler.requests == {}
     assert stats["num_preemptions"] > 0, "the pool was meant to be too small"
-    assert len(added) + rejected == NUM_REQUESTS and len(added) > NUM_REQUESTS // 2
+    assert set(run.rejected) == too_long and all("can never fit" in m for m in run.rejected.values())
+    assert len(added) + len(too_long) == NUM_REQUESTS and len(added) > NUM_REQUESTS // 2
     assert set(last) == set(added)
     for rid, (prompt, params) in added.items():
         out = last[rid]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyprefix.runner.batch import DecodeCascade, ForwardBatch
+from hyprefix.forward import DecodeCascade, ForwardBatch
 
 
 def paged_attention(

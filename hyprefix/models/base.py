@@ -56,9 +56,16 @@ def rope_tables(hf_config, max_positions: int, dtype: torch.dtype, device: torch
 
 class CausalLM(nn.Module):
     """Base of the model classes. Subclasses build their blocks, then call
-    ``_init_head`` and implement ``forward`` and ``map_name``."""
+    ``_init_head`` and implement ``forward`` and ``map_name``.
+
+    ``forward(batch, kv_caches, mamba_states)`` takes the step's ``ForwardBatch``
+    (``hyprefix/forward.py``), gathers its rotary tables once and hands them and
+    ``kernels`` (the elementwise kernels, eager or compiled by step size; eager until
+    the owner, the runner, assigns ``Kernels(compile_enabled)``) to its layers.
+    """
 
     kv_layout: KVLayout
+    kernels: fused.Kernels
     state_layout = None  # Mamba state shapes (hybrid models)
     _packed_head: torch.Tensor | None = None
     # No class-level default for ``rotary``: it would shadow the registered submodule.
@@ -75,6 +82,7 @@ class CausalLM(nn.Module):
         self.tie = can_tie and bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.kernels = fused.Kernels(compile_enabled=False)
         self._rotary_head_dim = rotary_head_dim
         self.rotary = None if rotary_head_dim is None else rope_tables(
             cfg, max_positions, dtype, device, rotary_head_dim)

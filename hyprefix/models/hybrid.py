@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm
 from hyprefix.models.llama import Attention, map_attention_or_mlp
 from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims, MambaLayerState
-from hyprefix.runner.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -120,22 +120,24 @@ class HybridForCausalLM(CausalLM):
                         can_tie=self.flavour != "nemotron_h")
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                states: list[MambaLayerState] | None = None) -> torch.Tensor:
+                mamba_states: list[MambaLayerState] | None = None) -> torch.Tensor:
+        kernels = self.kernels
+        rope = self.rotary.tables(batch.positions) if self.rotary is not None else None
         residual = self.embed(batch.input_ids)
         if self.residual_in_fp32:
             residual = residual.float()
-        kv_iter, state_iter = iter(kv_caches), iter(states or [])
+        kv_iter, state_iter = iter(kv_caches), iter(mamba_states or [])
         for block in self.blocks:
-            h = block.norm(residual.to(self.dtype), batch)
+            h = block.norm(residual.to(self.dtype), kernels)
             if block.kind == "linear_attention":
                 h = block.mixer(h, batch, next(state_iter))
             elif block.kind == "full_attention":
-                h = block.mixer(h, batch, self.rotary, next(kv_iter))
+                h = block.mixer(h, batch, rope, next(kv_iter), kernels)
             else:
                 h = block.mixer(h)
             residual = residual + h.to(residual.dtype)
             if block.ff is not None:
-                residual = residual + block.ff(block.ff_norm(residual, batch)).to(residual.dtype)
+                residual = residual + block.ff(block.ff_norm(residual, kernels)).to(residual.dtype)
         return residual
 
     def map_name(self, name: str) -> Target | None:

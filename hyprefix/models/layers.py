@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.hardware import device_caps
-from hyprefix.runner.batch import ForwardBatch
+from hyprefix.models.fused import Kernels
 
 
 class RMSNorm(nn.Module):
@@ -18,12 +20,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return batch.kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+                    kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """One step's half-width cos/sin [T, 1, rotary_dim/2], gathered once per forward
+    by the model (``Rotary.tables``) and shared by its attention layers."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
 
 
 class Rotary(nn.Module):
@@ -44,14 +56,12 @@ class Rotary(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Half-width cos/sin [T, 1, rotary_dim/2] for the batch, gathered once per step."""
-        cached = batch.cache.get(id(self))
-        if cached is None:
-            half = self.rotary_dim // 2
-            cached = (self.cos[batch.positions, :half][:, None, :], self.sin[batch.positions, :half][:, None, :])
-            batch.cache[id(self)] = cached
-        return cached
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        """Half-width cos/sin for the tokens at ``positions`` (long [T])."""
+        half = self.rotary_dim // 2
+        return RopeTables(self.cos[positions, :half][:, None, :], self.sin[positions, :half][:, None, :],
+                          self.rotary_dim)
+
 
 def mkldnn_packing_available(weight: torch.Tensor) -> bool:
     """Whether this weight's dtype is prepacked on its device (``hardware.DeviceCaps.prepack``)."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyprefix.forward import ForwardBatch
 from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
-from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, Rotary
-from hyprefix.runner.batch import ForwardBatch
+from hyprefix.models.fused import Kernels
+from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 
 
 class Attention(nn.Module):
@@ -30,17 +31,16 @@ class Attention(nn.Module):
         self.qk_norm_weight = nn.Parameter(torch.ones(
             self.num_heads + self.num_kv_heads, self.head_dim, dtype=dtype, device=device)) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary: Rotary | None,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``rotary`` None: no positional encoding (NemotronH attention layers)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels) -> torch.Tensor:
+        """``rope`` None: no positional encoding (NemotronH attention layers)."""
         t = x.shape[0]
         qkv = self.qkv(x)
         # q and k are adjacent columns of qkv: normalise and rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if rotary is not None:
-            cos, sin = rotary.tables(batch)
-            qk = batch.kernels.qk_norm_rope(qk, self.qk_norm_weight, cos, sin, self.qk_norm_eps, rotary.rotary_dim)
+        if rope is not None:
+            qk = kernels.qk_norm_rope(qk, self.qk_norm_weight, rope.cos, rope.sin, self.qk_norm_eps, rope.rotary_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -67,15 +67,16 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False),
                             dtype, device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rotary: Rotary,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream); their sum is the hidden state."""
         if residual is None:
-            h, residual = self.input_norm(x, batch), x
+            h, residual = self.input_norm(x, kernels), x
         else:
-            h, residual = self.input_norm.add_forward(x, residual, batch)
-        h = self.attn(h, batch, rotary, kv_cache)
-        h, residual = self.post_norm.add_forward(h, residual, batch)
+            h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h = self.attn(h, batch, rope, kv_cache, kernels)
+        h, residual = self.post_norm.add_forward(h, residual, kernels)
         return self.mlp(h), residual
 
 
@@ -103,10 +104,11 @@ class LlamaForCausalLM(CausalLM):
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.head_dim)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                states=None) -> torch.Tensor:
+                mamba_states=None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary.tables(batch.positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, self.rotary, kv)
+            x, residual = layer(x, residual, batch, rope, kv, self.kernels)
         return x + residual
 
     def map_name(self, name: str) -> Target | None:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyprefix.forward import ForwardBatch
 from hyprefix.models.layers import Linear
-from hyprefix.runner.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -1,128 +1,24 @@
-"""Per-step forward metadata: token positions, KV slots, block tables and masks.
+"""Scheduled sequences -> ``ForwardBatch`` (``hyprefix/forward.py``): flat token ids
+and positions, KV slots, decode block tables (with the cascade plan of
+``cascade.py``), prefill spans and logits indices.
 
 Token order inside a step: every single-token sequence (decodes) first, then the
-multi-token sequences (prefill chunks), each contiguous. The runner keeps that
-order; attention relies on it.
+multi-token sequences (prefill chunks), each contiguous; attention relies on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from hyprefix.models.fused import Kernels
+from hyprefix.forward import DecodeCascade, DecodeSegment, ForwardBatch, PrefillSpan
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner import cascade
-
-
-@dataclass
-class PrefillSpan:
-    token_start: int
-    num_tokens: int
-    start_pos: int
-    block_table: torch.Tensor  # long [num_blocks]
-    state_slot: int = -1  # live Mamba state slot
-    state_taps: list[tuple[int, int]] = field(default_factory=list)  # (tokens into the span, checkpoint slot)
-
-    @property
-    def context_len(self) -> int:
-        return self.start_pos + self.num_tokens
-
-    @property
-    def token_slice(self) -> slice:
-        return slice(self.token_start, self.token_start + self.num_tokens)
-
-
-@dataclass
-class DecodeSegment:
-    rows: torch.Tensor  # long [m]: decode rows that read these blocks together
-    blocks: torch.Tensor  # long [c]: block ids
-    first_block: int | None  # set when the block ids form one range (read as a view from here)
-
-
-@dataclass
-class DecodeCascade:
-    """Decode attention split into segments (shared prefixes read once per group,
-    long private parts read per row) and per-row padded tails (see ``cascade.py``)."""
-
-    segments: list[DecodeSegment]
-    tail_tables: torch.Tensor  # long [D, max_tail_blocks], padded with 0
-    tail_start: torch.Tensor  # long [D]: position of each row's first tail token
-    context_lens: torch.Tensor  # long [D]
-    block_size: int
-    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-
-    def tail_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [D, 1, 1, L] mask (0 visible, -inf hidden) over the padded tails."""
-        if dtype not in self._masks:
-            j = torch.arange(self.tail_tables.shape[1] * self.block_size, device=self.tail_tables.device)
-            visible = (j[None, :] + self.tail_start[:, None]) < self.context_lens[:, None]
-            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            self._masks[dtype] = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
-        return self._masks[dtype]
-
-
-@dataclass
-class ForwardBatch:
-    seqs: list[ScheduledSeq]
-    input_ids: torch.Tensor  # long [T]
-    positions: torch.Tensor  # long [T]
-    slot_mapping: torch.Tensor  # long [W]: KV slot of every token whose K/V is written
-    write_index: torch.Tensor | None  # long [W]: which tokens those are (None: all, in order)
-    block_size: int
-    num_decode: int
-    decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
-    decode_context_lens: torch.Tensor | None  # long [D]
-    decode_cascade: DecodeCascade | None  # set when some decode blocks are read as segments
-    decode_state_slots: torch.Tensor | None  # long [D]: live Mamba state slot of each decode
-    decode_state_taps: list[tuple[int, int]]  # (decode row, checkpoint slot): save its state after the step
-    prefills: list[PrefillSpan]
-    logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
-    sample_seqs: list[ScheduledSeq]
-    kernels: Kernels
-    _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
-    cache: dict[int, object] = field(default_factory=dict)  # per-step tensors layers share
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Bool [D, 1, 1, L]: key j is visible to a decode token at position p when
-        j <= p and (no window or j > p - window)."""
-        key = ("decode", 0, window)
-        if key not in self._masks:
-            assert self.decode_block_tables is not None and self.decode_context_lens is not None
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            j = torch.arange(max_len, device=self.input_ids.device)
-            ctx = self.decode_context_lens[:, None]
-            mask = j[None, :] < ctx
-            if window is not None:
-                mask &= j[None, :] > ctx - 1 - window
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
-
-    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
-        """Bool [n, context] for a prefill span, or None when plain causal attention
-        over the span's own tokens is exact (no earlier context, no window cut)."""
-        span = self.prefills[index]
-        if span.start_pos == 0 and (window is None or span.num_tokens <= window):
-            return None
-        key = ("prefill", index, window)
-        if key not in self._masks:
-            device = self.input_ids.device
-            q_pos = torch.arange(span.start_pos, span.context_len, device=device)[:, None]
-            k_pos = torch.arange(span.context_len, device=device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._masks[key] = mask
-        return self._masks[key]
+from hyprefix.runner.cascade import CascadeThresholds
 
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
-                kernels: Kernels) -> ForwardBatch:
+                thresholds: CascadeThresholds) -> ForwardBatch:
+    """``thresholds``: when decode blocks are read as cascade segments (``cascade.py``)."""
     decodes = [s for s in seqs if s.num_tokens == 1]
     prefills = [s for s in seqs if s.num_tokens > 1]
     ordered = decodes + prefills
@@ -165,7 +61,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         lens = [s.context_len for s in decodes]
         decode_tables = as_long(_pad(tables))
         decode_lens = as_long(lens)
-        segments, covered = cascade.plan_segments(tables, lens, block_size)
+        segments, covered = cascade.plan_segments(tables, lens, block_size, thresholds)
         if segments:
             decode_cascade = DecodeCascade(
                 segments=[DecodeSegment(rows=as_long(g.rows), blocks=as_long(g.blocks),
@@ -193,7 +89,6 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         prefills=spans,
         logits_indices=as_long(logits_indices),
         sample_seqs=sample_seqs,
-        kernels=kernels,
     )
 
 

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A group is worth its extra attention call when it saves reading at least this
-# many K/V token rows (group size - 1 times the shared length).
-MIN_SAVED_TOKENS = 256
-# A row's private blocks (after its shared prefix, before its current token's block)
-# get an attention call of their own, instead of a place in the padded batch, when
-# they hold at least this many tokens.
-MIN_SOLO_RUN_TOKENS = 256
+
+@dataclass(frozen=True)
+class CascadeThresholds:
+    """When decode blocks are worth an attention call of their own (``EngineArgs``
+    ``cascade_min_*`` hold the production values; tests on tiny prompts pass small ones)."""
+
+    # A group is worth its extra attention call when it saves reading at least this
+    # many K/V token rows (group size - 1 times the shared length).
+    min_saved_tokens: int
+    # A row's private blocks (after its shared prefix, before its current token's block)
+    # get an attention call of their own, instead of a place in the padded batch, when
+    # they hold at least this many tokens.
+    min_solo_run_tokens: int
 
 
 @dataclass(frozen=True)
@@ -42,27 +48,27 @@ class Segment:
 
 
 def plan_segments(tables: list[list[int]], context_lens: list[int], block_size: int,
-                  min_saved_tokens: int | None = None, min_solo_run_tokens: int | None = None,
-                  ) -> tuple[list[Segment], list[int]]:
+                  thresholds: CascadeThresholds) -> tuple[list[Segment], list[int]]:
     """Segments of decode blocks, and per row how many leading blocks they cover.
 
-    Shared segments are groups of rows with common leading blocks; each row belongs
-    to at most one group. The rows are split like a trie of their
-    block tables: a set of rows either shares its longest common prefix as one group, or
-    splits by the next block into subsets that each share more, whichever saves more
-    K/V reads. So two system prompts behind a common chat-template block become two
-    groups, and one short row does not cut the prefix of the others. A shared block
-    always ends before the row's current token (whose K/V lives in a block of its
-    own), so every row keeps a non-empty tail.
+    Shared segments are groups of rows with common leading blocks that save reading
+    at least ``thresholds.min_saved_tokens`` K/V rows; each row belongs to at most one
+    group. The rows are split like a trie of their block tables: a set of rows either
+    shares its longest common prefix as one group, or splits by the next block into
+    subsets that each share more, whichever saves more K/V reads. So two system
+    prompts behind a common chat-template block become two groups, and one short row
+    does not cut the prefix of the others. A shared block always ends before the row's
+    current token (whose K/V lives in a block of its own), so every row keeps a
+    non-empty tail.
 
     Then every row whose private blocks (after its group's prefix, up to its current
-    token's block) hold at least ``MIN_SOLO_RUN_TOKENS`` gets them as a segment of its
-    own: read in place when the ids form one range, else gathered without padding.
-    What the segments do not cover (at most ``MIN_SOLO_RUN_TOKENS`` tokens plus the
-    current block) goes to the padded tail batch. A row may be in two segments: its
-    group's and its own.
+    token's block) hold at least ``thresholds.min_solo_run_tokens`` gets them as a
+    segment of its own: read in place when the ids form one range, else gathered
+    without padding. What the segments do not cover (fewer than
+    ``min_solo_run_tokens`` tokens plus the current block) goes to the padded tail
+    batch. A row may be in two segments: its group's and its own.
     """
-    min_saved = MIN_SAVED_TOKENS if min_saved_tokens is None else min_saved_tokens
+    min_saved = thresholds.min_saved_tokens
     limits = [(n - 1) // block_size for n in context_lens]  # blocks a row may share
 
     def best(rows: list[int], depth: int) -> tuple[int, list[Segment]]:
@@ -97,7 +103,7 @@ def plan_segments(tables: list[list[int]], context_lens: list[int], block_size: 
     for g in groups:
         for r in g.rows:
             shared[r] = len(g.blocks)
-    solo_min = MIN_SOLO_RUN_TOKENS if min_solo_run_tokens is None else min_solo_run_tokens
+    solo_min = thresholds.min_solo_run_tokens
     for row, table in enumerate(tables):
         if (limits[row] - shared[row]) * block_size >= solo_min:
             groups.append(Segment(rows=[row], blocks=table[shared[row]:limits[row]]))

@@ -1,5 +1,6 @@
 """SchedulerOutput -> tensors -> forward -> sampled token ids. Owns the KV and
-Mamba state tensors and performs every state copy the scheduler asks for."""
+Mamba state tensors and performs every state copy the scheduler asks for; gives
+the model its elementwise kernels (compiled or not) once, at construction."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.mamba2 import MambaLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
+from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
 
@@ -18,19 +20,23 @@ def _elem(dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
+    """``cascade_thresholds``: when decode attention reads blocks as cascade segments
+    (``runner/cascade.py``)."""
+
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, seed: int, compile_enabled: bool = True,
-                 num_live_slots: int = 0, num_checkpoint_slots: int = 0) -> None:
+                 num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
+                 compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.cascade_thresholds = cascade_thresholds
         layout = model.kv_layout
         shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(layout.num_layers)
         ]
-        self.states: list[MambaLayerState] = []
+        self.mamba_states: list[MambaLayerState] = []  # one per Mamba layer: live and checkpoint slots
         sl = model.state_layout
         if sl is not None:
             def conv(n: int) -> torch.Tensor:
@@ -39,11 +45,16 @@ class ModelRunner:
             def ssm(n: int) -> torch.Tensor:
                 return torch.zeros(n, sl.heads, sl.head_dim, sl.state, dtype=torch.float32, device=device)
 
-            self.states = [MambaLayerState(conv(num_live_slots), ssm(num_live_slots),
-                                           conv(num_checkpoint_slots), ssm(num_checkpoint_slots))
-                           for _ in range(sl.num_layers)]
+            self.mamba_states = [MambaLayerState(conv(num_live_slots), ssm(num_live_slots),
+                                                 conv(num_checkpoint_slots), ssm(num_checkpoint_slots))
+                                 for _ in range(sl.num_layers)]
         self.sampler = Sampler(seed, device)
-        self.kernels = Kernels(compile_enabled)
+        model.kernels = Kernels(compile_enabled)
+
+    @property
+    def kernels(self) -> Kernels:
+        """The model's elementwise kernels (set here at construction)."""
+        return self.model.kernels
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> int:
@@ -62,7 +73,7 @@ class ModelRunner:
     def _apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
         """Initialise live slots: copy a checkpoint in (never alias it) or zero it."""
         for src, dst in ops:
-            for layer in self.states:
+            for layer in self.mamba_states:
                 if src is None:
                     layer.conv[dst].zero_()
                     layer.ssm[dst].zero_()
@@ -79,8 +90,8 @@ class ModelRunner:
         num_blocks = -(-tokens // self.block_size)
         if not self.kernels.compile_enabled or (self.kv_caches and self.kv_caches[0][0].shape[0] < num_blocks):
             return False
-        live = bool(self.states) and self.states[0].conv.shape[0] > 0
-        if self.states and not live:
+        live = bool(self.mamba_states) and self.mamba_states[0].conv.shape[0] > 0
+        if self.mamba_states and not live:
             return False
         seq = ScheduledSeq("warmup", [0] * tokens, 0, list(range(num_blocks)), sample=True,
                            params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1)
@@ -94,8 +105,8 @@ class ModelRunner:
         if output.is_empty:
             return {}
         self._apply_state_ops(output.state_ops)
-        batch = build_batch(output.seqs, self.block_size, self.device, self.kernels)
-        hidden = self.model(batch, self.kv_caches, self.states)
+        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
+        hidden = self.model(batch, self.kv_caches, self.mamba_states)
         if not batch.sample_seqs:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])
