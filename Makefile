@@ -28,6 +28,7 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(BIN)/hyprefix bench --workload throughput --repeats 3 --out bench-out/throughput.json
+	$(BIN)/python tools/bench_targets.py bench-out/throughput.json
 
 clean:
 	rm -rf $(VENV)

@@ -1,17 +1,25 @@
-"""The online benchmark driver: its parsing helpers on synthetic data, and whole
-workloads sent to ``hyprefix serve`` on the tiny demo model (structure and hit
-rates, never timings)."""
+"""The online benchmark driver: its parsing helpers on synthetic data, whole workloads sent
+to ``hyprefix serve`` on the tiny demo model (structure and hit rates, never timings), and
+to fake servers with a small vocabulary or without token ids (llama.cpp's shape)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from test_server import launch_server
 
-from hyprefix.bench.online import inter_token_latencies, metrics_counters
+from hyprefix.bench.online import chunk_token_times, metrics_counters
 from hyprefix.cli import main
 
 EXPOSITION = """\
@@ -39,10 +47,10 @@ def test_metrics_counters_read_any_prefix_and_sum_label_sets():
                                             "prefill_computed_tokens": 7.0, "kv_blocks_cached": 3.0}
 
 
-def test_inter_token_latencies_spread_a_chunk_over_its_tokens():
-    assert inter_token_latencies([]) == [] and inter_token_latencies([(1.0, 1)]) == []
-    gaps = inter_token_latencies([(1.0, 2), (1.5, 1), (2.1, 3)])
-    assert gaps == pytest.approx([0.5, 0.2, 0.2, 0.2])
+def test_chunk_token_times_spread_a_chunk_over_the_gap_before_it():
+    assert chunk_token_times([]) == [] and chunk_token_times([(1.0, 1)]) == [1.0]
+    times = chunk_token_times([(1.0, 2), (1.5, 1), (2.1, 3)])
+    assert times == pytest.approx([1.0, 1.0, 1.5, 1.7, 1.9, 2.1])
 
 
 def test_online_flags_are_checked(capsys):
@@ -51,6 +59,8 @@ def test_online_flags_are_checked(capsys):
     assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9", "--kv-cache-memory-gb", "1"]) == 2
     assert main(["bench", "--workload", "throughput", "--url", "http://127.0.0.1:9"]) == 2
     assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9"]) == 2  # nobody listens there
+    assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9", "--dtype", "float32"]) == 2
+    assert "--dtype" in capsys.readouterr().err  # the server runs its own dtype
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +93,23 @@ def test_multi_turn_against_the_server(server, tmp_path: Path, capsys, extra):
             "--output-len", "4", "--out", str(out), *extra]
     assert main(args) == 0
     printed = capsys.readouterr().out
+    assert printed.startswith(f"hyprefix bench --workload multi-turn: demo at {server}\n")  # no dtype: unknown
     assert "ITL p50" in printed and "prefix hit rate" in printed
     assert "online driver: CPU use of other processes is not reported" in printed and "warning:" not in printed
     result = json.loads(out.read_text())
-    assert result["arm_order"] == ["server"]
+    assert result["arm_order"] == ["server"] and result["dtype"] is None
     info = result["arm_info"]["server"]
-    assert info["cache_reset"] is True and info["served_model"] == "demo"
-    arm = result["arms"]["server"]
+    assert info["cache_reset"] is True and info["served_model"] == "demo" and info["answers"] == "token ids"
+    arm = result["arms"]["server"]["multi-turn"]
     assert arm["requests"] == 6 and arm["output_tokens"] == 6 * 4
     assert arm["ttft_seconds"]["count"] == 6 and arm["itl_seconds"]["count"] == 6 * 3
     assert arm["peak_rss_growth_gib"] is None  # the server's memory is not this process's
     stats = arm["stats"]
     # turns 2 and 3 extend turn 1 (system prompt + message + answer): they hit on the server
     assert stats["prefix_cache_queries"] == sum(sum(r) for r in [[48, 48], [68, 68], [88, 88]])
-    assert 0.3 < stats["prefix_cache_hit_rate"] < 1.0
+    # turns 2 and 3 find every full block of the finished turn before them (48 and 64 tokens of 52 and 72)
+    assert stats["prefix_cache_hits"] >= 2 * 48 + 2 * 64
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(stats["prefix_cache_hits"] / stats["prefix_cache_queries"])
     assert stats["prefill_computed_tokens"] + stats["prefill_skipped_tokens"] == stats["prefix_cache_queries"]
     assert stats["cached_tokens_per_request_sum"] == stats["prefix_cache_hits"]  # usage agrees with /metrics
     assert stats["cache_at_start"]["kv_blocks_cached"] == 0  # reset before the run
@@ -107,5 +120,132 @@ def test_random_workload_at_a_request_rate(server, tmp_path: Path):
     assert main(["--log-level", "WARNING", "bench", "--workload", "random", "--url", server, "--repeats", "1",
                  "--num-requests", "5", "--prompt-len", "20", "--output-len", "3", "--request-rate", "20",
                  "--max-concurrency", "3", "--out", str(out)]) == 0
-    arm = json.loads(out.read_text())["arms"]["server"]
+    arm = json.loads(out.read_text())["arms"]["server"]["random"]
     assert arm["requests"] == 5 and arm["output_tokens"] == 15 and arm["stats"]["prefix_cache_hits"] == 0
+
+
+# ------------------------------------------------------------------ fake servers
+def _app(vocab: int, token_ids: bool, tokenize: bool, seen: list[dict]) -> FastAPI:
+    """An OpenAI-like completions server over ``vocab`` token ids; answer token t reads " wt".
+    Without ``token_ids`` it ignores return_token_ids, and it has no /reset_prefix_cache or
+    /metrics (llama.cpp's shape); ``tokenize`` adds llama.cpp's POST /tokenize."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(body)
+        bad = [t for t in body["prompt"] if not 0 <= t < vocab]
+        if bad:
+            message = f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=400)
+        ids = [(sum(body["prompt"]) + i) % vocab for i in range(body["max_tokens"])]
+        choices = [{"index": 0, "text": f" w{t}", **({"token_ids": [t]} if token_ids else {})} for t in ids]
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids)}
+        if not body.get("stream"):
+            text = "".join(c["text"] for c in choices)
+            return {"choices": [{"index": 0, "text": text, **({"token_ids": ids} if token_ids else {})}],
+                    "usage": usage}
+
+        def events() -> Iterator[str]:
+            for choice in choices:
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    if tokenize:
+        @app.post("/tokenize")
+        async def tokenize_text(request: Request) -> dict:
+            words = (await request.json())["content"].split()
+            return {"tokens": [int(w[1:]) if w[1:].isdigit() else 0 for w in words]}
+    return app
+
+
+@contextlib.contextmanager
+def fake_server(vocab: int = 4096, token_ids: bool = True, tokenize: bool = False) -> Iterator[tuple[str, list]]:
+    seen: list[dict] = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_app(vocab, token_ids, tokenize, seen), host="127.0.0.1", port=port,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+RANDOM = ["--log-level", "ERROR", "bench", "--workload", "random", "--repeats", "1", "--num-requests", "3",
+          "--prompt-len", "12", "--output-len", "2"]
+MULTI_TURN = ["--log-level", "ERROR", "bench", "--workload", "multi-turn", "--repeats", "1", "--conversations", "2",
+              "--turns", "2", "--system-len", "8", "--message-len", "4", "--output-len", "3"]
+
+
+def test_a_small_vocabulary_needs_vocab_size(tmp_path: Path, capsys):
+    """A server whose model has fewer than 4096 token ids (issue 17)."""
+    with fake_server(vocab=448) as (url, seen):
+        assert main([*RANDOM, "--url", url]) == 2
+        err = capsys.readouterr().err
+        assert "rejects prompt token id 4095" in err and "outside the vocabulary [0, 448)" in err
+        assert "pass --vocab-size N" in err and "--tokenizer NAME" in err
+        assert [b["max_tokens"] for b in seen] == [1]  # the probe only: no work was sent
+        seen.clear()
+        out = tmp_path / "online.json"
+        assert main([*RANDOM, "--url", url, "--vocab-size", "448", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"hyprefix bench --workload random: fake-model at {url}\n")  # nothing unknown
+    prompt_ids = {t for body in seen for t in body["prompt"]}
+    assert min(prompt_ids) >= 3 and max(prompt_ids) == 447  # the probe asks for the highest id
+    result = json.loads(out.read_text())
+    assert result["workload_config"]["token_range"] == [3, 448] and result["dtype"] is None
+    arm = result["arms"]["server"]["random"]
+    assert (arm["requests"], arm["output_tokens"], arm["itl_seconds"]["count"]) == (3, 6, 3)
+    assert "stats" not in arm and result["arm_info"]["server"]["cache_reset"] is False  # no /metrics, no reset
+
+
+def test_the_vocabulary_from_a_tokenizer(tmp_path: Path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    out = tmp_path / "online.json"
+    with fake_server(vocab=448) as (url, seen):
+        assert main([*RANDOM, "--url", url, "--tokenizer", str(tmp_path), "--out", str(out)]) == 0
+    assert max(t for body in seen for t in body["prompt"]) == 99
+    assert json.loads(out.read_text())["workload_config"]["token_range"] == [3, 100]
+
+
+def test_multi_turn_without_token_ids_uses_the_server_tokenizer(tmp_path: Path):
+    """llama.cpp: no return_token_ids, no /reset_prefix_cache, but POST /tokenize."""
+    out = tmp_path / "online.json"
+    with fake_server(token_ids=False, tokenize=True) as (url, seen):
+        assert main([*MULTI_TURN, "--url", url, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["arm_info"]["server"]["answers"] == "answer text re-tokenized by POST /tokenize"
+    turn0, turn1 = [b["prompt"] for b in seen[-4:-2]], [b["prompt"] for b in seen[-2:]]  # the timed run
+    for prompt in turn1:  # the turn-0 prompt, the answer re-tokenized from its text, a 4-token message
+        first = next(p for p in turn0 if prompt[:12] == p)
+        assert prompt[12:15] == [(sum(first) + i) % 4096 for i in range(3)] and len(prompt) == 12 + 3 + 4
+    assert result["arms"]["server"]["multi-turn"]["output_tokens"] == 4 * 3
+
+
+def test_multi_turn_refuses_a_server_without_token_ids_or_tokenize(capsys):
+    with fake_server(token_ids=False) as (url, seen):
+        assert main([*MULTI_TURN, "--url", url]) == 2
+        assert [b["max_tokens"] for b in seen] == [1]  # refused before any work
+        assert main([*RANDOM, "--url", url]) == 0  # one-round workloads need no answers
+    err = capsys.readouterr().err
+    assert "returns no token ids (return_token_ids) and has no POST /tokenize" in err
+    assert "cannot run against this server" in err

@@ -1,43 +1,44 @@
-"""The prefix-cache benchmark workloads: generators, report maths on synthetic timings, and
-one end-to-end run of each workload on the tiny demo models (structure and hit rates, never
-timings)."""
+"""The benchmark workloads: generators, summary maths on synthetic timings, and one
+end-to-end run of each workload on the tiny demo models (structure, token counts and hit
+rates, never timings)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hyprefix.bench.arms import DecodeTiming, PrefillTiming
-from hyprefix.bench.offline import RequestRecord, WorkloadRun
-from hyprefix.bench.prefix import COMPARE_ARM, distribution, percentile, summarise
-from hyprefix.bench.throughput import TARGETS as THROUGHPUT_TARGETS
-from hyprefix.bench.throughput import ThroughputConfig, split_arm
-from hyprefix.bench.throughput import summarise as summarise_throughput
+from hyprefix.bench import env
+from hyprefix.bench.arms import COMPARE_ARM, RequestRecord, WorkloadRun, check_arm_names, split_arm, workload_kv_blocks
+from hyprefix.bench.summary import distribution, percentile, prefill_flops, summarise
 from hyprefix.bench.workloads import (
-    TOKEN_HIGH,
+    DEFAULT_VOCAB,
     TOKEN_LOW,
     MultiTurnWorkload,
     RandomWorkload,
     RlBurstWorkload,
     SharedPrefixWorkload,
+    ThroughputWorkload,
 )
 from hyprefix.cli import main
-from hyprefix.demo import demo_model_path
 from hyprefix.hardware import device_caps
 
 
-def _in_range(ids: tuple[int, ...]) -> bool:
-    return all(TOKEN_LOW <= t < TOKEN_HIGH for t in ids)
+def _in_range(ids: tuple[int, ...], high: int = DEFAULT_VOCAB) -> bool:
+    return all(TOKEN_LOW <= t < high for t in ids)
 
 
 # ----------------------------------------------------------------------- generators
 def test_shared_prefix_shapes() -> None:
     w = SharedPrefixWorkload(groups=1, num_requests=5, system_len=40, suffix_len=7, output_len=3, seed=1)
     reqs = w.round_requests(0)
-    assert len(reqs) == 5 == w.num_requests_total()
+    assert len(reqs) == 5 and w.prompt_lens() == [[47] * 5]
     assert all(len(r.prompt) == 47 and r.max_tokens == 3 and r.greedy and _in_range(r.prompt) for r in reqs)
     assert len({r.prompt[:40] for r in reqs}) == 1  # one shared system prompt
     assert len({r.prompt[40:] for r in reqs}) == 5  # unique suffixes
@@ -96,12 +97,12 @@ def test_determinism_by_seed(cls) -> None:
     a, b, c = cls(seed=7), cls(seed=7), cls(seed=8)
     assert a.round_requests(0) == b.round_requests(0)
     assert a.round_requests(0) != c.round_requests(0)
-    assert a.with_seed(8).round_requests(0) == c.round_requests(0)
+    assert replace(a, seed=8).round_requests(0) == c.round_requests(0)
 
 
 def test_multi_turn_extends_previous_prompt_and_answer() -> None:
     w = MultiTurnWorkload(conversations=3, turns=4, system_len=32, message_len=8, output_len=5, seed=2)
-    assert w.num_rounds == 4 and w.num_requests_total() == 12
+    assert w.num_rounds == 4 and sum(map(len, w.prompt_lens())) == 12
     prev = w.round_requests(0)
     assert [len(r.prompt) for r in prev] == [40] * 3
     assert all(r.prompt[:32] == w.system_prompt and r.prompt[32:] == w.message(c, 0) for c, r in enumerate(prev))
@@ -129,75 +130,162 @@ def test_invalid_parameters() -> None:
         MultiTurnWorkload(turns=0)
 
 
-# ------------------------------------------------------------------- report maths
+
+def test_token_ids_follow_the_vocabulary() -> None:
+    for cls in (SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload, RandomWorkload):
+        w = cls(vocab_size=40)
+        assert all(_in_range(r.prompt, 40) for r in w.round_requests(0)) and w.to_dict()["token_range"] == [3, 40]
+    big = [t for r in RandomWorkload(vocab_size=151936).round_requests(0) for t in r.prompt]
+    assert max(big) >= DEFAULT_VOCAB  # the whole vocabulary is drawn from, not only the demo tokenizer's
+    with pytest.raises(ValueError, match="vocab-size"):
+        RandomWorkload(vocab_size=3)
+
+
+def test_throughput_cases() -> None:
+    w = ThroughputWorkload(prompt_len=20, decode_prompt_len=6, decode_tokens=4, batch_sizes=(1, 3), vocab_size=50)
+    cases = w.cases()
+    assert list(cases) == ["prefill", "decode@1", "decode@3"]
+    prefill, batch3 = cases["prefill"].round_requests(0), cases["decode@3"].round_requests(0)
+    assert [(len(r.prompt), r.max_tokens) for r in prefill] == [(20, 1)]
+    assert [(len(r.prompt), r.max_tokens) for r in batch3] == [(6, 4)] * 3
+    assert all(r.greedy and _in_range(r.prompt, 50) for r in prefill + batch3)
+    assert cases["decode@3"].for_repeat(1).round_requests(0) != batch3  # fresh prompts every repeat
+    assert cases["decode@3"].for_repeat(0).round_requests(0) == batch3
+    assert w.engine_defaults() == {"max_num_batched_tokens": 2048}
+    assert ThroughputWorkload(prompt_len=3000).engine_defaults() == {"max_num_batched_tokens": 3000}
+    assert workload_kv_blocks(w, block_size=16) == 3  # decode@3: three 10-token requests; prefill: 21 -> 2
+    with pytest.raises(ValueError, match="decode-tokens"):
+        ThroughputWorkload(decode_tokens=1)
+
+
+def test_arm_names() -> None:
+    assert split_arm("hyprefix@float32") == ("hyprefix", "float32") and split_arm("transformers") == (
+        "transformers", None)
+    check_arm_names(["hyprefix", "hyprefix@bfloat16", "transformers@float32"], ["hyprefix", "transformers"])
+    for bad in (["hyprefix@int8"], ["vllm@float32"], ["hyprefix", "hyprefix"], []):
+        with pytest.raises(ValueError, match="arms must be"):
+            check_arm_names(bad, ["hyprefix", "transformers"])
+
+
+def test_bench_kv_pool_holds_the_whole_workload() -> None:
+    w = SharedPrefixWorkload(groups=2, num_requests=3, system_len=30, suffix_len=4, output_len=3)
+    assert workload_kv_blocks(w, block_size=16) == 6 * 3  # 37 tokens -> 3 blocks each
+    mt = MultiTurnWorkload(conversations=1, turns=2, system_len=10, message_len=5, output_len=2)
+    assert workload_kv_blocks(mt, block_size=4) == 5 + 6  # turns of 15+2 and 22+2 tokens
+
+
+# ------------------------------------------------------------------- summary maths
 def test_percentile() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
     assert percentile(list(range(101)), 99) == pytest.approx(99.0)
-    d = distribution([1.0, None, 3.0])  # type: ignore[list-item]
+    d = distribution([1.0, None, 3.0])
     assert d["count"] == 2 and d["p50"] == pytest.approx(2.0) and d["mean"] == pytest.approx(2.0)
     with pytest.raises(ValueError):
         percentile([1.0], 101)
 
 
-def _run(arm: str, seconds: float, ttfts: list[float], computed: int, skipped: int, repeat: int = 0) -> WorkloadRun:
-    records = [RequestRecord(tag=f"r{i}", round=0, prompt_len=10, output_ids=[5, 6, 7], ttft=t, e2e=t + 1,
-                             tpot=0.5) for i, t in enumerate(ttfts)]
+def _record(tag: str, ttft: float, tokens: int = 3, gap: float = 0.5, prompt_len: int = 10) -> RequestRecord:
+    times = [ttft + i * gap for i in range(tokens)]
+    return RequestRecord(tag, prompt_len, [5 + i for i in range(tokens)], 0.0, times, times[-1])
+
+
+def _run(arm: str, seconds: float, ttfts: list[float], computed: int, skipped: int, repeat: int = 0,
+         case: str = "rl-burst") -> WorkloadRun:
     stats = {"prefix_cache_queries": computed + skipped, "prefix_cache_hits": skipped,
              "prefix_cache_hit_rate": skipped / (computed + skipped), "prefill_computed_tokens": computed,
-             "prefill_skipped_tokens": skipped, "sibling_waits": 0, "num_preemptions": 0,
-             "hybrid_hit_tokens_lost": 0, "mamba_checkpoints_used": 0, "mamba_checkpoints_capacity": 0}
-    return WorkloadRun(arm=arm, repeat=repeat, seconds=seconds, round_seconds=[seconds], requests=records,
-                       stats=stats)
+             "prefill_skipped_tokens": skipped, "sibling_waits": 0, "num_preemptions": 0}
+    return WorkloadRun(arm=arm, case=case, repeat=repeat, round_seconds=[seconds],
+                       requests=[_record(f"r{i}", t) for i, t in enumerate(ttfts)], stats=stats)
 
 
-def test_summary_ratios_on_synthetic_timings() -> None:
+def test_summary_of_a_request_workload_on_synthetic_timings() -> None:
     w = RlBurstWorkload(num_prompts=1, num_samples=4, prompt_len=10, output_len=3)
+    ttfts = [0.1, 0.2, 0.3, 0.4]
     runs = {
-        "hyprefix": [_run("hyprefix", 2.0, [0.1, 0.2, 0.3, 0.4], 10, 30),
-                     _run("hyprefix", 4.0, [0.1, 0.2, 0.3, 0.4], 10, 30, 1),
-                     _run("hyprefix", 3.0, [0.1, 0.2, 0.3, 0.4], 10, 30, 2)],
-        "hyprefix-nocache": [_run("hyprefix-nocache", 9.0, [1.0, 1.0, 1.0, 1.0], 40, 0, r) for r in range(3)],
-        COMPARE_ARM: [_run(COMPARE_ARM, 1.0, [0.1] * 4, 12, 28, r) for r in range(3)],
+        "hyprefix": {"rl-burst": [_run("hyprefix", s, ttfts, 10, 30, r) for r, s in enumerate((2.0, 4.0, 3.0))]},
+        "hyprefix-nocache": {"rl-burst": [_run("hyprefix-nocache", 9.0, [1.0] * 4, 40, 0, r) for r in range(3)]},
+        COMPARE_ARM: {"rl-burst": [_run(COMPARE_ARM, 1.0, [0.1] * 4, 12, 28, r) for r in range(3)]},
     }
     s = summarise(runs, w, {"hyprefix": "a", "hyprefix-nocache": "a", COMPARE_ARM: "b"})
-    h = s["arms"]["hyprefix"]
-    assert h["total_seconds"]["median"] == 3.0 and h["total_seconds"]["min"] == 2.0
-    assert h["requests"] == 4 and h["output_tokens"] == 12
+    h = s["arms"]["hyprefix"]["rl-burst"]
+    assert h["total_seconds"] == {"median": 3.0, "min": 2.0, "max": 4.0, "all": [2.0, 4.0, 3.0]}
+    assert (h["requests"], h["prompt_tokens"], h["output_tokens"], h["model"]) == (4, 40, 12, "a")
     assert h["requests_per_s"]["median"] == pytest.approx(4 / 3) and h["output_tokens_per_s"]["max"] == 6.0
     assert h["ttft_seconds"]["count"] == 12 and h["ttft_seconds"]["p50"] == pytest.approx(0.25)
-    assert h["computed_vs_ideal"] == pytest.approx(1.0) and h["stats_identical_across_repeats"]
-    ratios = {r["name"]: r for r in s["ratios"]}
-    assert ratios["time hyprefix-nocache / hyprefix"]["value"] == pytest.approx(3.0)
-    assert ratios["TTFT p50 hyprefix-nocache / hyprefix"]["value"] == pytest.approx(4.0)
-    assert ratios["prefill computed / ideal (hyprefix)"]["pass"] is True
-    assert ratios[f"prefill computed / ideal ({COMPARE_ARM})"]["pass"] is False  # 12 / 10 > 1.1
-    hit = s["hit_rate_comparison"]
-    assert hit["ratio"] == pytest.approx(0.75 / 0.7) and hit["pass"] is True
-    assert s["output_agreement"] == [{"arms": ["hyprefix", "hyprefix-nocache"], "of": 4, "identical": 4,
-                                      "same_first_token": 4, "first_difference_at": {}}]
+    assert h["tpot_seconds"]["p50"] == pytest.approx(0.5) and h["itl_seconds"]["count"] == 24
+    # after the last first token (0.4 s): 8 tokens until 1.4 s
+    assert h["decode_tokens_per_s"]["median"] == pytest.approx(8.0)
+    assert h["computed_vs_ideal"] == pytest.approx(1.0) and h["stats_identical_across_repeats"] is True
+    ratios = {r["name"]: r["value"] for r in s["ratios"]}
+    assert ratios == pytest.approx({
+        "time hyprefix-nocache / hyprefix": 3.0, "TTFT p50 hyprefix-nocache / hyprefix": 4.0,
+        "TTFT p90 hyprefix-nocache / hyprefix": 2.5, "prefill computed / ideal (hyprefix)": 1.0,
+        f"prefill computed / ideal ({COMPARE_ARM})": 1.2, "prefix hit rate model / compare-model": 0.75 / 0.7})
+    assert s["output_agreement"] == [{"case": "rl-burst", "arms": ["hyprefix", "hyprefix-nocache"], "of": 12,
+                                      "identical": 12, "same_first_token": 12, "first_difference_at": {}}]
+    assert s["disturbed_runs"] == {"count": 0, "of": 9, "threshold_other_cores": 0.25}
 
 
-def test_shared_prefix_target_and_failing_hit_rate() -> None:
-    w = SharedPrefixWorkload(num_requests=4, system_len=8, suffix_len=2, output_len=3)
-    runs = {"hyprefix": [_run("hyprefix", 2.0, [0.1] * 4, 30, 10)],
-            "hyprefix-nocache": [_run("hyprefix-nocache", 5.0, [0.5] * 4, 40, 0)],
-            COMPARE_ARM: [_run(COMPARE_ARM, 2.0, [0.1] * 4, 10, 30)]}
-    s = summarise(runs, w, {})
-    speedup = next(r for r in s["ratios"] if r["name"] == "time hyprefix-nocache / hyprefix")
-    assert speedup["value"] == pytest.approx(2.5) and speedup["target"] == 3.0 and speedup["pass"] is False
-    assert s["hit_rate_comparison"]["ratio"] == pytest.approx(0.25 / 0.75)
-    assert s["hit_rate_comparison"]["pass"] is False
+def _throughput_runs(arm: str, prefill: float, decode: dict[int, float]) -> dict[str, list[WorkloadRun]]:
+    """One repeat of a throughput arm: ``prefill`` tok/s (1000 tokens) and decode tok/s per batch."""
+    seconds = 1000 / prefill
+    runs = {"prefill": [WorkloadRun(arm, "prefill", 0, [seconds], [
+        RequestRecord("b0", 1000, [1], 0.0, [seconds], seconds)])]}
+    for b, tps in decode.items():
+        times = [1 + i * b / tps for i in range(11)]  # b sequences, 10 tokens each after the first
+        runs[f"decode@{b}"] = [WorkloadRun(arm, f"decode@{b}", 0, [times[-1]], [
+            RequestRecord(f"b{i}", 8, [1] * 11, 0.0, times, times[-1]) for i in range(b)])]
+    return runs
+
+
+def test_throughput_ratios_and_flops_on_synthetic_timings() -> None:
+    w = ThroughputWorkload(prompt_len=1000, decode_prompt_len=8, decode_tokens=11, batch_sizes=(1, 16))
+    runs = {"hyprefix": _throughput_runs("hyprefix", 120.0, {1: 6.0, 16: 48.0}),
+            "transformers": _throughput_runs("transformers", 100.0, {1: 5.0, 16: 30.0}),
+            "hyprefix@bfloat16": _throughput_runs("hyprefix@bfloat16", 20.0, {1: 9.0, 16: 10.0}),
+            "hyprefix@float32": _throughput_runs("hyprefix@float32", 125.0, {1: 6.0, 16: 48.0})}
+    facts = SimpleNamespace(matmul_params=100, lm_head_params=10, attention_layers=2, attention_width=8)
+    s = summarise(runs, w, {}, facts=facts, peak={"gflops": 0.01})
+    assert s["arms"]["transformers"]["decode@16"]["decode_tokens_per_s"]["median"] == pytest.approx(30.0)
+    assert [(r["name"], r["denominator"]) for r in s["ratios"]] == [
+        ("prefill hyprefix / transformers", "transformers prefill"),
+        ("decode hyprefix B=1 / transformers B=1", "transformers decode@1"),
+        ("decode hyprefix B=16 / transformers B=16", "transformers decode@16"),
+        ("decode hyprefix B=16 / transformers B=1", "transformers decode@1"),
+        ("prefill hyprefix / fastest explicit dtype", "hyprefix@float32 prefill")]
+    assert [r["value"] for r in s["ratios"]] == pytest.approx([1.2, 1.2, 1.6, 9.6, 120 / 125])
+    assert "target" not in str(s["ratios"]) and "pass" not in str(s["ratios"])  # measured values only
+    assert s["prefill_flops"] == {"linear": 2e5, "lm_head": 20.0, "attention": 3.2e7, "total": 2e5 + 20 + 3.2e7}
+    assert s["prefill_flops"] == prefill_flops(facts, 1000)
+    gflops = s["prefill_flops"]["total"] / (1000 / 120) / 1e9
+    assert s["prefill_peak"]["hyprefix"] == pytest.approx({"prefill_gflops": gflops, "fraction_of_peak": gflops / 0.01})
+    assert [(a["case"], a["arms"], a["identical"], a["of"]) for a in s["output_agreement"]] == [
+        ("prefill", ["hyprefix", "transformers"], 1, 1), ("decode@1", ["hyprefix", "transformers"], 1, 1),
+        ("decode@16", ["hyprefix", "transformers"], 16, 16)]
 
 
 def test_flags_of_another_workload_are_refused(capsys) -> None:
     assert main(["bench", "--workload", "shared-prefix", "--turns", "3"]) == 2
     assert "--turns" in capsys.readouterr().err
     assert main(["bench", "--workload", "throughput", "--num-samples", "3"]) == 2
+    assert main(["bench", "--workload", "throughput", "--compare-model", "x"]) == 2
+    assert "--compare-model" in capsys.readouterr().err
+    assert main(["bench", "--workload", "random", "--vocab-size", "100"]) == 2
+    assert "need --url" in capsys.readouterr().err
     assert main(["bench", "--workload", "multi-turn", "--arms", "hyprefix-nocache", "--compare-model", "x"]) == 2
     assert main(["bench", "--workload", "rl-burst", "--arms", "hyprefix,vllm"]) == 2
+    assert "arms must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "random", "--vocab-size", "5", "--tokenizer", "x"])
+
+
+def test_missing_bench_extra_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'hyprefix\[bench\]'"):
+        env.require("matplotlib")
 
 
 # ------------------------------------------------------------------------ end to end
@@ -212,97 +300,59 @@ CASES = {
                    "--turns", "3", "--system-len", "32", "--message-len", "16", "--output-len", "3"],
     "random": ["--model", "demo-dense-tiny", "--num-requests", "4", "--prompt-len", "24", "--output-len", "3"],
 }
+# requests and prompt tokens of each case: 4 groups x 4 x (48 + 8); 4 x 48; 2 x (48 + 67 + 86) (each turn
+# appends a 3-token answer and a 16-token message); 4 random lengths around 24
+EXPECTED = {"shared-prefix": (16, 16 * 56), "rl-burst": (4, 4 * 48), "multi-turn": (6, 2 * (48 + 67 + 86)),
+            "random": (4, RandomWorkload(num_requests=4, prompt_len=24, output_len=3).ideal_prefill_tokens())}
 
 
 @pytest.mark.parametrize("workload", list(CASES))
 def test_end_to_end(workload: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench.json"
+    plots = ["--plot", str(tmp_path / "plots")] if workload == "multi-turn" else []
     assert main(["--log-level", "WARNING", "bench", "--workload", workload, *CASES[workload], *TINY,
-                 "--out", str(out)]) == 0
+                 "--out", str(out), *plots]) == 0
     printed = capsys.readouterr().out
-    assert f"--workload {workload}" in printed and "prefix hit rate" in printed
+    assert printed.startswith(f"hyprefix bench --workload {workload}: {CASES[workload][1]} (float32)\n")
     result = json.loads(out.read_text())
-    assert result["workload"] == workload
+    assert result["workload"] == workload and result["cases"] == [workload]
+    assert result["workload_config"]["token_range"] == [3, 4096]  # the tiny models' vocabulary
     expected = ["hyprefix", "hyprefix-nocache", *([COMPARE_ARM] if workload == "multi-turn" else [])]
     assert result["arm_order"] == expected and set(result["arms"]) == set(expected)
-    total = result["workload_config"]["num_requests_total"]
+    total, prompt_tokens = EXPECTED[workload]
     for name in expected:
-        arm = result["arms"][name]
-        assert arm["requests"] == total and arm["output_tokens"] == total * 3
-        assert arm["ttft_seconds"]["count"] == total
-        assert 0.0 <= arm["stats"]["prefix_cache_hit_rate"] <= 1.0
-        assert arm["stats"]["cache_at_start"] == {"kv_blocks_cached": 0, "mamba_checkpoints_used": 0}
-        assert arm["peak_rss_growth_gib"] is not None and arm["peak_rss_growth_gib"] >= 0
+        arm = result["arms"][name][workload]
+        assert (arm["requests"], arm["prompt_tokens"], arm["output_tokens"]) == (total, prompt_tokens, total * 3)
+        assert arm["ttft_seconds"]["count"] == total and arm["itl_seconds"]["count"] == total * 2
+        stats = arm["stats"]
+        assert stats["prefix_cache_queries"] == stats["prefill_computed_tokens"] + stats["prefill_skipped_tokens"] \
+            == prompt_tokens
+        assert stats["prefix_cache_hit_rate"] == pytest.approx(stats["prefix_cache_hits"] / prompt_tokens)
+        assert stats["cache_at_start"] == {"kv_blocks_cached": 0, "mamba_checkpoints_used": 0}
+        assert arm["peak_rss_growth_gib"] is not None  # sampled in this process
         assert result["arm_info"][name]["memory_bytes"]["weights"] > 0
-    assert "memory: weights + pools (GiB)" in printed
-    cache, nocache = result["arms"]["hyprefix"]["stats"], result["arms"]["hyprefix-nocache"]["stats"]
-    if workload == "random":  # nothing to share: both arms compute every prompt token
-        ideal = result["workload_config"]["ideal_prefill_tokens"]
-        assert cache["prefill_computed_tokens"] == nocache["prefill_computed_tokens"] == ideal
-        assert result["output_agreement"][0]["identical"] == total
-        return
-    assert cache["prefill_skipped_tokens"] > 0 and cache["prefix_cache_hit_rate"] > 0
-    assert nocache["prefill_skipped_tokens"] == 0 and nocache["prefix_cache_hits"] == 0
-    assert cache["prefill_computed_tokens"] < nocache["prefill_computed_tokens"]
-    if workload == "rl-burst":  # the 48-token prompt once, then only the last token per sibling
-        assert cache["prefill_computed_tokens"] == 48 + 3
+    assert "memory: weights + pools (GiB)" in printed and "prefix hit rate" in printed
+    cache, nocache = (result["arms"][name][workload]["stats"] for name in ("hyprefix", "hyprefix-nocache"))
+    assert nocache["prefill_computed_tokens"] == prompt_tokens and nocache["prefix_cache_hits"] == 0
     agreement = result["output_agreement"][0]
     assert agreement["arms"] == ["hyprefix", "hyprefix-nocache"] and agreement["of"] == total
     if workload != "rl-burst":  # greedy: caching on and off give the same tokens (float32)
         assert agreement["identical"] == total
+    # every distinct prefix computed once (rl-burst: a full hit still computes the last prompt token)
+    ideal = {"shared-prefix": 4 * (48 + 4 * 8), "rl-burst": 48, "random": prompt_tokens, "multi-turn": None}[workload]
+    assert result["arms"]["hyprefix"][workload]["ideal_prefill_tokens"] == ideal
+    if ideal is not None:
+        assert cache["prefill_computed_tokens"] == ideal + (3 if workload == "rl-burst" else 0)
     if workload == "multi-turn":
-        hit = result["hit_rate_comparison"]
-        assert hit["compare_model"] == "demo-dense-tiny" and 0 < hit["compare_hit_rate"] <= 1
-        assert hit["ratio"] == pytest.approx(hit["hit_rate"] / hit["compare_hit_rate"])
-        assert "PASS" in printed or "FAIL" in printed
-
-
-def test_bench_kv_pool_holds_the_whole_workload() -> None:
-    from hyprefix.bench.prefix import workload_kv_blocks
-
-    w = SharedPrefixWorkload(groups=2, num_requests=3, system_len=30, suffix_len=4, output_len=3)
-    assert workload_kv_blocks(w, block_size=16) == 6 * 3  # 37 tokens -> 3 blocks each
-    mt = MultiTurnWorkload(conversations=1, turns=2, system_len=10, message_len=5, output_len=2)
-    assert workload_kv_blocks(mt, block_size=4) == 5 + 6  # turns of 15+2 and 22+2 tokens
-
-
-def _timings(prefill: float, decode: dict[int, float]) -> dict[str, list]:
-    """One repeat of a throughput arm: ``prefill`` tok/s (1000 tokens) and decode tok/s per batch."""
-    runs: dict[str, list] = {"prefill": [PrefillTiming(prompt_len=1000, seconds=1000 / prefill, first_token=1)]}
-    for b, tps in decode.items():
-        runs[f"decode@{b}"] = [DecodeTiming(batch=b, prompt_len=8, new_tokens=11, total_seconds=2.0,
-                                            prefill_seconds=1.0, decode_seconds=10 * b / tps, decode_tokens=10 * b,
-                                            steps=11, token_ids=[[1] * 11] * b)]
-    return runs
-
-
-@pytest.mark.parametrize("cpu_kind", list(THROUGHPUT_TARGETS))
-def test_throughput_targets_follow_the_cpu_kind(cpu_kind: str) -> None:
-    cfg = ThroughputConfig(batch_sizes=(1, 16), repeats=1,
-                           arms=("hyprefix", "transformers", "hyprefix@bfloat16", "hyprefix@float32"))
-    runs = {"hyprefix": _timings(120.0, {1: 6.0, 16: 48.0}), "transformers": _timings(100.0, {1: 5.0, 16: 30.0}),
-            "hyprefix@bfloat16": _timings(20.0, {1: 9.0, 16: 10.0}),
-            "hyprefix@float32": _timings(125.0, {1: 6.0, 16: 48.0})}
-    s = summarise_throughput(runs, str(demo_model_path("dense", "tiny")), cfg, None, cpu_kind)
-    by_name = {r["name"]: r for r in s["ratios"]}
-    assert s["targets"] == cpu_kind
-    for label, _, _, target in THROUGHPUT_TARGETS[cpu_kind]:
-        assert by_name[label]["target"] == target
-    assert by_name["prefill hyprefix / transformers"]["value"] == pytest.approx(1.2)
-    same_batch = by_name["decode hyprefix B=16 / transformers B=16"]
-    assert same_batch["value"] == pytest.approx(1.6)
-    assert same_batch["target"] == (1.5 if cpu_kind == "no-native-bf16" else None)
-    auto = by_name["prefill hyprefix / fastest explicit dtype (hyprefix@float32)"]
-    assert auto["value"] == pytest.approx(120 / 125) and auto["target"] == 0.9 and auto["pass"] is True
-
-
-def test_throughput_arms_may_name_a_dtype() -> None:
-    assert split_arm("hyprefix@float32") == ("hyprefix", "float32") and split_arm("transformers") == (
-        "transformers", None)
-    ThroughputConfig(arms=("hyprefix", "hyprefix@bfloat16", "transformers@float32"))
-    for bad in (("hyprefix@int8",), ("vllm@float32",), ("hyprefix", "hyprefix")):
-        with pytest.raises(ValueError, match="arms must be"):
-            ThroughputConfig(arms=bad)
+        assert cache["prefill_computed_tokens"] < nocache["prefill_computed_tokens"]
+        compare = result["arms"][COMPARE_ARM][workload]
+        assert compare["model"] == "demo-dense-tiny" and compare["stats"]["prefix_cache_hits"] > 0
+        hit = next(r for r in result["ratios"] if r["name"] == "prefix hit rate model / compare-model")
+        assert hit["value"] == pytest.approx(cache["prefix_cache_hit_rate"] / compare["stats"]["prefix_cache_hit_rate"])
+        assert f"prefix hit rate model / compare-model   {hit['value']:.2f}" in printed
+        assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+            "multi-turn-prefill.png", "multi-turn-throughput.png", "multi-turn-ttft.png"]
+    assert "PASS" not in printed and "FAIL" not in printed and "target" not in printed
 
 
 def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
@@ -312,19 +362,68 @@ def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
                  "hyprefix,transformers,hyprefix@float32",
                  "--decode-tokens", "3", "--batch-sizes", "1,2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "prefill hyprefix / transformers" in printed and "(auto -> float32)" in printed  # float32 checkpoint
+    assert printed.startswith("hyprefix bench --workload throughput: demo-dense-tiny (auto -> float32)\n")
+    assert "prefill hyprefix / transformers" in printed and "PASS" not in printed and "target" not in printed
     result = json.loads(out.read_text())
-    assert result["peak"]["gflops"] > 0 and result["peak"]["dtype"] == "float32"
-    assert result["peak"]["path"] in (("plain", "prepacked") if device_caps("cpu").prepack(torch.float32)
-                                      else ("plain",))
-    assert result["peak"]["gflops"] >= result["peak"]["plain_gflops"]
+    peak = result["peak"]
+    # the engine prepacks float32 weights on this CPU or not: the peak names that path and measured it
+    engine_path = "prepacked" if device_caps("cpu").prepack(torch.float32) else "plain"
+    assert peak["dtype"] == "float32" and peak["path"] == engine_path
+    assert set(peak["gflops_by_path"]) == {"plain", engine_path}
+    assert peak["gflops"] == max(peak["gflops_by_path"].values())
     assert result["environment"]["device_caps"] == device_caps("cpu").to_dict()
-    assert result["arm_info"]["hyprefix"]["dtype"] == result["arm_info"]["transformers"]["dtype"] == "float32"
-    assert any(r["name"].startswith("prefill hyprefix / fastest explicit dtype") for r in result["ratios"])
-    medians = result["medians_tokens_per_s"]
-    assert set(medians) == {"hyprefix", "transformers", "hyprefix@float32"}
-    for arm in medians.values():
-        assert set(arm) == {"prefill", "decode@1", "decode@2"} and all(v > 0 for v in arm.values())
-    names = [r["name"] for r in result["ratios"]]
-    assert "prefill hyprefix / transformers" in names and "decode hyprefix B=1 / transformers B=1" in names
-    assert result["prefill_peak"]["hyprefix"]["fraction_of_peak"] > 0
+    assert {a["dtype"] for a in result["arm_info"].values()} == {"float32"}
+    assert result["cases"] == ["prefill", "decode@1", "decode@2"]
+    for arm in result["arms"].values():
+        assert [(c, s["requests"], s["output_tokens"]) for c, s in arm.items()] == [
+            ("prefill", 1, 1), ("decode@1", 1, 3), ("decode@2", 2, 6)]
+    assert [r["name"] for r in result["ratios"]] == [
+        "prefill hyprefix / transformers", "decode hyprefix B=1 / transformers B=1",
+        "decode hyprefix B=2 / transformers B=2", "decode hyprefix B=2 / transformers B=1",
+        "prefill hyprefix / fastest explicit dtype"]
+    flops = result["prefill_flops"]
+    assert flops == prefill_flops(SimpleNamespace(**result["model_facts"]), 24)
+    assert result["prefill_peak"]["hyprefix"]["fraction_of_peak"] == pytest.approx(
+        result["prefill_peak"]["hyprefix"]["prefill_gflops"] / peak["gflops"])
+    # float32: the engine's greedy tokens are transformers' on the same weights
+    assert [(a["case"], a["identical"], a["of"]) for a in result["output_agreement"]] == [
+        ("prefill", 1, 1), ("decode@1", 1, 1), ("decode@2", 2, 2)]
+
+
+@pytest.mark.parametrize("which", ["demo-hybrid-tiny", "mamba2"])
+def test_throughput_on_hybrid_and_mamba2_models(which: str, request, tmp_path: Path, capsys, monkeypatch) -> None:
+    """KV bytes, state bytes and FLOPs come from the engine's model, whatever its kind (issue 17)."""
+    monkeypatch.setattr(env, "measure_matmul_peak", functools.partial(env.measure_matmul_peak, m=64, k=64, n=64))
+    model = str(request.getfixturevalue("hybrid_models")["mamba2"][0]) if which == "mamba2" else which
+    out = tmp_path / "throughput.json"
+    assert main(["--log-level", "WARNING", "bench", "--workload", "throughput", "--model", model, "--dtype",
+                 "float32", "--repeats", "1", "--prompt-len", "24", "--decode-prompt-len", "8", "--decode-tokens",
+                 "3", "--batch-sizes", "1,2", "--enforce-eager", "--out", str(out), "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "throughput-throughput.png").is_file()
+    assert capsys.readouterr().out.startswith(f"hyprefix bench --workload throughput: {model} (float32)\n")
+    result = json.loads(out.read_text())
+    assert result["arm_order"] == ["hyprefix", "transformers"] and result["skipped_arms"] == {}
+    facts = result["model_facts"]
+    assert facts["state_bytes_per_sequence"] > 0
+    assert (facts["attention_layers"], facts["kv_bytes_per_token"] > 0) == ((0, False) if which == "mamba2" else
+                                                                           (1, True))
+    assert result["prefill_flops"] == prefill_flops(SimpleNamespace(**facts), 24)
+    assert (result["prefill_flops"]["attention"] == 0) == (which == "mamba2")
+    for arm in result["arms"].values():
+        assert [(c, s["output_tokens"]) for c, s in arm.items()] == [("prefill", 1), ("decode@1", 3), ("decode@2", 6)]
+    assert [(a["case"], a["identical"], a["of"]) for a in result["output_agreement"]] == [
+        ("prefill", 1, 1), ("decode@1", 1, 1), ("decode@2", 2, 2)]
+
+
+def test_a_transformers_arm_that_cannot_run_is_skipped_with_the_reason(monkeypatch, capsys) -> None:
+    from hyprefix.bench import arms
+
+    def refuse(self, *args, **kwargs) -> None:
+        raise ValueError("this architecture is not supported")
+
+    monkeypatch.setattr(arms.TransformersArm, "__init__", refuse)
+    assert main(["--log-level", "ERROR", "bench", "--workload", "random", "--model", "demo-dense-tiny", "--dtype",
+                 "float32", "--repeats", "1", "--enforce-eager", "--arms", "hyprefix,transformers", "--num-requests",
+                 "2", "--prompt-len", "16", "--output-len", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "transformers arm skipped: loading failed: ValueError: this architecture is not supported" in printed

@@ -1,253 +1,380 @@
-"""Timed runs of one prompt set on each engine ("arm"): hyprefix and plain transformers.
+"""The arms: one protocol (``Arm``) for every engine a workload runs on, and the timed runs.
 
-Both arms expose the same two measurements, and time them the same way:
-
-``prefill(ids)``
-    Wall time of one call that turns a single prompt into exactly one new token
-    (hyprefix: ``LLM.generate`` with ``max_tokens=1`` and a token budget that fits the
-    whole prompt in one step; transformers: ``model.generate(max_new_tokens=1,
-    do_sample=False)``). Prefill throughput is ``len(ids) / seconds``; the call's own
-    overhead (validation, generation-config set-up) is part of what is measured.
-
-``decode(prompts, new_tokens)``
-    The B prompts decode together, greedily, exactly ``new_tokens`` tokens each. A
-    timestamp (``time.perf_counter``) is taken each time a new token is available on the
-    host for every sequence: hyprefix: after each ``Engine.step()`` returns (we step the
-    engine ourselves); transformers: inside a ``StoppingCriteria``, which ``generate``
-    calls once per step right after the step's tokens are selected and appended. The
-    prefill is excluded: decode time runs from the first moment *all* B sequences have
-    their first token to the moment the last token is out, and the tokens counted are
-    exactly the ones produced in that window (``B × (new_tokens - 1)`` when the prompts
-    are prefilled in one step, which the hyprefix arm's token budget ensures).
-    Transformers gets equal-length prompts, so its batch needs no padding; unequal
-    prompts are left-padded with ``pad_token_id=0`` and an attention mask.
-
-Only one arm runs at a time; both stay loaded for the whole benchmark.
+``hyprefix`` / ``hyprefix-nocache`` / ``compare-hyprefix``: ``LLM`` with prefix caching on /
+off / on with ``--compare-model``, stepped here (a token's time is the end of its step), its
+KV pool sized for every token of the largest case, its cache emptied before every timed run.
+``transformers``: ``generate`` on the same weights (a token's time is when its step calls our
+``StoppingCriteria``), one request at a time like a CPU user without a serving engine (TTFT
+includes the wait for the requests ahead; ``ttft_own`` does not), throughput a round as one
+batch; an arm that cannot run the model is skipped. ``server``: ``hyprefix.bench.online``.
+A round's time runs from its first request sent to its last one's end.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from hyprefix.bench.env import CpuMeter, RssPeak
+from hyprefix.bench.workloads import BenchRequest, Workload
+from hyprefix.config import DTYPES as ARM_DTYPES
+
+log = logging.getLogger("hyprefix.bench")
+
+ARM_BASES = ("hyprefix", "hyprefix-nocache", "transformers")
+COMPARE_ARM = "compare-hyprefix"  # the hyprefix arm on --compare-model
+SERVER_ARM = "server"
+# Cumulative engine counters whose change over a run is reported; gauges as at the end of a run.
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefill_computed_tokens", "prefill_skipped_tokens",
+            "decode_tokens", "num_preemptions", "sibling_waits", "hybrid_hit_tokens_lost")
+GAUGES = ("kv_blocks_total", "kv_blocks_cached", "mamba_checkpoints_used", "mamba_checkpoints_capacity",
+          "mamba_checkpoint_bytes")
+
+
+def split_arm(name: str) -> tuple[str, str | None]:
+    """``"hyprefix@float32"`` -> ("hyprefix", "float32"); a bare name has no dtype of its own."""
+    base, sep, dtype = name.partition("@")
+    return base, (dtype if sep else None)
+
+
+def check_arm_names(names: Sequence[str], allowed: Sequence[str]) -> None:
+    bad = [a for a in names if split_arm(a)[0] not in allowed or split_arm(a)[1] not in (None, *ARM_DTYPES)]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"arms must be distinct names from {', '.join(allowed)}, each optionally with @DTYPE "
+                         f"({', '.join(ARM_DTYPES)}), got {','.join(names)}")
 
 
 @dataclass
-class PrefillTiming:
+class RequestRecord:
+    tag: str
     prompt_len: int
-    seconds: float
-    first_token: int
-    ttft_seconds: float | None = None  # engine-reported arrival -> first token (hyprefix only)
-    cached_tokens: int = 0
-    other_cores_avg: float | None = None  # CPU other processes used meanwhile (set by the workload)
+    output_ids: list[int] = field(repr=False)
+    sent: float  # perf_counter when the request was submitted
+    token_times: list[float] = field(repr=False)  # perf_counter when each output token was out
+    end: float  # the request's call, step or stream ended
+    round: int = -1
+    cached_tokens: int | None = None  # prompt tokens the engine or server took from its cache
+    call_start: float | None = None  # transformers, one at a time: its own generate call started
+    answer_ids: list[int] | None = field(default=None, repr=False)  # what the next turn appends, if not output_ids
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.prompt_len / self.seconds
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def ttft_own(self) -> float | None:
+        return self.token_times[0] - self.call_start if self.token_times and self.call_start is not None else None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n >= 2 else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+        return {"tag": self.tag, "round": self.round, "prompt_len": self.prompt_len,
+                "output_len": len(self.output_ids), "ttft": self.ttft, "e2e": self.end - self.sent,
+                "tpot": self.tpot, "cached_tokens": self.cached_tokens, "ttft_own": self.ttft_own}
 
 
 @dataclass
-class DecodeTiming:
-    batch: int
-    prompt_len: int
-    new_tokens: int
-    total_seconds: float  # call start -> last token
-    prefill_seconds: float  # call start -> every sequence has its first token
-    decode_seconds: float  # every sequence has its first token -> last token
-    decode_tokens: int  # tokens produced within decode_seconds, summed over the batch
-    steps: int
-    token_ids: list[list[int]] = field(repr=False, default_factory=list)
-    other_cores_avg: float | None = None  # CPU other processes used meanwhile (set by the workload)
+class WorkloadRun:
+    arm: str
+    case: str
+    repeat: int  # -1: warm-up
+    round_seconds: list[float]
+    requests: list[RequestRecord]
+    stats: dict[str, Any] | None = None  # counter deltas over the run, gauges at its end
+    other_cores_avg: float | None = None
+    rss_start_gib: float | None = None  # this process (every in-process arm), at the start of the run
+    rss_peak_gib: float | None = None  # ... and its peak during the run
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+    def seconds(self) -> float:
+        return sum(self.round_seconds)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.requests)
+
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens out after every request of its round had its first token, per second of that span."""
+        tokens, seconds = 0, 0.0
+        for k in {r.round for r in self.requests}:
+            times = [r.token_times for r in self.requests if r.round == k and r.token_times]
+            if not times:
+                continue
+            start = max(t[0] for t in times)
+            tokens += sum(x > start for t in times for x in t)
+            seconds += max(t[-1] for t in times) - start
+        return tokens / seconds if tokens and seconds > 0 else None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        del d["token_ids"]
-        return {**d, "tokens_per_s": self.tokens_per_s}
+        return {"arm": self.arm, "case": self.case, "repeat": self.repeat, "seconds": self.seconds,
+                "round_seconds": self.round_seconds, "num_requests": len(self.requests),
+                "output_tokens": self.output_tokens, "decode_tokens_per_s": self.decode_tokens_per_s(),
+                "stats": self.stats, "other_cores_avg": self.other_cores_avg, "rss_start_gib": self.rss_start_gib,
+                "rss_peak_gib": self.rss_peak_gib, "requests": [r.to_dict() for r in self.requests]}
 
 
 class Arm(Protocol):
     name: str
+    model: str
+    in_process: bool  # False: its memory and CPU are not this process's
+    vocab_size: int | None  # token ids it takes, when known
 
     def info(self) -> dict: ...
 
-    def prefill(self, ids: list[int]) -> PrefillTiming: ...
+    def reset(self) -> None: ...
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeTiming: ...
+    def stats(self) -> dict[str, Any] | None: ...
 
-
-def run_dtype(model: str, dtype: str) -> str:
-    """``dtype`` with "auto" resolved as the engine resolves it on this CPU
-    (``hardware.DeviceCaps.auto_dtype`` of the checkpoint's dtype)."""
-    if dtype != "auto":
-        return dtype
-    from transformers import AutoConfig
-
-    from hyprefix.hardware import DTYPE_NAMES, device_caps
-    from hyprefix.models.loader import checkpoint_dtype
-
-    chosen, _ = device_caps("cpu").auto_dtype(checkpoint_dtype(AutoConfig.from_pretrained(model)))
-    return DTYPE_NAMES[chosen]
+    def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]: ...
 
 
-class HyprefixArm:
-    def __init__(self, model: str, dtype: str, *, max_prompt_tokens: int, max_batch: int,
-                 max_kv_tokens: int, seed: int = 0, block_size: int = 16, name: str = "hyprefix") -> None:
+class EngineArm:
+    """hyprefix's offline ``LLM`` (prefix caching on or off), stepped by the arm."""
+
+    in_process = True
+
+    def __init__(self, name: str, model: str, **kwargs: Any) -> None:
         from hyprefix import LLM
 
-        self.name = name
-        # Pool for the biggest live set of tokens, with head-room; a bigger pool costs
-        # memory, not speed.
-        kv_bytes = self._kv_bytes_per_token(model, run_dtype(model, dtype))
-        self._kv_gb = max(2.0, 1.5 * max_kv_tokens * kv_bytes / 2**30)
-        self._max_batched = max(2048, max_prompt_tokens)
-        self.llm = LLM(model=model, dtype=dtype, block_size=block_size, max_num_batched_tokens=self._max_batched,
-                       max_num_seqs=max(64, max_batch), kv_cache_memory_gb=self._kv_gb,
-                       enable_prefix_caching=True, seed=seed, log_stats_interval=0)
-        self._ids = 0
-
-    @staticmethod
-    def _kv_bytes_per_token(model: str, dtype: str) -> int:
-        from hyprefix.bench.flops import ModelShape
-
-        shape = ModelShape.from_config(model)
-        elem = 4 if dtype == "float32" else 2
-        return 2 * shape.layers * shape.kv_heads * shape.head_dim * elem
+        self.name, self.model = name, model
+        self.kwargs = {"log_stats_interval": 0, **kwargs}
+        self.llm = LLM(model=model, **self.kwargs)
+        self.facts = self.llm.engine.model_facts
+        self.vocab_size: int | None = self.facts.vocab_size
+        self._ids = itertools.count()
 
     def info(self) -> dict:
         import hyprefix
 
-        return {"version": hyprefix.__version__, "max_num_batched_tokens": self._max_batched,
-                "kv_cache_memory_gb": round(self._kv_gb, 3), "enable_prefix_caching": True,
-                "kv_blocks": self.llm.get_stats()["kv_blocks_total"],
-                "dtype": str(self.llm.engine.dtype).replace("torch.", "")}
+        engine, stats = self.llm.engine, self.llm.get_stats()
+        return {"engine": "hyprefix", "version": hyprefix.__version__, "model": self.model, **self.kwargs,
+                "dtype": self.facts.dtype, "block_size": engine.args.block_size,
+                "max_num_batched_tokens": engine.args.max_num_batched_tokens,
+                **{k: stats[k] for k in ("kv_blocks_total", "mamba_checkpoints_capacity", "mamba_checkpoint_bytes")},
+                "memory_bytes": dict(engine.memory_bytes)}
 
-    def prefill(self, ids: list[int]) -> PrefillTiming:
-        from hyprefix import SamplingParams
+    def reset(self) -> None:
+        self.llm.reset_prefix_cache()
 
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = self.llm.generate([list(ids)], params, use_tqdm=False)[0]
-        seconds = time.perf_counter() - t0
-        m = out.metrics
-        ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
-        return PrefillTiming(prompt_len=len(ids), seconds=seconds, first_token=out.outputs[0].token_ids[0],
-                             ttft_seconds=ttft, cached_tokens=out.num_cached_tokens)
+    def stats(self) -> dict[str, Any]:
+        return dict(self.llm.get_stats())
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeTiming:
+    def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
         from hyprefix import SamplingParams
 
         engine = self.llm.engine
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        ids = []
-        for _ in prompts:
-            ids.append(f"bench-{self._ids}")
-            self._ids += 1
-        counts = dict.fromkeys(ids, 0)
-        tokens: dict[str, list[int]] = {}
-        done: set[str] = set()
-        t_first: float | None = None
-        counts_at_first: dict[str, int] = {}
-        steps = 0
-        t0 = time.perf_counter()
-        for request_id, prompt in zip(ids, prompts, strict=True):
-            engine.add_request(request_id, list(prompt), params)
-        now = t0
+        ids = [f"bench-{next(self._ids)}" for _ in requests]
+        params = [SamplingParams(temperature=r.temperature, top_p=1.0, top_k=-1, seed=r.seed, max_tokens=r.max_tokens,
+                                 ignore_eos=True) for r in requests]
+        times: dict[str, list[float]] = {i: [] for i in ids}
+        done: dict[str, tuple[Any, float]] = {}
+        sent = time.perf_counter()
+        engine.add_requests([(i, list(r.prompt), p) for i, r, p in zip(ids, requests, params, strict=True)])
         while len(done) < len(ids):
             outputs = engine.step()
             now = time.perf_counter()
-            steps += 1
-            if not outputs and not engine.has_unfinished():
+            if not outputs and not engine.has_unfinished_sequences():
                 raise RuntimeError(f"engine went idle with {len(ids) - len(done)} benchmark requests unfinished")
             for out in outputs:
-                if out.request_id not in counts:
-                    continue
-                counts[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    done.add(out.request_id)
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-            if t_first is None and all(c >= 1 for c in counts.values()):
-                t_first, counts_at_first = now, dict(counts)
-        assert t_first is not None
-        got = [len(tokens[i]) for i in ids]
-        if any(n != new_tokens for n in got):
-            raise RuntimeError(f"hyprefix produced {got} tokens, expected {new_tokens} each")
-        return DecodeTiming(
-            batch=len(prompts), prompt_len=len(prompts[0]), new_tokens=new_tokens, total_seconds=now - t0,
-            prefill_seconds=t_first - t0, decode_seconds=now - t_first,
-            decode_tokens=sum(new_tokens - counts_at_first[i] for i in ids), steps=steps,
-            token_ids=[tokens[i] for i in ids])
+                if out.request_id in times:
+                    got = times[out.request_id]
+                    got.extend([now] * (len(out.outputs[0].token_ids) - len(got)))
+                    if out.finished:
+                        done[out.request_id] = (out, now)
+        return [RequestRecord(r.tag, len(r.prompt), list(done[i][0].outputs[0].token_ids), sent, times[i], done[i][1],
+                              cached_tokens=done[i][0].num_cached_tokens) for i, r in zip(ids, requests, strict=True)]
 
 
-class _StepClock(StoppingCriteria):
-    """A stopping criterion that never stops, and notes when each step's tokens are out."""
+def _step_clock() -> Any:
+    """A ``StoppingCriteria`` that never stops and notes when each step's tokens are out."""
+    import torch
+    from transformers import StoppingCriteria
 
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        self.stamps.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepClock()
 
 
 class TransformersArm:
-    def __init__(self, model: str, dtype: str, name: str = "transformers") -> None:
+    """Plain ``transformers`` ``generate``: a round one request at a time, or as one batch."""
+
+    in_process = True
+
+    def __init__(self, name: str, model: str, dtype: str, *, batched: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.name = name
-        from hyprefix.hardware import DTYPES
+        from hyprefix.hardware import DTYPES, device_caps
 
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
-        self.model.eval()
+        self.name, self.model, self.batched = name, model, batched
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype="auto" if dtype == "auto" else DTYPES[dtype])
+        if dtype == "auto":  # the engine's choice for this CPU given the checkpoint's dtype
+            self.hf.to(device_caps("cpu").auto_dtype(self.hf.dtype)[0])
+        self.hf.eval()
+        self.vocab_size: int | None = getattr(self.hf.config.get_text_config(), "vocab_size", None)
 
     def info(self) -> dict:
         import transformers
 
-        return {"version": transformers.__version__, "class": type(self.model).__name__,
-                "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
-                "dtype": str(self.model.dtype).replace("torch.", "")}
+        return {"engine": "transformers", "version": transformers.__version__, "model": self.model,
+                "class": type(self.hf).__name__, "dtype": str(self.hf.dtype).replace("torch.", ""),
+                "attn_implementation": getattr(self.hf.config, "_attn_implementation", None),
+                "batching": "each round as one batch" if self.batched else "none, one request at a time",
+                "memory_bytes": {"weights": sum(p.numel() * p.element_size() for p in self.hf.parameters())}}
 
-    @staticmethod
-    def _batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding with pad id 0
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p):] = 1
-        return ids, mask
+    def reset(self) -> None:  # generate keeps nothing between calls
+        return None
 
-    def prefill(self, ids: list[int]) -> PrefillTiming:
-        input_ids, mask = self._batch([list(ids)])
-        t0 = time.perf_counter()
-        out = self.model.generate(input_ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
-                                  pad_token_id=0)
-        seconds = time.perf_counter() - t0
-        return PrefillTiming(prompt_len=len(ids), seconds=seconds, first_token=int(out[0, input_ids.shape[1]]))
+    def stats(self) -> None:
+        return None
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeTiming:
-        input_ids, mask = self._batch(prompts)
-        clock = _StepClock()
-        t0 = time.perf_counter()
-        out = self.model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                  stopping_criteria=StoppingCriteriaList([clock]))
-        t_end = time.perf_counter()
-        produced = out.shape[1] - input_ids.shape[1]
-        if produced != new_tokens or len(clock.stamps) != new_tokens:
-            raise RuntimeError(f"transformers produced {produced} tokens in {len(clock.stamps)} steps, "
-                               f"expected {new_tokens}")
-        return DecodeTiming(
-            batch=len(prompts), prompt_len=input_ids.shape[1], new_tokens=new_tokens, total_seconds=t_end - t0,
-            prefill_seconds=clock.stamps[0] - t0, decode_seconds=clock.stamps[-1] - clock.stamps[0],
-            decode_tokens=len(prompts) * (new_tokens - 1), steps=new_tokens,
-            token_ids=out[:, input_ids.shape[1]:].tolist())
+    def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
+        start = time.perf_counter()
+        if self.batched:
+            return self._generate(requests, start, own_call=False)
+        return [rec for r in requests for rec in self._generate([r], start, own_call=True)]
+
+    def _generate(self, requests: Sequence[BenchRequest], sent: float, own_call: bool) -> list[RequestRecord]:
+        import torch
+        from transformers import StoppingCriteriaList
+
+        first = requests[0]
+        if any((r.max_tokens, r.temperature) != (first.max_tokens, first.temperature) for r in requests):
+            raise ValueError("a transformers batch needs one max_tokens and one temperature")
+        width = max(len(r.prompt) for r in requests)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(requests):  # left padding with pad id 0
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
+            mask[row, width - len(r.prompt):] = 1
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not first.greedy:
+            sampling = {"do_sample": True, "temperature": first.temperature, "top_k": 0, "top_p": 1.0}
+            if first.seed is not None:
+                torch.manual_seed(first.seed)
+        clock = _step_clock()
+        call = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf.generate(ids, attention_mask=mask, max_new_tokens=first.max_tokens, pad_token_id=0,
+                                   eos_token_id=None, stopping_criteria=StoppingCriteriaList([clock]), **sampling)
+        end = time.perf_counter()
+        return [RequestRecord(r.tag, len(r.prompt), row, sent, list(clock.stamps), end,
+                              call_start=call if own_call else None)
+                for r, row in zip(requests, out[:, width:].tolist(), strict=True)]
+
+
+def workload_kv_blocks(workload: Workload, block_size: int) -> int:
+    """KV blocks for every token of every request of the workload (its largest case)."""
+    return max(sum(-(-(n + case.output_len) // block_size) for lens in case.prompt_lens() for n in lens)
+               for case in workload.cases().values())
+
+
+def load_arm(name: str, model: str, workload: Workload, *, dtype: str, seed: int = 0,
+             engine_kwargs: dict[str, Any] | None = None) -> Arm:
+    """``dtype``: the run's ``--dtype``, used unless the name carries its own."""
+    from hyprefix.config import EngineArgs
+
+    base, own = split_arm(name)
+    dtype = own or dtype
+    if base == "transformers":
+        return TransformersArm(name, model, dtype, batched=workload.hf_batched)
+    if base not in ("hyprefix", "hyprefix-nocache", COMPARE_ARM):
+        raise ValueError(f"unknown arm {name!r}")
+    kwargs = {**workload.engine_defaults(), **(engine_kwargs or {})}
+    if "kv_cache_memory_gb" not in kwargs and "num_kv_blocks" not in kwargs:
+        kwargs["num_kv_blocks"] = workload_kv_blocks(workload, kwargs.get("block_size", EngineArgs.block_size))
+    rounds = [(c, lens) for c in workload.cases().values() for lens in c.prompt_lens()]
+    arm = EngineArm(name, model, dtype=dtype, enable_prefix_caching=base != "hyprefix-nocache", seed=seed,
+                    max_num_seqs=max(64, *(len(lens) for _, lens in rounds)), **kwargs)
+    live = max(sum(n + c.output_len for n in lens) for c, lens in rounds)
+    if arm.llm.engine.max_pool_tokens < live:
+        log.warning("%s: the KV pool holds %d tokens, less than the %d one round needs at once: expect preemptions "
+                    "(raise --kv-cache-memory-gb)", name, arm.llm.engine.max_pool_tokens, live)
+    return arm
+
+
+def run_workload(arm: Arm, workload: Workload, case: str, repeat: int, max_rounds: int | None = None) -> WorkloadRun:
+    """Reset the arm's cache, then run the rounds of ``workload`` (the first ``max_rounds``)
+    and record them."""
+    arm.reset()
+    before = arm.stats()
+    meter, rss = CpuMeter(), RssPeak() if arm.in_process else None
+    meter.start()
+    if rss is not None:
+        rss.start()
+    previous: list[BenchRequest] = []
+    answers: list[list[int]] = []
+    records: list[RequestRecord] = []
+    round_seconds = []
+    for k in range(min(max_rounds or workload.num_rounds, workload.num_rounds)):
+        requests = workload.round_requests(k, previous, answers)
+        results = arm.run_round(requests)
+        for req, rec in zip(requests, results, strict=True):
+            rec.round = k
+            if len(rec.output_ids) != req.max_tokens:
+                raise RuntimeError(f"{arm.name} produced {len(rec.output_ids)} tokens for {req.tag}, not the "
+                                   f"{req.max_tokens} asked for (does it honour ignore_eos?)")
+        round_seconds.append(max(r.end for r in results) - min(r.sent for r in results))
+        records.extend(results)
+        previous, answers = requests, [r.output_ids if r.answer_ids is None else r.answer_ids for r in results]
+    other = meter.stop()["other_cores_avg"]
+    memory = rss.stop() if rss is not None else {}
+    after = arm.stats()
+    stats = None
+    if before is not None and after is not None:
+        stats = {k: after[k] - before[k] for k in COUNTERS if k in after and k in before}
+        stats.update({k: after[k] for k in GAUGES if k in after})
+        queries = stats.get("prefix_cache_queries", 0)
+        stats["prefix_cache_hit_rate"] = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
+        stats["cached_tokens_per_request_sum"] = sum(r.cached_tokens or 0 for r in records)
+        stats["cache_at_start"] = {k: before.get(k) for k in ("kv_blocks_cached", "mamba_checkpoints_used")}
+    return WorkloadRun(arm=arm.name, case=case, repeat=repeat, round_seconds=round_seconds, requests=records,
+                       stats=stats, other_cores_avg=other, **memory)
+
+
+def warm_up(arm: Arm, workload: Workload, case: str) -> None:
+    """A small copy of the case with other token ids: 4 output tokens, at most two rounds, and
+    transformers one request at a time only one request."""
+    small = replace(workload, seed=workload.seed + 7919, output_len=min(workload.output_len, 4))
+    if isinstance(arm, TransformersArm) and not arm.batched:
+        arm.run_round(small.round_requests(0)[:1])
+    else:
+        run_workload(arm, small, case, repeat=-1, max_rounds=2)
+
+
+def run_arms(arms: dict[str, Arm], workload: Workload, repeats: int, progress: Callable[[str], None] = lambda _: None,
+             ) -> tuple[dict[str, dict[str, list[WorkloadRun]]], dict[str, str]]:
+    """Warm every arm up on every case, then run the interleaved repeats. Returns the runs
+    (arm -> case -> repeats) and the arms skipped (transformers failing) with the reason."""
+    cases = workload.cases()
+    skipped: dict[str, str] = {}
+    for name in list(arms):
+        try:
+            for case_name, case in cases.items():
+                progress(f"warm-up {name} {case_name}")
+                warm_up(arms[name], case, case_name)
+        except Exception as exc:  # any failure of the reference library skips its arm
+            if split_arm(name)[0] != "transformers":
+                raise
+            log.warning("skipping the %s arm: warm-up failed: %s", name, exc)
+            skipped[name] = f"warm-up failed: {type(exc).__name__}: {exc}"
+            del arms[name]
+    runs: dict[str, dict[str, list[WorkloadRun]]] = {name: {c: [] for c in cases} for name in arms}
+    for repeat in range(repeats):
+        for case_name, case in cases.items():
+            for name, arm in arms.items():
+                progress(f"repeat {repeat + 1}/{repeats} {name} {case_name}")
+                runs[name][case_name].append(run_workload(arm, case.for_repeat(repeat), case_name, repeat))
+    return runs, skipped

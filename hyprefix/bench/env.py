@@ -1,14 +1,25 @@
-"""Facts about the machine and libraries a benchmark ran on, for its JSON record."""
+"""Facts about the machine a benchmark runs on: libraries, CPU use of other processes,
+memory, and the matmul peak in the run's dtype."""
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import os
 import platform
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+
+def require(module: str) -> Any:
+    """Import a library of the ``bench`` extra, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"hyprefix bench needs {module}, which is not installed: "
+                          "pip install 'hyprefix[bench]'") from exc
 
 
 def usable_cores() -> int:
@@ -25,16 +36,6 @@ def load_average() -> list[float] | None:
         return None
 
 
-def max_rss_gib() -> float | None:
-    """Peak resident memory of this process so far (all arms together), GiB."""
-    try:
-        import resource
-
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # ru_maxrss is KiB on Linux
-    except (ImportError, OSError):
-        return None
-
-
 def environment() -> dict[str, Any]:
     import torch
     import transformers
@@ -43,22 +44,11 @@ def environment() -> dict[str, Any]:
     from hyprefix.hardware import device_caps
 
     caps = device_caps("cpu")
-
-    return {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "hostname": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hyprefix": hyprefix.__version__,
-        "cpu_model": caps.name,
-        "cpu_kind": caps.kind(),
-        "device_caps": caps.to_dict(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "torch_num_threads": torch.get_num_threads(),
-        "load_average_at_start": load_average(),
-    }
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "hostname": platform.node(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "hyprefix": hyprefix.__version__, "cpu_model": caps.name, "cpu_kind": caps.kind(),
+            "device_caps": caps.to_dict(), "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+            "torch_num_threads": torch.get_num_threads(), "load_average_at_start": load_average()}
 
 
 def _busy_cpu_seconds() -> float | None:
@@ -109,36 +99,58 @@ def rss_bytes() -> int | None:
 
 
 class RssPeak:
-    """Peak resident memory of this process while it runs, sampled every ``interval``
-    seconds by a background thread (every arm lives in the one process, so the growth
-    over the start is what a run itself needed: KV caches, activations)."""
+    """Peak resident memory of this process during a run, sampled every ``interval`` seconds
+    by a thread (every arm lives in this process, so the growth over the start is what the
+    run itself needed: KV caches, activations)."""
 
     def __init__(self, interval: float = 0.02) -> None:
         self.interval = interval
-        self.start_bytes: int | None = None
-        self.peak_bytes: int | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._sample, name="rss-peak", daemon=True)
 
     def _sample(self) -> None:
-        while True:
-            now = rss_bytes()
-            if now is not None and (self.peak_bytes is None or now > self.peak_bytes):
-                self.peak_bytes = now
-            if self._stop.wait(self.interval):
-                return
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes() or 0)
 
     def start(self) -> None:
-        self.start_bytes = self.peak_bytes = rss_bytes()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, name="rss-peak", daemon=True)
+        self.start_bytes = self.peak = rss_bytes() or 0
         self._thread.start()
 
     def stop(self) -> dict[str, float | None]:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        gib = 2**30
-        if self.start_bytes is None or self.peak_bytes is None:
-            return {"rss_start_gib": None, "rss_peak_gib": None}
-        return {"rss_start_gib": round(self.start_bytes / gib, 3), "rss_peak_gib": round(self.peak_bytes / gib, 3)}
+        self._thread.join()
+        ok = self.start_bytes > 0
+        return {"rss_start_gib": round(self.start_bytes / 2**30, 3) if ok else None,
+                "rss_peak_gib": round(max(self.peak, rss_bytes() or 0) / 2**30, 3) if ok else None}
+
+
+def measure_matmul_peak(dtype: Any, m: int = 2048, k: int = 2048, n: int = 8192, runs: int = 6,
+                        warmup: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Best-of-``runs`` GFLOP/s of ``linear(x[m, k], w[n, k])`` (2·m·k·n FLOPs a call) through
+    ``torch.nn.functional.linear`` and, where the engine prepacks weights of ``dtype``
+    (``DeviceCaps.prepack``), the prepacked oneDNN linear: ``gflops`` is the best of them (a
+    practical ceiling for this CPU, threads and torch build), ``path`` the engine's path."""
+    import torch
+
+    from hyprefix.hardware import device_caps
+    from hyprefix.models.layers import pack_weight, packed_linear
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    paths = {"plain": lambda: torch.nn.functional.linear(x, w)}
+    if device_caps(x.device).prepack(dtype):
+        packed = pack_weight(w)
+        paths["prepacked"] = lambda: packed_linear(x, packed, None)
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            for _ in range(warmup):
+                fn()
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    by_path = {name: 2.0 * m * k * n / seconds / 1e9 for name, seconds in best.items()}
+    return {"dtype": str(dtype).replace("torch.", ""), "m": m, "k": k, "n": n, "runs": runs, "path": list(paths)[-1],
+            "gflops": max(by_path.values()), "gflops_by_path": by_path}

@@ -1,30 +1,12 @@
-"""Online driver: a workload sent to a running OpenAI-compatible server.
+"""Online driver: ``ServerArm`` sends a workload to a running OpenAI-compatible server.
 
-``ServerArm`` is one more workload arm (see ``offline.py``): each round's requests go
-to ``POST /v1/completions`` with the prompt as token ids, ``stream: true``,
-``max_tokens`` = the workload's output length and ``ignore_eos: true``, so every
-request produces exactly that many tokens, as in the offline arms. Arrivals:
-
-- all at once (the default), or at most ``max_concurrency`` in flight;
-- ``request_rate`` requests/s with Poisson arrivals (exponential gaps drawn from the
-  bench seed), optionally also capped by ``max_concurrency``.
-
-TTFT runs from sending a request to its first streamed token; inter-token latencies
-are the gaps between later chunks carrying tokens, spread evenly over the tokens of
-a chunk. The token count comes from ``token_ids`` in the chunks when the server
-returns them (``return_token_ids``, hyprefix and vLLM), else from the final
-``usage`` (``stream_options.include_usage``); multi-turn rounds need the ids
-(the next turn appends the previous answer), so they require a server that returns
-them (without ids, a record's ``output_ids`` is ``UNKNOWN_TOKEN`` repeated). Cached
-prompt tokens come from ``usage.prompt_tokens_details.cached_tokens``.
-
-Server-side counters (prefix cache queries/hits, prefill tokens computed/skipped)
-are read from ``/metrics`` before and after each run: any sample named
-``<prefix>:<counter>`` with or without ``_total`` counts, summed over label sets
-(``hyprefix:prefix_cache_hits_total``, ``vllm:prefix_cache_hits_total``); counters a
-server does not export are left out. The
-cache is reset before each run with ``POST /reset_prefix_cache`` when the server
-has it (hyprefix; vLLM in dev mode); ``info()["cache_reset"]`` says whether it did.
+Requests go to ``POST /v1/completions`` (token-id prompts, ``stream``, ``ignore_eos``) all at
+once, at most ``max_concurrency`` in flight, and/or Poisson arrivals at ``request_rate``.
+Prompt ids stay below ``--vocab-size`` or the ``--tokenizer``'s size (else 4096); before any
+work, a one-token completion with the highest id checks that the server takes it and whether
+it returns ``token_ids``: multi-turn needs the answers' ids, else (llama.cpp) the answer text
+re-tokenized by ``POST /tokenize``, else it stops. Counters come from ``/metrics``
+(``<prefix>:<counter>[_total]``); ``POST /reset_prefix_cache`` empties the cache where it exists.
 """
 
 from __future__ import annotations
@@ -38,32 +20,38 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hyprefix.bench.offline import COUNTERS, GAUGES, RequestRecord, _tpot
-from hyprefix.bench.workloads import BenchRequest
+from hyprefix.bench.arms import COUNTERS, GAUGES, SERVER_ARM, RequestRecord
+from hyprefix.bench.env import require
+from hyprefix.bench.workloads import DEFAULT_VOCAB, TOKEN_LOW, BenchRequest
 
+httpx = require("httpx")
 log = logging.getLogger("hyprefix.bench")
 
-SERVER_ARM = "server"
 UNKNOWN_TOKEN = -1
+
+
+def tokenizer_vocab_size(name: str) -> int:
+    """``len()`` of a tokenizer (a local directory or hub id), loaded with ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(name))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer {name!r}: {exc}") from exc
 
 
 class ServerArm:
     name = SERVER_ARM
-    in_process = False  # memory and CPU of the server are not this process's
+    in_process = False
 
-    def __init__(self, url: str, model: str | None = None, *, max_concurrency: int | None = None,
-                 request_rate: float | None = None, seed: int = 0, timeout: float = 3600.0) -> None:
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
-        if request_rate is not None and not request_rate > 0:
-            raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    def __init__(self, url: str, model: str | None = None, *, vocab_size: int | None = None,
+                 needs_answers: bool = False, max_concurrency: int | None = None, request_rate: float | None = None,
+                 seed: int = 0, timeout: float = 3600.0) -> None:
         self.url = url.rstrip("/")
-        self.max_concurrency, self.request_rate = max_concurrency, request_rate
-        self.timeout = timeout
-        self.seed = seed
+        self.max_concurrency, self.request_rate, self.timeout, self.seed = max_concurrency, request_rate, timeout, seed
+        self.vocab_size = vocab_size
         self._arrivals = random.Random(f"poisson/{seed}")
         self._client = httpx.Client(base_url=self.url, timeout=timeout)
         try:
@@ -78,61 +66,91 @@ class ServerArm:
             raise ValueError(f"the server at {self.url} lists no model")
         self.model = model or served[0]
         self.cache_reset = True
-        self.needs_token_ids = False  # set for workloads whose next round appends the answers
+        self.answers = self._probe(needs_answers)
+
+    def _probe(self, needs_answers: bool) -> str:
+        """One one-token completion, before any work: the highest prompt id must be in the
+        server's vocabulary; returns how answers become the next turn's token ids."""
+        high = self.vocab_size or DEFAULT_VOCAB
+        body = {"model": self.model, "prompt": [TOKEN_LOW, high - 1], "max_tokens": 1, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        try:
+            response = self._client.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise ValueError(f"{self.url}: a one-token completion failed: {exc}") from exc
+        detail = response.text[:300]
+        if response.status_code == 400 and any(w in detail.lower() for w in ("vocab", "token id", "invalid token")):
+            raise ValueError(f"{self.url} rejects prompt token id {high - 1} ({detail}). The driver draws prompt ids "
+                             f"from [{TOKEN_LOW}, {high}): pass --vocab-size N (the served model's vocabulary size) "
+                             "or --tokenizer NAME (its tokenizer) so that it uses only ids the model has")
+        if response.status_code != 200:
+            raise ValueError(f"{self.url} answered {response.status_code} to a one-token completion: {detail}")
+        if (response.json().get("choices") or [{}])[0].get("token_ids"):
+            return "token ids"
+        if not needs_answers:
+            return "not needed"
+        if isinstance(self._json("POST", "/tokenize", json={"content": "a"}).get("tokens"), list):
+            log.warning("%s returns no token ids: each answer's text is re-tokenized with its POST /tokenize, so the "
+                        "next turn may differ from the tokens the model produced", self.url)
+            return "answer text re-tokenized by POST /tokenize"
+        raise ValueError(f"this workload appends each answer's token ids to the next turn, but {self.url} returns no "
+                         "token ids (return_token_ids) and has no POST /tokenize to re-tokenize the answer text: it "
+                         "cannot run against this server (the other workloads can)")
 
     def close(self) -> None:
         self._client.close()
 
-    def info(self) -> dict:
-        version = None
+    def _try(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The response to a request, or None when it fails or answers an error."""
         try:
-            response = self._client.get("/version")
-            if response.status_code == 200:
-                version = response.json().get("version")
-        except (httpx.HTTPError, json.JSONDecodeError):
-            pass
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError:
+            return None
+        return response if response.status_code < 400 else None
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict:
+        try:
+            value = (self._try(method, path, **kwargs) or httpx.Response(200, json={})).json()
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    def info(self) -> dict:
+        version = self._json("GET", "/version").get("version")
         return {"engine": "server", "url": self.url, "served_model": self.model, "version": version,
                 "max_concurrency": self.max_concurrency, "request_rate": self.request_rate,
-                "cache_reset": self.cache_reset}
+                "vocab_size": self.vocab_size, "answers": self.answers, "cache_reset": self.cache_reset}
 
     def reset(self) -> None:
         """Before every run: the same Poisson arrivals, and an empty cache when the server
         can reset it (a warning once when it cannot: repeats then start warm)."""
         self._arrivals = random.Random(f"poisson/{self.seed}")
-        if not self.cache_reset:
-            return
-        try:
-            self.cache_reset = self._client.post("/reset_prefix_cache").status_code < 400
-        except httpx.HTTPError:
+        if self.cache_reset and self._try("POST", "/reset_prefix_cache") is None:
             self.cache_reset = False
-        if not self.cache_reset:
             log.warning("%s has no POST /reset_prefix_cache: every run after the first starts with a warm cache",
                         self.url)
 
     def stats(self) -> dict[str, Any] | None:
-        try:
-            response = self._client.get("/metrics")
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        return metrics_counters(response.text)
+        response = self._try("GET", "/metrics")
+        return None if response is None else metrics_counters(response.text)
 
     def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
-        return asyncio.run(self._run_round(requests))
+        records = asyncio.run(self._run_round(requests))
+        if self.answers.startswith("answer text"):  # after the timed part: the record's end is already set
+            for rec, text in records:
+                rec.answer_ids = [int(t) for t in self._client.post(
+                    "/tokenize", json={"content": text, "add_special": False}).json()["tokens"]]
+        return [rec for rec, _ in records]
 
-    async def _run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
+    async def _run_round(self, requests: Sequence[BenchRequest]) -> list[tuple[RequestRecord, str]]:
         start = time.perf_counter()
-        offsets, t = [], 0.0
-        for _ in requests:
-            offsets.append(t)
-            if self.request_rate is not None:
-                t += self._arrivals.expovariate(self.request_rate)
+        gaps = [self._arrivals.expovariate(self.request_rate) if self.request_rate else 0.0 for _ in requests[1:]]
+        offsets = list(itertools.accumulate(gaps, initial=0.0))
         limit = asyncio.Semaphore(self.max_concurrency or len(requests) or 1)
         limits = httpx.Limits(max_connections=self.max_concurrency or max(len(requests), 1))
         async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout, limits=limits) as client:
 
-            async def one(req: BenchRequest, offset: float) -> RequestRecord:
+            async def one(req: BenchRequest, offset: float) -> tuple[RequestRecord, str]:
                 delay = start + offset - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -145,65 +163,51 @@ class ServerArm:
         if failed:  # a run with failed requests measures something else: stop, after every stream ended
             tag, first = failed[0]
             raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed, e.g. {tag}: {first}") from first
-        return [r for r in results if isinstance(r, RequestRecord)]
+        return [r for r in results if not isinstance(r, BaseException)]
 
-    async def _send(self, client: httpx.AsyncClient, req: BenchRequest) -> RequestRecord:
-        body: dict[str, Any] = {
-            "model": self.model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
-            "temperature": req.temperature, "top_p": 1.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+    async def _send(self, client: Any, req: BenchRequest) -> tuple[RequestRecord, str]:
+        body: dict[str, Any] = {"model": self.model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
+                                "temperature": req.temperature, "top_p": 1.0, "stream": True, "ignore_eos": True,
+                                "stream_options": {"include_usage": True}, "return_token_ids": True}
         if req.seed is not None:
             body["seed"] = req.seed
-        t_send = time.perf_counter()
+        sent = time.perf_counter()
         stamps: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
         ids: list[int] = []
+        text: list[str] = []
         usage: dict[str, Any] = {}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:500]
                 raise RuntimeError(f"{self.url} answered {response.status_code}: {detail}")
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
+                payload = line[5:].strip() if line.startswith("data:") else ""
                 if payload == "[DONE]":
                     break
-                event = json.loads(payload)
+                event = json.loads(payload) if payload else {}
                 if "error" in event or event.get("object") == "error":
                     raise RuntimeError(f"{self.url} streamed an error: {event.get('error', event)}")
-                if event.get("usage"):
-                    usage = event["usage"]
+                usage = event.get("usage") or usage
                 for choice in event.get("choices", []):
-                    chunk_ids = choice.get("token_ids")
-                    if chunk_ids:
-                        ids.extend(chunk_ids)
-                        stamps.append((time.perf_counter(), len(chunk_ids)))
-                    elif choice.get("text"):
-                        stamps.append((time.perf_counter(), 1))
-        t_end = time.perf_counter()
-        if not ids and self.needs_token_ids:
-            raise RuntimeError(f"{self.url} does not return token ids (return_token_ids), which this workload "
-                               "needs to build its next round")
+                    text.append(choice.get("text") or "")
+                    if choice.get("token_ids") or choice.get("text"):
+                        ids.extend(choice.get("token_ids") or [])
+                        stamps.append((time.perf_counter(), len(choice.get("token_ids") or [1])))
+        end = time.perf_counter()
         n_out = len(ids) or int(usage.get("completion_tokens") or sum(n for _, n in stamps))
-        if n_out != req.max_tokens:
-            raise RuntimeError(f"{self.url} returned {n_out} tokens for {req.tag}, not the {req.max_tokens} asked "
-                               "for (does it honour ignore_eos?)")
-        first = stamps[0][0] if stamps else None
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return RequestRecord(tag=req.tag, round=-1, prompt_len=len(req.prompt),
-                             output_ids=ids or [UNKNOWN_TOKEN] * n_out,
-                             ttft=None if first is None else first - t_send, e2e=t_end - t_send,
-                             tpot=_tpot(first, stamps[-1][0] if stamps else None, n_out),
-                             cached_tokens=cached, itl=inter_token_latencies(stamps))
+        return RequestRecord(req.tag, len(req.prompt), ids or [UNKNOWN_TOKEN] * n_out, sent,
+                             chunk_token_times(stamps), end, cached_tokens=cached), "".join(text)
 
 
-def inter_token_latencies(stamps: Sequence[tuple[float, int]]) -> list[float]:
-    """Gaps between token-carrying chunks after the first, each spread evenly over the
-    tokens the later chunk brought."""
-    gaps = []
-    for (t0, _), (t1, n) in itertools.pairwise(stamps):
-        gaps.extend([(t1 - t0) / n] * n)
-    return gaps
+def chunk_token_times(stamps: Sequence[tuple[float, int]]) -> list[float]:
+    """When each token arrived: a chunk's tokens spread evenly over the gap since the
+    previous chunk (the first chunk's tokens arrive together)."""
+    times: list[float] = []
+    for i, (t, n) in enumerate(stamps):
+        last = stamps[i - 1][0] if i else t
+        times.extend(last + (t - last) * (j + 1) / n for j in range(n))
+    return times
 
 
 def metrics_counters(text: str) -> dict[str, float]:

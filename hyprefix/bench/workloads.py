@@ -1,45 +1,23 @@
-"""Request generators of the prefix-cache workloads (plain Python, no torch).
+"""Request generators of the workloads (plain Python, no torch).
 
-Every prompt is random token ids in ``[3, 4096)`` (the demo tokenizer has 4096 tokens and
-ids 0-2 are its special tokens) drawn from a ``random.Random`` seeded with the workload's
-name and ``seed``, so the same flags always give the same token ids, on every arm and on
-a second model (``--compare-model``). Every request produces exactly ``output_len`` tokens
-(``ignore_eos``), so the token counts, and therefore the hit rates, do not depend on what
-the model says.
-
-A workload is a sequence of *rounds*: the requests of one round are submitted together,
-and round ``k + 1`` starts when round ``k`` has finished. ``round_requests(k, previous,
-answers)`` builds round ``k`` from the previous round's requests and the output tokens the
-engine actually produced for them (only ``multi-turn`` uses them).
-
-``shared-prefix``
-    ``groups`` × ``num_requests`` requests, one round: the requests of a group share one
-    ``system_len``-token system prompt and each has its own ``suffix_len``-token user
-    suffix; greedy.
-``rl-burst``
-    ``num_prompts`` × ``num_samples`` requests, one round: each prompt (``prompt_len``
-    tokens) is submitted ``num_samples`` times as separate requests (not ``n > 1``), with
-    temperature 1 and a distinct seed per request so the samples differ.
-``multi-turn``
-    ``conversations`` × ``turns`` requests in ``turns`` rounds: turn 0 of a conversation is a
-    ``system_len``-token system prompt shared by every conversation plus a
-    ``message_len``-token user message; turn ``k`` is turn ``k - 1``'s prompt, its answer
-    (the engine's output tokens) and a new ``message_len``-token message; greedy.
-``random``
-    ``num_requests`` unrelated prompts in one round, lengths drawn uniformly from
-    ``prompt_len * (1 - range_ratio) .. prompt_len * (1 + range_ratio)``; greedy. Nothing
-    is shared: it shows what the cache costs when it cannot help (hit rate ~0).
+Prompts are random token ids in ``[3, vocab_size)`` (0-2: the demo tokenizer's specials;
+``vocab_size``: the model's, online ``--vocab-size`` / ``--tokenizer``, else 4096), seeded by the
+workload's name and ``seed``, so every arm gets the same ids. Every request produces exactly
+``output_len`` tokens (``ignore_eos``). A workload is one or more *cases* (throughput: prefill,
+decode@B), each a sequence of *rounds* submitted one after another; ``round_requests(k,
+previous, answers)`` builds round ``k`` (multi-turn appends each arm's answers).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 TOKEN_LOW = 3  # ids 0, 1, 2 are <|endoftext|>, <|im_start|>, <|im_end|> in the demo tokenizer
-TOKEN_HIGH = 4096  # exclusive: the demo tokenizer's vocabulary size
+DEFAULT_VOCAB = 4096  # the demo tokenizer's size: the range when nothing says otherwise
 
 
 @dataclass(frozen=True)
@@ -58,70 +36,65 @@ class BenchRequest:
         return self.temperature == 0
 
 
-def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n))
-
-
-def _positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Workload:
-    """Base of the workloads: seed, output length and the round interface."""
+    """Base of the workloads: seed, output length, token range and the round interface."""
 
     name: ClassVar[str] = ""
+    hf_batched: ClassVar[bool] = False  # transformers runs a round as one batch (else one request at a time)
+    greedy: ClassVar[bool] = True
     output_len: int = 32
     seed: int = 0
+    vocab_size: int = DEFAULT_VOCAB
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # every count (an int field but the seed) must be positive
+            value = getattr(self, f.name)
+            if f.type == "int" and f.name not in ("seed", "repeat") and (type(value) is not int or value < 1):
+                raise ValueError(f"{f.name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.vocab_size <= TOKEN_LOW:
+            raise ValueError(f"vocab-size must be > {TOKEN_LOW}, got {self.vocab_size!r}")
 
     @property
     def num_rounds(self) -> int:
         return 1
 
-    @property
-    def greedy(self) -> bool:
-        return True
-
     def _rng(self, purpose: str = "") -> random.Random:
         return random.Random(f"{self.name}/{self.seed}/{purpose}")
 
+    def _tokens(self, rng: random.Random, n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(TOKEN_LOW, self.vocab_size) for _ in range(n))
+
+    def cases(self) -> dict[str, Workload]:
+        """The separately measured parts of the workload, by name."""
+        return {self.name: self}
+
+    def for_repeat(self, repeat: int) -> Workload:
+        """The workload of one timed repeat (the same token ids in every repeat)."""
+        return self
+
+    def engine_defaults(self) -> dict:
+        """Engine arguments the workload needs unless the user sets them."""
+        return {}
+
     def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
                        answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
-        raise NotImplementedError
-
-    def num_requests_total(self) -> int:
         raise NotImplementedError
 
     def prompt_lens(self) -> list[list[int]]:
         """Prompt length of every request, per round (known in advance: outputs have a fixed length)."""
         raise NotImplementedError
 
-    def max_concurrency(self) -> int:
-        return max(len(r) for r in self.prompt_lens())
-
     def ideal_prefill_tokens(self) -> int | None:
-        """Prompt tokens to compute when every distinct prefix is computed exactly once
-        (None when the workload does not define it)."""
+        """Prompt tokens to compute when every distinct prefix is computed exactly once."""
         return None
-
-    def with_seed(self, seed: int) -> Workload:
-        return replace(self, seed=seed)
-
-    def params(self) -> dict:
-        """The workload's flags (its dataclass fields without the derived ones)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
     def describe(self) -> str:
         raise NotImplementedError
 
     def to_dict(self) -> dict:
-        return {"name": self.name, **self.params(), "num_rounds": self.num_rounds,
-                "num_requests_total": self.num_requests_total(), "greedy": self.greedy,
-                "token_range": [TOKEN_LOW, TOKEN_HIGH], "ignore_eos": True,
-                "ideal_prefill_tokens": self.ideal_prefill_tokens()}
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self)},
+                "token_range": [TOKEN_LOW, self.vocab_size], "ignore_eos": True}
 
 
 @dataclass(frozen=True)
@@ -137,9 +110,6 @@ class OneRoundWorkload(Workload):
             raise IndexError(f"{self.name} has one round, asked for round {index}")
         return self.requests()
 
-    def num_requests_total(self) -> int:
-        return len(self.requests())
-
     def prompt_lens(self) -> list[list[int]]:
         return [[len(r.prompt) for r in self.requests()]]
 
@@ -153,18 +123,11 @@ class SharedPrefixWorkload(OneRoundWorkload):
     groups: int = 4
     output_len: int = 16
 
-    def __post_init__(self) -> None:
-        _positive(self, "num_requests", "system_len", "suffix_len", "groups", "output_len")
-
     def requests(self) -> list[BenchRequest]:
         rng = self._rng()
-        systems = [_tokens(rng, self.system_len) for _ in range(self.groups)]
-        out = []
-        for g, system in enumerate(systems):
-            for r in range(self.num_requests):
-                out.append(BenchRequest(system + _tokens(rng, self.suffix_len), self.output_len, group=g,
-                                        tag=f"g{g}/r{r}"))
-        return out
+        systems = [self._tokens(rng, self.system_len) for _ in range(self.groups)]
+        return [BenchRequest(system + self._tokens(rng, self.suffix_len), self.output_len, group=g, tag=f"g{g}/r{r}")
+                for g, system in enumerate(systems) for r in range(self.num_requests)]
 
     def ideal_prefill_tokens(self) -> int:
         return self.groups * (self.system_len + self.num_requests * self.suffix_len)
@@ -178,23 +141,20 @@ class SharedPrefixWorkload(OneRoundWorkload):
 @dataclass(frozen=True)
 class RlBurstWorkload(OneRoundWorkload):
     name: ClassVar[str] = "rl-burst"
+    greedy: ClassVar[bool] = False
     num_prompts: int = 1
     num_samples: int = 8
     prompt_len: int = 512
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive(self, "num_prompts", "num_samples", "prompt_len", "output_len")
+        super().__post_init__()
         if not self.temperature > 0:
             raise ValueError(f"rl-burst samples need a temperature > 0, got {self.temperature!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return False
-
     def requests(self) -> list[BenchRequest]:
         rng = self._rng()
-        prompts = [_tokens(rng, self.prompt_len) for _ in range(self.num_prompts)]
+        prompts = [self._tokens(rng, self.prompt_len) for _ in range(self.num_prompts)]
         seeds = self._rng("sampling-seeds")
         return [BenchRequest(prompt, self.output_len, temperature=self.temperature, seed=seeds.randrange(2**31),
                              group=p, tag=f"p{p}/s{s}")
@@ -216,33 +176,31 @@ class MultiTurnWorkload(Workload):
     turns: int = 6
     system_len: int = 256
     message_len: int = 64
-    _messages: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False, compare=False)
-    _system: tuple[int, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _positive(self, "conversations", "turns", "system_len", "message_len", "output_len")
-        rng = self._rng()
-        object.__setattr__(self, "_system", _tokens(rng, self.system_len))
-        object.__setattr__(self, "_messages", tuple(
-            tuple(_tokens(rng, self.message_len) for _ in range(self.turns)) for _ in range(self.conversations)))
 
     @property
     def num_rounds(self) -> int:
         return self.turns
 
+    @functools.cached_property
+    def _texts(self) -> tuple[tuple[int, ...], list[list[tuple[int, ...]]]]:
+        rng = self._rng()
+        system = self._tokens(rng, self.system_len)
+        return system, [[self._tokens(rng, self.message_len) for _ in range(self.turns)]
+                        for _ in range(self.conversations)]
+
     def message(self, conversation: int, turn: int) -> tuple[int, ...]:
-        return self._messages[conversation][turn]
+        return self._texts[1][conversation][turn]
 
     @property
     def system_prompt(self) -> tuple[int, ...]:
-        return self._system
+        return self._texts[0]
 
     def round_requests(self, index: int, previous: Sequence[BenchRequest] = (),
                        answers: Sequence[Sequence[int]] = ()) -> list[BenchRequest]:
         if not 0 <= index < self.turns:
             raise IndexError(f"{self.name} has {self.turns} turns, asked for turn {index}")
         if index == 0:
-            prompts = [self._system + self.message(c, 0) for c in range(self.conversations)]
+            prompts = [self.system_prompt + self.message(c, 0) for c in range(self.conversations)]
         else:
             if len(previous) != self.conversations or len(answers) != self.conversations:
                 raise ValueError(f"turn {index} needs the {self.conversations} previous requests and answers, "
@@ -250,9 +208,6 @@ class MultiTurnWorkload(Workload):
             prompts = [prev.prompt + tuple(int(t) for t in answer) + self.message(c, index)
                        for c, (prev, answer) in enumerate(zip(previous, answers, strict=True))]
         return [BenchRequest(p, self.output_len, group=c, tag=f"c{c}/t{index}") for c, p in enumerate(prompts)]
-
-    def num_requests_total(self) -> int:
-        return self.conversations * self.turns
 
     def prompt_lens(self) -> list[list[int]]:
         first = self.system_len + self.message_len
@@ -273,7 +228,7 @@ class RandomWorkload(OneRoundWorkload):
     range_ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive(self, "num_requests", "prompt_len", "output_len")
+        super().__post_init__()
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"range-ratio must be in [0, 1), got {self.range_ratio!r}")
 
@@ -285,7 +240,7 @@ class RandomWorkload(OneRoundWorkload):
 
     def requests(self) -> list[BenchRequest]:
         rng = self._rng()
-        return [BenchRequest(_tokens(rng, n), self.output_len, group=i, tag=f"r{i}")
+        return [BenchRequest(self._tokens(rng, n), self.output_len, group=i, tag=f"r{i}")
                 for i, n in enumerate(self._lens())]
 
     def ideal_prefill_tokens(self) -> int:
@@ -296,5 +251,59 @@ class RandomWorkload(OneRoundWorkload):
                 f"{100 * self.range_ratio:g}% (uniform), submitted together; {self.output_len} output tokens, greedy")
 
 
-WORKLOAD_CLASSES: dict[str, type[Workload]] = {
-    cls.name: cls for cls in (SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload, RandomWorkload)}
+@dataclass(frozen=True)
+class ThroughputCase(RandomWorkload):
+    """A throughput case: ``num_requests`` prompts of ``prompt_len`` tokens, fresh every repeat."""
+
+    name: ClassVar[str] = "throughput"
+    hf_batched: ClassVar[bool] = True
+    range_ratio: float = 0.0
+    repeat: int = 0
+
+    def for_repeat(self, repeat: int) -> Workload:
+        return replace(self, repeat=repeat)
+
+    def _rng(self, purpose: str = "") -> random.Random:
+        return super()._rng(f"{self.repeat}/{self.num_requests}/{self.output_len}/{purpose}")
+
+
+@dataclass(frozen=True)
+class ThroughputWorkload(Workload):
+    name: ClassVar[str] = "throughput"
+    prompt_len: int = 1024
+    decode_prompt_len: int = 128
+    decode_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1, 16)
+    output_len: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decode_tokens < 2 or not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"decode-tokens must be >= 2 (the first token comes from the prefill) and batch sizes "
+                             f">= 1, got {self.decode_tokens} and {list(self.batch_sizes)}")
+
+    def cases(self) -> dict[str, Workload]:
+        common = {"seed": self.seed, "vocab_size": self.vocab_size}
+        out: dict[str, Workload] = {"prefill": ThroughputCase(num_requests=1, prompt_len=self.prompt_len,
+                                                              output_len=1, **common)}
+        for b in self.batch_sizes:
+            out[f"decode@{b}"] = ThroughputCase(num_requests=b, prompt_len=self.decode_prompt_len,
+                                                output_len=self.decode_tokens, **common)
+        return out
+
+    def prompt_lens(self) -> list[list[int]]:
+        return [lens for case in self.cases().values() for lens in case.prompt_lens()]
+
+    def engine_defaults(self) -> dict:
+        # One step holds the whole prefill prompt, or every prompt of a decode batch.
+        return {"max_num_batched_tokens": max(2048, *(sum(lens) for lens in self.prompt_lens()))}
+
+    def describe(self) -> str:
+        return (f"prefill of one {self.prompt_len}-token prompt (one new token); decode of "
+                f"{self.decode_tokens} tokens at batch {', '.join(map(str, self.batch_sizes))} after "
+                f"{self.decode_prompt_len}-token prompts; greedy, fresh prompts every repeat")
+
+
+
+WORKLOAD_CLASSES: dict[str, type[Workload]] = {cls.name: cls for cls in (
+    ThroughputWorkload, SharedPrefixWorkload, RlBurstWorkload, MultiTurnWorkload, RandomWorkload)}

@@ -2,7 +2,8 @@
 
 Everything here is original text written for hyprefix: hand-written paragraphs plus
 seeded template expansions (prose, dialogues, code, logs, config files). The output is
-deterministic. Run: ``python hyprefix/assets/make_corpus.py``.
+deterministic. Run: ``python tools/make_corpus.py`` (it writes
+``hyprefix/assets/corpus.txt``).
 """
 
 from __future__ import annotations
@@ -805,7 +806,7 @@ def build(target: int = TARGET_BYTES, seed: int = SEED) -> str:
 
 
 def main() -> None:
-    out = Path(__file__).with_name("corpus.txt")
+    out = Path(__file__).resolve().parents[1] / "hyprefix" / "assets" / "corpus.txt"
     out.write_text(build(), encoding="utf-8")
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 

@@ -1,0 +1,191 @@
+"""One summary schema for every workload (``arms[arm][case]``), the ratios between arms and
+their output agreement.
+
+Per arm and case: run times (median, min-max over repeats) and rates, decode tokens/s,
+latency percentiles over every request of every repeat, the engine's counters and prefill
+tokens computed vs the ideal. Ratios are measured values only (the issues' targets live in
+the source tree's ``tools/``). Outputs must agree exactly between hyprefix with and without
+the cache; transformers is compared on greedy requests. Prefill FLOPs from
+``Engine.model_facts``: ``2·P·L`` (every linear layer but the LM head) + ``2·V·H`` (the LM
+head, last token) + ``4·layers·L²/2·width`` (causal attention); the Mamba scan is left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from hyprefix.bench.arms import COMPARE_ARM, WorkloadRun, split_arm
+from hyprefix.bench.workloads import Workload
+
+DISTURBED_CORES = 0.25  # a timed run is "disturbed" when other processes used more cores meanwhile
+# (numerator arm, denominator arm): time_num / time_den is how many times faster the denominator arm is.
+RATIO_PAIRS = (("hyprefix-nocache", "hyprefix"), ("transformers", "hyprefix"), ("transformers", "hyprefix-nocache"))
+AGREEMENT_PAIRS = (("hyprefix", "hyprefix-nocache"), ("hyprefix", "transformers"), ("hyprefix-nocache", "transformers"))
+Runs = dict[str, dict[str, list[WorkloadRun]]]  # arm -> case -> repeats
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between order statistics (numpy's default)."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    vals = [v for v in values if v is not None]
+    return {"count": len(vals), "p50": percentile(vals, 50), "p90": percentile(vals, 90),
+            "p99": percentile(vals, 99), "mean": statistics.fmean(vals) if vals else None,
+            "min": min(vals, default=None), "max": max(vals, default=None)}
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any] | None:
+    vals = [v for v in values if v is not None]
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)} if vals else None
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def prefill_flops(facts: Any, prompt_len: int) -> dict[str, float]:
+    """FLOPs of one prefill of ``prompt_len`` tokens that samples one token (``facts``: ``ModelFacts``)."""
+    linear = 2.0 * facts.matmul_params * prompt_len
+    lm_head = 2.0 * facts.lm_head_params
+    attention = 4.0 * facts.attention_layers * (prompt_len**2 / 2) * facts.attention_width
+    return {"linear": linear, "lm_head": lm_head, "attention": attention, "total": linear + lm_head + attention}
+
+
+def summarise_case(runs: Sequence[WorkloadRun], case: Workload) -> dict[str, Any]:
+    if not runs:
+        raise ValueError("no runs to summarise")
+    records = [rec for r in runs for rec in r.requests]
+    first = runs[0]
+    prompt_tokens = sum(rec.prompt_len for rec in first.requests)
+    times = [r.seconds for r in runs]
+    summary: dict[str, Any] = {
+        "requests": len(first.requests), "prompt_tokens": prompt_tokens, "output_tokens": first.output_tokens,
+        "repeats": len(runs), "total_seconds": {**spread(times), "all": times},
+        **{key: spread([n / t for t in times]) for key, n in (
+            ("requests_per_s", len(first.requests)), ("prompt_tokens_per_s", prompt_tokens),
+            ("output_tokens_per_s", first.output_tokens))},
+        "decode_tokens_per_s": spread([r.decode_tokens_per_s() for r in runs]),
+        "ttft_seconds": distribution([rec.ttft for rec in records]),
+        "tpot_seconds": distribution([rec.tpot for rec in records]),
+        "e2e_seconds": distribution([rec.end - rec.sent for rec in records]),
+        "itl_seconds": distribution([b - a for rec in records for a, b in itertools.pairwise(rec.token_times)]),
+        "other_cores_avg": [r.other_cores_avg for r in runs],
+        "peak_rss_growth_gib": max((r.rss_peak_gib - r.rss_start_gib for r in runs
+                                    if r.rss_peak_gib is not None and r.rss_start_gib is not None), default=None),
+        "ideal_prefill_tokens": case.ideal_prefill_tokens(),
+    }
+    if any(rec.ttft_own is not None for rec in records):
+        summary["ttft_own_call_seconds"] = distribution([rec.ttft_own for rec in records])
+    if case.num_rounds > 1:
+        summary["ttft_p50_by_round"] = [percentile([rec.ttft for rec in records if rec.round == k
+                                                    and rec.ttft is not None], 50) for k in range(case.num_rounds)]
+    stats = runs[-1].stats
+    if stats is not None:
+        summary["stats"] = stats
+        summary["stats_identical_across_repeats"] = all(
+            r.stats is not None and all(r.stats.get(k) == v for k, v in stats.items() if k != "cache_at_start")
+            for r in runs)
+        summary["computed_vs_ideal"] = ratio(stats.get("prefill_computed_tokens"), case.ideal_prefill_tokens())
+    return summary
+
+
+def _throughput_ratios(arms: dict[str, dict[str, Any]], workload: Any) -> list[dict[str, Any]]:
+    def rate(arm: str, case: str) -> float | None:
+        key = "prompt_tokens_per_s" if case == "prefill" else "decode_tokens_per_s"
+        s = arms.get(arm, {}).get(case, {}).get(key)
+        return s["median"] if s else None
+
+    pairs = [("prefill hyprefix / transformers", ("hyprefix", "prefill"), ("transformers", "prefill"))]
+    for b in workload.batch_sizes:
+        pairs.append((f"decode hyprefix B={b} / transformers B={b}", ("hyprefix", f"decode@{b}"),
+                      ("transformers", f"decode@{b}")))
+        if b != 1 and 1 in workload.batch_sizes:
+            pairs.append((f"decode hyprefix B={b} / transformers B=1", ("hyprefix", f"decode@{b}"),
+                          ("transformers", "decode@1")))
+    explicit = [a for a in arms if split_arm(a)[0] == "hyprefix" and split_arm(a)[1] is not None]
+    if explicit:
+        fastest = max(explicit, key=lambda a: rate(a, "prefill") or 0.0)
+        pairs.append(("prefill hyprefix / fastest explicit dtype", ("hyprefix", "prefill"), (fastest, "prefill")))
+    return [{"name": name, "value": ratio(rate(*num), rate(*den)), "numerator": " ".join(num),
+             "denominator": " ".join(den)} for name, num, den in pairs if rate(*num) and rate(*den)]
+
+
+def _request_ratios(arms: dict[str, dict[str, Any]], case: str) -> list[dict[str, Any]]:
+    s = {name: cases[case] for name, cases in arms.items()}
+    out = []
+    for num, den in RATIO_PAIRS:
+        if num in s and den in s:
+            out.append({"name": f"time {num} / {den}", "value": ratio(s[num]["total_seconds"]["median"],
+                                                                       s[den]["total_seconds"]["median"])})
+            out += [{"name": f"TTFT {q} {num} / {den}",
+                     "value": ratio(s[num]["ttft_seconds"][q], s[den]["ttft_seconds"][q])} for q in ("p50", "p90")]
+    for name in ("hyprefix", COMPARE_ARM):
+        if s.get(name, {}).get("computed_vs_ideal") is not None:
+            out.append({"name": f"prefill computed / ideal ({name})", "value": s[name]["computed_vs_ideal"]})
+    if "stats" in s.get("hyprefix", {}) and "stats" in s.get(COMPARE_ARM, {}):
+        out.append({"name": "prefix hit rate model / compare-model",
+                    "value": ratio(s["hyprefix"]["stats"]["prefix_cache_hit_rate"],
+                                   s[COMPARE_ARM]["stats"]["prefix_cache_hit_rate"])})
+    return out
+
+
+def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+
+
+def agreement(runs: Runs, cases: dict[str, Workload]) -> list[dict[str, Any]]:
+    out = []
+    for case_name, case in cases.items():
+        for a, b in AGREEMENT_PAIRS:
+            if a not in runs or b not in runs or ("transformers" in (a, b) and not case.greedy):
+                continue
+            xs, ys = ({f"{r.repeat}/{rec.tag}": rec.output_ids for r in runs[arm][case_name] for rec in r.requests}
+                      for arm in (a, b))
+            tags = [t for t in xs if t in ys]
+            diverged = {t: _common_prefix(xs[t], ys[t]) for t in tags if xs[t] != ys[t]}
+            out.append({"case": case_name, "arms": [a, b], "of": len(tags), "identical": len(tags) - len(diverged),
+                        "same_first_token": sum(xs[t][:1] == ys[t][:1] for t in tags), "first_difference_at": diverged})
+    return out
+
+
+def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: dict[str, str] | None = None,
+              facts: Any = None, peak: Any = None) -> dict[str, Any]:
+    """Per-arm, per-case summaries, ratios between arms, agreement and contention. ``models``
+    maps each arm to its model label; ``facts`` (``ModelFacts``) and ``peak`` (``measure_matmul_peak``)
+    give the throughput workload's prefill FLOP rate."""
+    cases = workload.cases()
+    arms = {name: {c: {**summarise_case(rs, cases[c]), "model": models.get(name)} for c, rs in by_case.items() if rs}
+            for name, by_case in runs.items()}
+    contention = [r.other_cores_avg for by_case in runs.values() for rs in by_case.values() for r in rs]
+    result: dict[str, Any] = {
+        "workload": workload.name, "workload_config": workload.to_dict(), "description": workload.describe(),
+        "cases": list(cases), "arms": arms, "arm_order": list(arms), "skipped_arms": skipped or {},
+        "ratios": (_throughput_ratios(arms, workload) if workload.name == "throughput"
+                   else _request_ratios(arms, workload.name)),
+        "output_agreement": agreement(runs, cases),
+        "disturbed_runs": {"count": sum(c is not None and c > DISTURBED_CORES for c in contention),
+                           "of": len(contention), "threshold_other_cores": DISTURBED_CORES},
+        "runs": {name: {c: [r.to_dict() for r in rs] for c, rs in by_case.items()} for name, by_case in runs.items()},
+    }
+    if facts is not None and "prefill" in cases:
+        flops = prefill_flops(facts, cases["prefill"].prompt_lens()[0][0])
+        gflops = {name: flops["total"] / by_case["prefill"]["total_seconds"]["median"] / 1e9
+                  for name, by_case in arms.items() if "prefill" in by_case}
+        result.update(prefill_flops=flops, prefill_peak={
+            name: {"prefill_gflops": g, "fraction_of_peak": g / peak["gflops"] if peak else None}
+            for name, g in gflops.items()})
+    return result
