@@ -373,6 +373,8 @@ def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
     assert peak["gflops"] == max(peak["gflops_by_path"].values())
     assert result["environment"]["device_caps"] == device_caps("cpu").to_dict()
     assert {a["dtype"] for a in result["arm_info"].values()} == {"float32"}
+    # decode@B compares with transformers generating the B rows as one batch
+    assert result["arm_info"]["transformers"]["batching"] == "each round as one batch"
     assert result["cases"] == ["prefill", "decode@1", "decode@2"]
     for arm in result["arms"].values():
         assert [(c, s["requests"], s["output_tokens"]) for c, s in arm.items()] == [

@@ -256,7 +256,6 @@ class ThroughputCase(RandomWorkload):
     """A throughput case: ``num_requests`` prompts of ``prompt_len`` tokens, fresh every repeat."""
 
     name: ClassVar[str] = "throughput"
-    hf_batched: ClassVar[bool] = True
     range_ratio: float = 0.0
     repeat: int = 0
 
@@ -270,6 +269,7 @@ class ThroughputCase(RandomWorkload):
 @dataclass(frozen=True)
 class ThroughputWorkload(Workload):
     name: ClassVar[str] = "throughput"
+    hf_batched: ClassVar[bool] = True  # decode@B compares with transformers generating B rows at once
     prompt_len: int = 1024
     decode_prompt_len: int = 128
     decode_tokens: int = 64
