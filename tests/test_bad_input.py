@@ -284,3 +284,21 @@ def test_add_requests_adds_all_or_none(llm):
     while engine.has_unfinished():
         engine.step()
     assert_untouched(llm)
+
+
+def test_model_paths_that_are_not_checkpoints_say_what_is_wrong(tmp_path):
+    from hyprefix.models.loader import HUB_FILES, resolve_model_dir
+
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_dir("./no/such/dir")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model_dir(str(empty))
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"is a file \(\.bin\)"):
+        resolve_model_dir(str(weights))
+    assert "*.jinja" in HUB_FILES  # transformers 5 keeps chat templates only in chat_template.jinja

@@ -25,6 +25,11 @@ class LoadedModel:
     weight_bytes: int
 
 
+# Every file a checkpoint's config, weights, tokenizer and chat template can live in
+# (transformers 5 keeps a chat template only in chat_template.jinja).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+
+
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """The local directory of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``),
     a directory, or a hub id (downloaded)."""
@@ -35,15 +40,19 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         return Path(demo)
     path = Path(model).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {model!r} has no config.json: it is not a Hugging Face checkpoint "
+                             "(a directory with config.json, *.safetensors and the tokenizer files)")
         return path
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"model path {model!r} is not a directory")
+    if path.exists():
+        raise ValueError(f"model path {model!r} is a file ({path.suffix or 'no extension'}); give the Hugging "
+                         "Face checkpoint directory that holds config.json and *.safetensors")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:  # a path, not a hub id "owner/name"
+        raise ValueError(f"model path {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(
-            model, revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]))
+        return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_FILES))
     except Exception as exc:  # network off, unknown id, gated repo ...
         raise ValueError(f"cannot find model {model!r} locally or on the hub: {exc}") from exc
 
