@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP) lint
+	$(BIN)/python tools/fetch_test_models.py
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -1,4 +1,6 @@
-"""Load an HF checkpoint (local directory, hub id or demo alias): config, safetensors weights, tokenizer."""
+"""Load a checkpoint: an HF directory (config, safetensors, tokenizer), a hub id, a demo
+alias, or a GGUF file (config, weights dequantized to the engine dtype, tokenizer and
+chat template all from the file, read by transformers' GGUF support)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from hyprefix.models.registry import model_class
 class LoadedModel:
     model: torch.nn.Module
     hf_config: object
-    path: Path
+    path: Path  # the checkpoint directory, or the GGUF file
     identity: str  # names the checkpoint and its weights (for cache hashing)
     dtype: torch.dtype
     max_position_embeddings: int
@@ -31,8 +33,9 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jin
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The local directory of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``),
-    a directory, or a hub id (downloaded)."""
+    """The local checkpoint of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``),
+    a directory, a GGUF file (or a directory whose only weights are one), or a hub id
+    (downloaded)."""
     from hyprefix.demo import resolve_demo_alias
 
     demo = resolve_demo_alias(model)
@@ -40,13 +43,21 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         return Path(demo)
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {model!r} has no config.json: it is not a Hugging Face checkpoint "
-                             "(a directory with config.json, *.safetensors and the tokenizer files)")
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ValueError(f"model directory {model!r} holds several GGUF files "
+                             f"({', '.join(g.name for g in ggufs)}): give the path of one")
+        raise ValueError(f"model directory {model!r} has no config.json: it is neither a Hugging Face checkpoint "
+                         "(config.json, *.safetensors and the tokenizer files) nor a directory holding a GGUF file")
+    if path.is_file() and path.suffix == ".gguf":
         return path
     if path.exists():
-        raise ValueError(f"model path {model!r} is a file ({path.suffix or 'no extension'}); give the Hugging "
-                         "Face checkpoint directory that holds config.json and *.safetensors")
+        raise ValueError(f"model path {model!r} is a file of an unknown kind ({path.suffix or 'no extension'}); "
+                         "give a GGUF file or a Hugging Face checkpoint directory (config.json, *.safetensors)")
     if model.startswith((".", "/", "~")) or model.count("/") > 1:  # a path, not a hub id "owner/name"
         raise ValueError(f"model path {model!r} does not exist")
     try:
@@ -81,26 +92,53 @@ def checkpoint_identity(path: Path) -> str:
     """A digest of the config and the weight files' names, sizes and mtimes: a
     different checkpoint or weight version gets a different identity."""
     h = hashlib.sha256()
-    h.update((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
+    if path.suffix == ".gguf":  # the file holds config and weights
+        files = [path]
+    else:
+        h.update((path / "config.json").read_bytes())
+        files = sorted(path.glob("*.safetensors"))
+    for file in files:
         st = file.stat()
         h.update(f"{file.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:32]
 
 
-def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
-               revision: str | None = None) -> LoadedModel:
+def load_config(path: Path):
     from transformers import AutoConfig
 
+    if path.suffix != ".gguf":
+        return AutoConfig.from_pretrained(str(path))
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:  # e.g. "GGUF model with architecture X is not supported yet."
+        raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
+
+
+def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under transformers' names, dequantized to float32."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only names the tensors (GGUF names -> transformers names)
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    try:
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)["tensors"]
+    except NotImplementedError as exc:  # a quantization type gguf cannot dequantize
+        raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
+    yield from tensors.items()
+
+
+def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
+               revision: str | None = None) -> LoadedModel:
     path = resolve_model_dir(model, revision)
-    hf_config = AutoConfig.from_pretrained(str(path))
+    hf_config = load_config(path)
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, checkpoint_dtype(hf_config), device)
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
     net.materialize(device)
-    net.load_weights(iter_safetensors(path))
+    net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
     net.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     net.pack_weights()
@@ -108,6 +146,10 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """From a checkpoint directory, a tokenizer name, or a GGUF file's metadata."""
     from transformers import AutoTokenizer
 
+    path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))

@@ -17,7 +17,14 @@ MODEL_CLASSES: dict[str, type] = {
 
 
 def model_class(hf_config) -> type:
+    """The class for the config's ``architectures``; a config without them (one read
+    from a GGUF file) goes by its ``model_type``, as transformers' auto classes do."""
     archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None) or "")
+        archs = [name] if name else []
     for arch in archs:
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch]
