@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from test_server import launch_server
 
 from hyprefix.bench.online import chunk_token_times, metrics_counters
@@ -125,10 +125,11 @@ def test_random_workload_at_a_request_rate(server, tmp_path: Path):
 
 
 # ------------------------------------------------------------------ fake servers
-def _app(vocab: int, token_ids: bool, tokenize: bool, seen: list[dict]) -> FastAPI:
+def _app(vocab: int, token_ids: bool, tokenize: bool, seen: list[dict], metrics: str | None = None) -> FastAPI:
     """An OpenAI-like completions server over ``vocab`` token ids; answer token t reads " wt".
     Without ``token_ids`` it ignores return_token_ids, and it has no /reset_prefix_cache or
-    /metrics (llama.cpp's shape); ``tokenize`` adds llama.cpp's POST /tokenize."""
+    /metrics (llama.cpp's shape); ``tokenize`` adds llama.cpp's POST /tokenize, ``metrics`` a
+    /metrics page with that text."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -157,6 +158,11 @@ def _app(vocab: int, token_ids: bool, tokenize: bool, seen: list[dict]) -> FastA
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    if metrics is not None:
+        @app.get("/metrics")
+        async def metrics_page() -> PlainTextResponse:
+            return PlainTextResponse(metrics)
+
     if tokenize:
         @app.post("/tokenize")
         async def tokenize_text(request: Request) -> dict:
@@ -166,13 +172,14 @@ def _app(vocab: int, token_ids: bool, tokenize: bool, seen: list[dict]) -> FastA
 
 
 @contextlib.contextmanager
-def fake_server(vocab: int = 4096, token_ids: bool = True, tokenize: bool = False) -> Iterator[tuple[str, list]]:
+def fake_server(vocab: int = 4096, token_ids: bool = True, tokenize: bool = False,
+                metrics: str | None = None) -> Iterator[tuple[str, list]]:
     seen: list[dict] = []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_app(vocab, token_ids, tokenize, seen), host="127.0.0.1", port=port,
-                                           log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(_app(vocab, token_ids, tokenize, seen, metrics), host="127.0.0.1",
+                                           port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -249,3 +256,16 @@ def test_multi_turn_refuses_a_server_without_token_ids_or_tokenize(capsys):
     err = capsys.readouterr().err
     assert "returns no token ids (return_token_ids) and has no POST /tokenize" in err
     assert "cannot run against this server" in err
+
+
+def test_a_server_without_prefix_cache_counters_has_no_hit_rate(tmp_path: Path, capsys):
+    """/metrics that exports none of the prefix-cache counters (llama.cpp --metrics): the
+    hit rate is unknown, not 0 %."""
+    page = "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 10\n"
+    out = tmp_path / "online.json"
+    with fake_server(metrics=page) as (url, _):
+        assert main([*RANDOM, "--url", url, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "0.0 %" not in printed
+    stats = json.loads(out.read_text())["arms"]["server"]["random"]["stats"]
+    assert stats["prefix_cache_hit_rate"] is None

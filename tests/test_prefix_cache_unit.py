@@ -851,3 +851,17 @@ def test_random_traffic_reads_back_exactly_its_own_tokens(seed):
     for rid in common:
         assert got[rid] == want[rid], rid
     assert s.prefix_cache_hits > 0 and ref.prefix_cache_hits == 0
+
+
+def test_full_hit_with_one_token_blocks_reads_the_last_token_in_place():
+    """Block size 1: an identical prompt takes every cached block, computes only its
+    last token and writes nothing (as with bigger blocks)."""
+    s = make_scheduler(num_blocks=8, block_size=1, budget=16, max_seqs=4)
+    a = req("a", [1, 2, 3], max_tokens=1)
+    s.add_request(a)
+    run_to_end(s)
+    b = req("b", [1, 2, 3], max_tokens=1)
+    s.add_request(b)
+    q = seq_of(step(s), "b")
+    assert (q.start_pos, q.num_tokens, q.block_table, q.write_kv) == (2, 1, [0, 1, 2], False)
+    assert b.num_cached_tokens == 2

@@ -336,8 +336,9 @@ def run_workload(arm: Arm, workload: Workload, case: str, repeat: int, max_round
     if before is not None and after is not None:
         stats = {k: after[k] - before[k] for k in COUNTERS if k in after and k in before}
         stats.update({k: after[k] for k in GAUGES if k in after})
-        queries = stats.get("prefix_cache_queries", 0)
-        stats["prefix_cache_hit_rate"] = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
+        queries = stats.get("prefix_cache_queries")  # None: a server that exports no such counter
+        hits = stats.get("prefix_cache_hits", 0)
+        stats["prefix_cache_hit_rate"] = None if queries is None else hits / max(1, queries)
         stats["cached_tokens_per_request_sum"] = sum(r.cached_tokens or 0 for r in records)
         stats["cache_at_start"] = {k: before.get(k) for k in ("kv_blocks_cached", "mamba_checkpoints_used")}
     return WorkloadRun(arm=arm.name, case=case, repeat=repeat, round_seconds=round_seconds, requests=records,

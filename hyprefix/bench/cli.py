@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from hyprefix.bench.env import require
 from hyprefix.config import DTYPES
 
 log = logging.getLogger("hyprefix.bench")
@@ -154,6 +155,8 @@ def build_workload(ns: argparse.Namespace) -> Any:
     _refuse(f"--workload {ns.workload} does not take", ns, list(others))
     if ns.workload == "throughput":
         _refuse("--workload throughput does not take", ns, ("compare_model", *ONLINE_FLAGS))
+    if ns.plot:
+        require("matplotlib")  # say so now, not after the whole run
     if ns.url:
         _refuse("--url benchmarks the server's own configuration; it does not take", ns, ENGINE_FLAGS)
     else:

@@ -76,7 +76,8 @@ def _request_rows(result: dict[str, Any], names: list[str]) -> list[list[str]]:
         ["TPOT p50 / p90 (ms)", *per_arm(dist("tpot_seconds", ("p50", "p90"), 1000.0, 1))],
         ["ITL p50 / p90 / p99 (ms)", *per_arm(dist("itl_seconds", ("p50", "p90", "p99"), 1000.0, 1))],
         ["prefix hit rate", *per_arm(
-            lambda a: f"{100 * a['stats']['prefix_cache_hit_rate']:.1f} %" if a.get("stats") else "-")],
+            lambda a: f"{100 * a['stats']['prefix_cache_hit_rate']:.1f} %"
+            if a.get("stats") and a["stats"]["prefix_cache_hit_rate"] is not None else "-")],
         ["prefill tokens computed / skipped", *per_arm(
             lambda a: f"{stat('prefill_computed_tokens')(a)} / {stat('prefill_skipped_tokens')(a)}")],
         ["memory: weights + pools (GiB)", *[memory(n) for n in names]],

@@ -64,7 +64,8 @@ class CacheKind:
     wants_branch_points = False  # asks to checkpoint where waiting requests will branch off
 
     def longest_hit(self, request: Request, limit: int) -> int:
-        """The longest prefix of at most ``limit`` tokens this kind can resume from."""
+        """The longest prefix of at most ``limit`` tokens this kind can resume from: a
+        block boundary, or the prompt's last token when ``limit`` is (a full hit)."""
         return limit
 
     def admit(self, request: Request, hit: PrefixHit) -> StateOp | None:
@@ -138,7 +139,9 @@ class CacheCoordinator:
             if shortest == tokens:
                 break
             tokens = shortest
-        blocks = kv_blocks[: -(-tokens // bs)]
+        # A full hit keeps the block holding the last token: its K/V is read there, not rewritten.
+        covered = tokens + 1 if tokens == request.num_tokens - 1 and tokens < len(kv_blocks) * bs else tokens
+        blocks = kv_blocks[: -(-covered // bs)]
         return PrefixHit(blocks, tokens, len(kv_blocks), dense, tokens >= len(blocks) * bs)
 
     def admit(self, request: Request, hit: PrefixHit, num_tokens: int) -> list[StateOp] | None:
