@@ -17,6 +17,7 @@ from hyprefix.cache.state_pool import StatePool
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
 from hyprefix.errors import RequestError
+from hyprefix.models.llama import Attention
 from hyprefix.models.loader import load_model, load_tokenizer
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyprefix.request import Request
@@ -127,7 +128,7 @@ class Engine:
         model = self.runner.model
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         head = getattr(model, "lm_head", None)
-        attention = [m for m in model.modules() if hasattr(m, "q_size") and hasattr(m, "o_proj")]
+        attention = [m for m in model.modules() if isinstance(m, Attention)]
         return ModelFacts(
             dtype=str(self.dtype).replace("torch.", ""),
             vocab_size=self.vocab_size,

@@ -173,10 +173,10 @@ class CacheCoordinator:
         return grown
 
     def plan_step(self, request: Request, start: int, n: int) -> StepCache:
-        self.kv.update_hashes(request)
         slot, taps = -1, ()
         for kind in self.kinds:
-            if kind.has_live_state:
+            if kind.has_live_state:  # its taps are keyed by the hashes of blocks this step may complete
+                self.kv.update_hashes(request)
                 slot, taps = kind.plan_step(request, start, n)
         return StepCache(list(self.kv.block_table(request.request_id)), slot, taps)
 
