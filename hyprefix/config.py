@@ -31,6 +31,12 @@ class EngineArgs:
     max_kv_blocks: int = 1 << 16
     mamba_cache_memory_gb: float = 1.0
     max_mamba_checkpoints: int = 4096
+    # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
+    # their own holding this many tokens per token of the full-attention pool; a
+    # running request gives back the blocks that left its window. With
+    # disable_hybrid_swa_memory they share the main pool and keep every block.
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     seed: int = 0
     enforce_eager: bool = False
     # Decode attention reads a shared prefix once for its group when that saves at least
@@ -60,6 +66,8 @@ class EngineArgs:
         for name in ("kv_cache_memory_gb", "mamba_cache_memory_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.swa_full_tokens_ratio > 0:
+            raise ValueError(f"swa_full_tokens_ratio must be > 0, got {self.swa_full_tokens_ratio!r}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0 when num_kv_blocks is not given")
 

@@ -4,6 +4,7 @@ and turns per-sequence progress into ``RequestOutput`` objects."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
+from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
@@ -45,6 +47,14 @@ class ModelFacts:
     attention_width: int  # query heads x head dim of one attention layer (0 without attention)
     kv_bytes_per_token: int  # K + V of every attention layer
     state_bytes_per_sequence: int  # recurrent state of every Mamba layer (0 for dense models)
+
+
+@dataclass(frozen=True)
+class _PoolSizes:
+    num_blocks: int  # main pool
+    num_window_blocks: int  # sliding-window layers' own pool (0: none)
+    bytes_per_block: int
+    bytes_per_window_block: int
 
 
 @dataclass
@@ -88,12 +98,16 @@ class Engine:
         self.max_model_len = args.max_model_len or loaded.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
 
-        num_blocks, bytes_per_block = self._kv_pool_size(loaded.model)
+        window = self._window_pool_window(loaded.model.kv_layout)
+        pools = self._kv_pool_sizes(loaded.model, window)
+        num_blocks, num_window_blocks = pools.num_blocks, pools.num_window_blocks
         state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
         num_ckpts = self._checkpoint_slots(state_bytes) if state_bytes else 0
         kinds: list[CacheKind] = []
         if loaded.model.kv_layout.num_layers:
             kinds.append(AttentionKV())
+        if window is not None:
+            kinds.append(SlidingWindowKV(num_window_blocks, args.block_size, window, args.enable_prefix_caching))
         if loaded.model.state_layout is not None:
             kinds.append(RecurrentStateCache(StatePool(args.max_num_seqs, num_ckpts), args.block_size))
         kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
@@ -103,15 +117,19 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
                                   compile_enabled=not args.enforce_eager,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
-                                  num_checkpoint_slots=num_ckpts,
+                                  num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
                                                                        args.cascade_min_solo_run_tokens))
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
-        self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * bytes_per_block,
+        self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * pools.bytes_per_block,
+                             "swa_pool": num_window_blocks * pools.bytes_per_window_block,
                              "live_states": num_live * state_bytes, "checkpoint_pool": num_ckpts * state_bytes}
         log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        if window is not None:
+            log.info("sliding-window layers (window %d) keep their K/V in a pool of their own: %d blocks = %.1f MiB",
+                     window, num_window_blocks, self.memory_bytes["swa_pool"] / mib)
         log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live Mamba states "
                  "%d x %.2f MiB = %.1f MiB | Mamba checkpoints %d x %.2f MiB = %.1f MiB",
                  loaded.weight_bytes / mib, num_blocks, args.block_size, self.memory_bytes["kv_pool"] / mib,
@@ -146,18 +164,44 @@ class Engine:
         if self.runner.warmup():
             log.info("warmed up the compiled kernels in %.1fs", time.perf_counter() - t0)
 
-    def _kv_pool_size(self, model) -> tuple[int, int]:
+    def _window_pool_window(self, layout) -> int | None:
+        """The widest sliding window when the sliding layers get a pool of their own
+        (some layer has a window shorter than the longest request), else None."""
+        windows = [layout.window(i) for i in range(layout.num_layers) if layout.window(i) is not None]
+        if not windows or self.args.disable_hybrid_swa_memory or max(windows) >= self.max_model_len:
+            return None
+        return max(windows)
+
+    def _kv_pool_sizes(self, model, window: int | None) -> _PoolSizes:
+        """Blocks of the main pool (full-attention layers, or every attention layer
+        without a window pool) and of the sliding-window pool, from the memory budget:
+        the window pool holds ``swa_full_tokens_ratio`` tokens per main-pool token, and
+        at least what one request needs to make progress (its window and a chunk)."""
         args = self.args
-        bytes_per_block = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size)
+        window_pool = window is not None
+        per_block = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size,
+                                                   "full" if window_pool else "all")
+        per_window = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size, "window") if window_pool else 0
+        ratio = args.swa_full_tokens_ratio if window_pool else 0.0
+        budget = int(args.kv_cache_memory_gb * 2**30)
         if args.num_kv_blocks is not None:
-            return args.num_kv_blocks, bytes_per_block
-        if bytes_per_block == 0:  # no attention layers (pure Mamba2): blocks only index the cache
-            return args.max_kv_blocks, 0
-        num_blocks = min(int(args.kv_cache_memory_gb * 2**30) // bytes_per_block, args.max_kv_blocks)
-        if num_blocks < 1:
+            num_blocks = args.num_kv_blocks
+        elif per_block == 0:  # no full-attention layers: the main blocks only index the cache
+            num_blocks = args.max_kv_blocks
+        else:
+            num_blocks = min(int(budget // (per_block + ratio * per_window)), args.max_kv_blocks)
+        num_window = 0
+        if window is not None:
+            bs = args.block_size
+            least = -(-(window - 1) // bs) + 1 + -(-args.max_num_batched_tokens // bs)
+            if per_block == 0 and args.num_kv_blocks is None:
+                num_window = budget // per_window
+            else:
+                num_window = max(math.ceil(num_blocks * ratio), least)
+        if num_blocks < 1 or (window_pool and num_window < 1):
             raise ValueError(f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
-                             f"({bytes_per_block} bytes)")
-        return num_blocks, bytes_per_block
+                             f"({per_block + per_window} bytes)")
+        return _PoolSizes(num_blocks, num_window, per_block, per_window)
 
     def _checkpoint_slots(self, state_bytes: int) -> int:
         """Mamba checkpoint slots the budget pays for (0 disables hybrid hits)."""

@@ -67,6 +67,19 @@ class DecodeCascade:
 
 
 @dataclass
+class WindowKV:
+    """Where the sliding-window layers' K/V lives when they have a block pool of their
+    own: each sequence's block ids from the first block its tokens can see, whose
+    first position is ``*_first_pos`` (earlier blocks left every window)."""
+
+    slot_mapping: torch.Tensor  # long [W]: the same tokens as ``ForwardBatch.slot_mapping``
+    decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
+    decode_first_pos: torch.Tensor | None  # long [D]
+    prefill_block_tables: list[torch.Tensor]  # long [blocks] per prefill span
+    prefill_first_pos: list[int]
+
+
+@dataclass
 class ForwardBatch:
     seqs: list[ScheduledSeq]
     input_ids: torch.Tensor  # long [T]
@@ -83,30 +96,46 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
     sample_seqs: list[ScheduledSeq]
+    window_kv: WindowKV | None = None  # sliding-window layers' own pool (None: they read the tables above)
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def kv_view(self, window: int | None) -> WindowKV | None:
+        """The sliding-window pool's tables for a layer with ``window`` (None: the main tables)."""
+        return self.window_kv if window is not None else None
+
     def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Bool [D, 1, 1, L]: key j is visible to a decode token at position p when
-        j <= p and (no window or j > p - window)."""
-        key = ("decode", 0, window)
+        """Bool [D, 1, 1, L] over the decode tables of ``kv_view(window)``: the key in
+        slot j (at position j + the row's first position) is visible to a decode token
+        at position p when it is <= p and (no window or > p - window)."""
+        view = self.kv_view(window)
+        key = ("decode", int(view is not None), window)
         if key not in self._masks:
-            assert self.decode_block_tables is not None and self.decode_context_lens is not None
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            j = torch.arange(max_len, device=self.input_ids.device)
+            assert self.decode_context_lens is not None
+            tables = view.decode_block_tables if view is not None else self.decode_block_tables
+            assert tables is not None
+            pos = torch.arange(tables.shape[1] * self.block_size, device=self.input_ids.device)[None, :]
+            if view is not None:
+                pos = pos + view.decode_first_pos[:, None]
             ctx = self.decode_context_lens[:, None]
-            mask = j[None, :] < ctx
+            mask = pos < ctx
             if window is not None:
-                mask &= j[None, :] > ctx - 1 - window
+                mask &= pos > ctx - 1 - window
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
+    def prefill_first_pos(self, index: int, window: int | None) -> int:
+        """Position of the first key a prefill span's context gather holds."""
+        view = self.kv_view(window)
+        return view.prefill_first_pos[index] if view is not None else 0
+
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
-        """Bool [n, context] for a prefill span, or None when plain causal attention
-        over the span's own tokens is exact (no earlier context, no window cut)."""
+        """Bool [n, context] for a prefill span (context from ``prefill_first_pos``), or
+        None when plain causal attention over the span's own tokens is exact (no
+        earlier context, no window cut)."""
         span = self.prefills[index]
         if span.start_pos == 0 and (window is None or span.num_tokens <= window):
             return None
@@ -114,7 +143,7 @@ class ForwardBatch:
         if key not in self._masks:
             device = self.input_ids.device
             q_pos = torch.arange(span.start_pos, span.context_len, device=device)[:, None]
-            k_pos = torch.arange(span.context_len, device=device)[None, :]
+            k_pos = torch.arange(self.prefill_first_pos(index, window), span.context_len, device=device)[None, :]
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window

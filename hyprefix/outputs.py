@@ -23,6 +23,10 @@ class ScheduledSeq:
     write_kv: bool = True  # False: the tokens' K/V already sit in shared blocks (full prefix hit)
     state_slot: int = -1  # live Mamba state slot (hybrid models)
     state_taps: tuple[tuple[int, int], ...] = ()  # (position, checkpoint slot): save the state there
+    # Sliding-window layers with a pool of their own: their block ids from block
+    # ``window_first_block`` on (earlier blocks left every window).
+    window_first_block: int = 0
+    window_blocks: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -91,7 +91,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            while not self.cache.allocate_slots(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -213,6 +213,8 @@ class Scheduler:
             write_kv=write_kv,
             state_slot=cache.state_slot,
             state_taps=cache.state_taps,
+            window_first_block=cache.window_first_block,
+            window_blocks=cache.window_blocks,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -12,10 +12,11 @@ import torch
 ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2")
+GEMMA3_WINDOW = 20  # the tiny Gemma 3's sliding window
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -37,6 +38,16 @@ def _tiny_config(arch: str):
     if arch == "mistral":
         # a sliding window short enough that test prompts cross it
         return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    if arch == "gemma3":
+        # sliding and full layers, one KV head, heads * head_dim != hidden, attention scale
+        # unlike head_dim ** -0.5, linear RoPE scaling on the full layers only
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 5, "num_attention_heads": 2, "num_key_value_heads": 1},
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(arch)
 
 
@@ -75,6 +86,11 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
             for name, p in model.named_parameters():
                 if name.endswith(("dt_bias", ".D")) or "mixer.norm" in name or "mamba.norm" in name:
                     p.uniform_(0.5, 1.5)
+    if arch == "gemma3":
+        with torch.no_grad():  # HF leaves Gemma norms at 0 (a scale of 1); vary them
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     if getattr(model.config, "attention_bias", False) or arch == "qwen2":
         with torch.no_grad():  # make biases non-zero so they matter
             for name, p in model.named_parameters():
@@ -111,6 +127,13 @@ def hybrid_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (checkpoint dir, HF reference model) for the hybrid architectures."""
     root = tmp_path_factory.mktemp("tiny-hybrids")
     return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in HYBRID_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(tmp_path_factory) -> tuple[Path, object]:
+    """(checkpoint dir, HF reference model) of a tiny Gemma3ForCausalLM."""
+    path = tmp_path_factory.mktemp("tiny-gemma3") / "gemma3"
+    return path, build_tiny_model("gemma3", path)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
+from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request
@@ -17,18 +18,26 @@ from hyprefix.scheduler import Scheduler, SchedulerConfig
 
 def make_scheduler(num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool = True,
                    model_identity: str = "test-model", checkpoints: int | None = None,
-                   attention: bool = True) -> Scheduler:
+                   attention: bool = True, window: int | None = None, window_blocks: int = 0) -> Scheduler:
     """A dense model by default; ``checkpoints``: add a recurrent state with that many
-    checkpoint slots (a hybrid, or a pure recurrent model with ``attention=False``)."""
+    checkpoint slots (a hybrid, or a pure recurrent model with ``attention=False``);
+    ``window``: add sliding-window layers with a pool of ``window_blocks`` of their own."""
     kinds: list[CacheKind] = [AttentionKV()] if attention else []
     if checkpoints is not None:
         kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints), block_size))
+    if window is not None:
+        kinds.append(SlidingWindowKV(window_blocks, block_size, window, caching))
     kv = KVCacheManager(num_blocks, block_size, caching, model_identity=model_identity)
     return Scheduler(SchedulerConfig(budget, max_seqs), CacheCoordinator(kv, kinds))
 
 
 def kv(s: Scheduler) -> KVCacheManager:
     return s.cache.kv
+
+
+def window_kind(s: Scheduler) -> SlidingWindowKV:
+    (kind,) = [k for k in s.cache.kinds if isinstance(k, SlidingWindowKV)]
+    return kind
 
 
 def state_kind(s: Scheduler) -> RecurrentStateCache:

@@ -2,8 +2,11 @@
 
 A model's layers keep their past in one of a few kinds of cache:
 
-- attention KV, full or sliding-window (``AttentionKV``): K/V in paged blocks of
-  the KV pool; a request can resume at any position whose blocks are cached;
+- attention KV (``AttentionKV``): K/V in paged blocks of the KV pool; a request
+  can resume at any position whose blocks are cached;
+- sliding-window attention KV (``SlidingWindowKV``, ``sliding.py``): K/V of the
+  sliding layers in a pool of their own, given back as it leaves the window; a
+  request can resume where the window before the position is still cached;
 - recurrent state, Mamba2 now and Gated DeltaNet next (``RecurrentStateCache``):
   one live state per running request, and checkpoints of it keyed by block hash;
   a request can resume only where a checkpoint was taken.
@@ -17,8 +20,10 @@ learns which kinds a model has: a dense model is the case with one kind.
 
 Contract of a kind (``CacheKind``): every method sees the request's
 ``block_hashes`` already extended to its known tokens; ``longest_hit`` may only
-shorten a hit; state copies it needs before a forward are returned as
-``StateOp``s; whatever it keys on a block dies when the pool forgets the block
+shorten a hit; a kind with blocks of its own says whether they fit
+(``can_allocate``) before anything changes, so admission and growth stay all or
+nothing; state copies it needs before a forward are returned as ``StateOp``s;
+whatever it keys on a coordinator block dies when the pool forgets the block
 (``forget``).
 """
 
@@ -46,6 +51,14 @@ class PrefixHit:
     wait_for: str | None = None  # a running request computing the next block: wait for it
 
 
+def hit_num_blocks(request: Request, tokens: int, cached_blocks: int, block_size: int) -> int:
+    """Blocks a hit skipping ``tokens`` holds when ``cached_blocks`` of the request's
+    blocks are cached: those of the skipped tokens, and for a full hit the block of
+    the last token too when it is cached (its K/V is read there, not rewritten)."""
+    full = tokens == request.num_tokens - 1 and tokens < cached_blocks * block_size
+    return -(-(tokens + full) // block_size)
+
+
 @dataclass(frozen=True)
 class StepCache:
     """A request's cache view for one step."""
@@ -53,6 +66,8 @@ class StepCache:
     block_table: list[int]
     state_slot: int = -1  # live state slot (models with recurrent layers)
     state_taps: Taps = ()
+    window_first_block: int = 0  # sliding-window layers: index of the first block they read
+    window_blocks: list[int] | None = None  # their block ids from there on (None: no pool of their own)
 
 
 class CacheKind:
@@ -61,16 +76,32 @@ class CacheKind:
 
     name = "kind"
     has_live_state = False  # keeps a per-request state slot (at most one kind per model)
+    has_own_blocks = False  # keeps K/V blocks in a pool of its own (at most one kind per model)
     wants_branch_points = False  # asks to checkpoint where waiting requests will branch off
 
-    def longest_hit(self, request: Request, limit: int) -> int:
+    def longest_hit(self, request: Request, limit: int, cached_blocks: int) -> int:
         """The longest prefix of at most ``limit`` tokens this kind can resume from: a
-        block boundary, or the prompt's last token when ``limit`` is (a full hit)."""
+        block boundary, or the prompt's last token when ``limit`` is (a full hit).
+        ``cached_blocks``: how many of the request's blocks the coordinator found."""
         return limit
+
+    def can_allocate(self, request: Request, num_tokens: int, hit: PrefixHit | None) -> bool:
+        """Whether ``allocate`` fits (``hit`` given: on admission)."""
+        return True
+
+    def allocate(self, request: Request, num_tokens: int, hit: PrefixHit | None) -> None:
+        """Room for the request's first ``num_tokens`` tokens (``hit`` given: on admission)."""
 
     def admit(self, request: Request, hit: PrefixHit) -> StateOp | None:
         """The request was admitted with ``hit``; the state copy its first step needs."""
         return None
+
+    def shrink(self, request: Request) -> None:
+        """Before a step of the request: give back what its next tokens cannot read."""
+
+    def window_table(self, request: Request, start: int) -> tuple[int, list[int]]:
+        """(first block index, block ids from it on) of a kind with blocks of its own."""
+        raise NotImplementedError
 
     def plan_step(self, request: Request, start: int, n: int) -> tuple[int, Taps]:
         """(live state slot, taps) for computing positions ``start .. start + n - 1``."""
@@ -88,6 +119,9 @@ class CacheKind:
     def forget(self, block_hash: bytes) -> None:
         """The pool stopped indexing this block."""
 
+    def reset(self) -> None:
+        """Forget whatever the kind caches that no request holds."""
+
     def stats(self) -> dict[str, int]:
         return {}
 
@@ -96,9 +130,9 @@ class CacheKind:
 
 
 class AttentionKV(CacheKind):
-    """Full or sliding-window attention layers: their K/V lives in the shared
-    blocks, so any cached prefix is usable. Sliding-window layers keep every block
-    (a window-aware cache could free blocks that left every window; not done)."""
+    """Attention layers whose K/V lives in the coordinator's blocks, so any cached
+    prefix is usable: full attention, and sliding windows when they get no pool of
+    their own (``SlidingWindowKV``)."""
 
     name = "attention"
 
@@ -109,6 +143,8 @@ class CacheCoordinator:
             raise ValueError("a model needs at least one kind of cache")
         if sum(kind.has_live_state for kind in kinds) > 1:
             raise ValueError("at most one kind of recurrent state per model (one live slot per request)")
+        if sum(kind.has_own_blocks for kind in kinds) > 1:
+            raise ValueError("at most one kind with a block pool of its own per model")
         self.kv = kv
         self.kinds = tuple(kinds)
         self._branching = [kind for kind in kinds if kind.wants_branch_points]
@@ -135,21 +171,23 @@ class CacheCoordinator:
             return PrefixHit([], 0, len(kv_blocks), dense, True, wait_for=owner)
         tokens = dense
         while True:  # a kind may only shorten the hit, so this ends
-            shortest = min(kind.longest_hit(request, tokens) for kind in self.kinds)
+            shortest = min(kind.longest_hit(request, tokens, len(kv_blocks)) for kind in self.kinds)
             if shortest == tokens:
                 break
             tokens = shortest
-        # A full hit keeps the block holding the last token: its K/V is read there, not rewritten.
-        covered = tokens + 1 if tokens == request.num_tokens - 1 and tokens < len(kv_blocks) * bs else tokens
-        blocks = kv_blocks[: -(-covered // bs)]
+        blocks = kv_blocks[: hit_num_blocks(request, tokens, len(kv_blocks), bs)]
         return PrefixHit(blocks, tokens, len(kv_blocks), dense, tokens >= len(blocks) * bs)
 
     def admit(self, request: Request, hit: PrefixHit, num_tokens: int) -> list[StateOp] | None:
         """Give the request the hit's blocks plus room for ``num_tokens`` tokens and
-        tell every kind; None (and no change) when the pool has no room."""
-        if not self.kv.admit(request, hit.blocks, num_tokens):
+        tell every kind; None (and no change) when a pool has no room."""
+        if not self.kv.can_admit(hit.blocks, num_tokens) or not all(
+                kind.can_allocate(request, num_tokens, hit) for kind in self.kinds):
             return None
+        self.kv.admit(request, hit.blocks, num_tokens)
         self._forget_evicted()
+        for kind in self.kinds:
+            kind.allocate(request, num_tokens, hit)
         self.hit_tokens_lost += hit.dense_tokens - hit.num_tokens
         return [op for kind in self.kinds if (op := kind.admit(request, hit)) is not None]
 
@@ -166,19 +204,31 @@ class CacheCoordinator:
                 kind.branch_point(owner_id, position)
 
     # ------------------------------------------------------------------ steps
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow a running request's blocks to hold ``num_tokens``; False and no change when full."""
-        grown = self.kv.allocate_slots(request_id, num_tokens)
+    def allocate_slots(self, request: Request, num_tokens: int) -> bool:
+        """Grow a running request's blocks to hold ``num_tokens`` (after giving back
+        what its next step cannot read); False and no growth when a pool is full."""
+        for kind in self.kinds:
+            kind.shrink(request)
+        rid = request.request_id
+        if self.kv.num_new_blocks_needed(rid, num_tokens) > self.kv.pool.num_free or not all(
+                kind.can_allocate(request, num_tokens, None) for kind in self.kinds):
+            return False
+        assert self.kv.allocate_slots(rid, num_tokens)
         self._forget_evicted()
-        return grown
+        for kind in self.kinds:
+            kind.allocate(request, num_tokens, None)
+        return True
 
     def plan_step(self, request: Request, start: int, n: int) -> StepCache:
         slot, taps = -1, ()
+        first, window_blocks = 0, None
         for kind in self.kinds:
             if kind.has_live_state:  # its taps are keyed by the hashes of blocks this step may complete
                 self.kv.update_hashes(request)
                 slot, taps = kind.plan_step(request, start, n)
-        return StepCache(list(self.kv.block_table(request.request_id)), slot, taps)
+            if kind.has_own_blocks:
+                first, window_blocks = kind.window_table(request, start)
+        return StepCache(list(self.kv.block_table(request.request_id)), slot, taps, first, window_blocks)
 
     def after_step(self, request: Request) -> None:
         """Publish the request's complete blocks, then let every kind commit."""
@@ -196,6 +246,8 @@ class CacheCoordinator:
         """Forget every cached block no request holds; returns how many."""
         dropped = self.kv.reset_cache()
         self._forget_evicted()
+        for kind in self.kinds:
+            kind.reset()
         return dropped
 
     def _forget_evicted(self) -> None:

@@ -96,13 +96,17 @@ class KVCacheManager:
             count += 1
         return count, owner
 
+    def can_admit(self, hit_blocks: list[int], num_tokens: int) -> bool:
+        need = self.blocks_for(num_tokens) - len(hit_blocks)
+        free_hits = sum(1 for b in hit_blocks if self.pool.is_free(b))
+        return need <= self.pool.num_free - free_hits
+
     def admit(self, request: Request, hit_blocks: list[int], num_tokens: int) -> bool:
         """Give a waiting request the cached ``hit_blocks`` plus new blocks up to
         ``num_tokens`` tokens. All or nothing: on failure no ref count changes."""
-        need = self.blocks_for(num_tokens) - len(hit_blocks)
-        free_hits = sum(1 for b in hit_blocks if self.pool.is_free(b))
-        if need > self.pool.num_free - free_hits:
+        if not self.can_admit(hit_blocks, num_tokens):
             return False
+        need = self.blocks_for(num_tokens) - len(hit_blocks)
         self.pool.acquire(hit_blocks)
         new = self.pool.allocate(need)
         assert new is not None

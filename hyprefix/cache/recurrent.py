@@ -57,7 +57,7 @@ class RecurrentStateCache(CacheKind):
         self.block_size = block_size
         self._plans: dict[str, _Plan] = {}
 
-    def longest_hit(self, request: Request, limit: int) -> int:
+    def longest_hit(self, request: Request, limit: int, cached_blocks: int) -> int:
         """The longest L <= ``limit`` with a checkpoint at exactly L: the final token of
         a fully cached block-aligned prompt, or a block boundary."""
         bs = self.block_size

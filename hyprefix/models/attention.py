@@ -1,6 +1,8 @@
 """Paged attention over the block-table KV cache.
 
-Decode tokens attend through their block tables. With a segment plan
+Decode tokens attend through their block tables. Sliding-window layers with a
+block pool of their own read it through ``ForwardBatch.window_kv``: only the
+blocks from the first one their window can see. With a segment plan
 (``runner/cascade.py``), a prefix shared by several decodes is read once for the
 group, a row's long private part in one call of its own, and only the short rest of
 every row goes through a padded batch; the partial results merge through their
@@ -34,14 +36,16 @@ def paged_attention(
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
+    view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
+    slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if batch.write_index is None:
-        flat_k.index_copy_(0, batch.slot_mapping, k)
-        flat_v.index_copy_(0, batch.slot_mapping, v)
-    elif batch.slot_mapping.numel():
-        flat_k.index_copy_(0, batch.slot_mapping, k.index_select(0, batch.write_index))
-        flat_v.index_copy_(0, batch.slot_mapping, v.index_select(0, batch.write_index))
+        flat_k.index_copy_(0, slot_mapping, k)
+        flat_v.index_copy_(0, slot_mapping, v)
+    elif slot_mapping.numel():
+        flat_k.index_copy_(0, slot_mapping, k.index_select(0, batch.write_index))
+        flat_v.index_copy_(0, slot_mapping, v.index_select(0, batch.write_index))
 
     outs: list[torch.Tensor] = []
     if batch.num_decode:
@@ -52,8 +56,9 @@ def paged_attention(
         if batch.decode_cascade is not None and window is None:
             od = _cascade_decode(qd, k_cache, v_cache, batch.decode_cascade, scale)
         else:
-            assert batch.decode_block_tables is not None
-            kd, vd = _gather_blocks(k_cache, v_cache, batch.decode_block_tables)
+            tables = view.decode_block_tables if view is not None else batch.decode_block_tables
+            assert tables is not None
+            kd, vd = _gather_blocks(k_cache, v_cache, tables)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
         outs.append(od.reshape(n, -1, head_dim))
     for i, span in enumerate(batch.prefills):
@@ -62,8 +67,10 @@ def paged_attention(
         if span.start_pos == 0:
             ks, vs = k[span.token_slice], v[span.token_slice]
         else:
-            ks = k_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
-            vs = v_cache.index_select(0, span.block_table).view(-1, num_kv_heads, head_dim)[: span.context_len]
+            table = view.prefill_block_tables[i] if view is not None else span.block_table
+            keys = span.context_len - batch.prefill_first_pos(i, window)
+            ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
+            vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         os_ = F.scaled_dot_product_attention(

@@ -27,11 +27,16 @@ Target = tuple[str, int | None, list[int] | None]
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one attention layer's K (or V) cache per token, for pool sizing."""
+    """Shape of one attention layer's K (or V) cache per token, for pool sizing, and
+    each attention layer's sliding window (None: full attention), in layer order."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
 
 def rope_tables(hf_config, max_positions: int, dtype: torch.dtype, device: torch.device,

@@ -100,7 +100,8 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, device, **attn_kw) for i in range(cfg.num_hidden_layers))
         attn = self.layers[0].attn
-        self.kv_layout = KVLayout(cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim)
+        self.kv_layout = KVLayout(cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim,
+                                  tuple(layer.attn.window for layer in self.layers))
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.head_dim)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
 
@@ -10,6 +11,8 @@ MODEL_CLASSES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the language model; images are not supported
     "NemotronHForCausalLM": HybridForCausalLM,
     "BambaForCausalLM": HybridForCausalLM,
     "Mamba2ForCausalLM": HybridForCausalLM,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hyprefix.forward import DecodeCascade, DecodeSegment, ForwardBatch, PrefillSpan
+from hyprefix.forward import DecodeCascade, DecodeSegment, ForwardBatch, PrefillSpan, WindowKV
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner import cascade
 from hyprefix.runner.cascade import CascadeThresholds
@@ -52,8 +52,8 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
                 state_slot=seq.state_slot,
                 state_taps=[(pos - seq.start_pos, slot) for pos, slot in seq.state_taps]))
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+    def as_long(values: list) -> torch.Tensor:
+        return _long(values, device)
 
     decode_tables = decode_lens = decode_cascade = None
     if decodes:
@@ -89,7 +89,36 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         prefills=spans,
         logits_indices=as_long(logits_indices),
         sample_seqs=sample_seqs,
+        window_kv=_window_kv(ordered, len(decodes), block_size, device)
+        if ordered and ordered[0].window_blocks is not None else None,
     )
+
+
+def _window_kv(ordered: list[ScheduledSeq], num_decode: int, block_size: int,
+               device: torch.device) -> WindowKV:
+    """Slots and tables of the sliding-window layers' own pool (same token order and
+    written tokens as the main slot mapping)."""
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for seq in ordered:
+        assert seq.window_blocks is not None
+        base = seq.window_first_block
+        table = seq.window_blocks[: -(-seq.context_len // block_size) - base]
+        tables.append(table)
+        if seq.write_kv:
+            slots.extend(table[pos // block_size - base] * block_size + pos % block_size
+                         for pos in range(seq.start_pos, seq.context_len))
+    first_pos = [seq.window_first_block * block_size for seq in ordered]
+    return WindowKV(
+        slot_mapping=_long(slots, device),
+        decode_block_tables=_long(_pad(tables[:num_decode]), device) if num_decode else None,
+        decode_first_pos=_long(first_pos[:num_decode], device) if num_decode else None,
+        prefill_block_tables=[_long(t, device) for t in tables[num_decode:]],
+        prefill_first_pos=first_pos[num_decode:])
+
+
+def _long(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

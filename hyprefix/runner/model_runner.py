@@ -25,17 +25,23 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
-                 compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0) -> None:
+                 compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
+                 num_window_blocks: int = 0) -> None:
+        """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
+        of their own (``cache/sliding.py``); 0: they share the main pool."""
         self.model = model
         self.device = device
         self.block_size = block_size
         self.cascade_thresholds = cascade_thresholds
         layout = model.kv_layout
-        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(layout.num_layers)
-        ]
+
+        def kv(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (blocks, block_size, layout.num_kv_heads, layout.head_dim)
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+        self.has_window_pool = num_window_blocks > 0
+        self.kv_caches = [kv(num_window_blocks if self.has_window_pool and layout.window(i) is not None
+                             else num_blocks) for i in range(layout.num_layers)]
         self.mamba_states: list[MambaLayerState] = []  # one per Mamba layer: live and checkpoint slots
         sl = model.state_layout
         if sl is not None:
@@ -57,9 +63,14 @@ class ModelRunner:
         return self.model.kernels
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int) -> int:
+    def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int,
+                           layers: str = "all") -> int:
+        """K + V bytes of one block over ``layers``: "all" attention layers, the
+        "full"-attention ones, or the sliding-"window" ones."""
         layout = model.kv_layout
-        return 2 * layout.num_layers * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
+        windowed = sum(layout.window(i) is not None for i in range(layout.num_layers))
+        count = {"all": layout.num_layers, "full": layout.num_layers - windowed, "window": windowed}[layers]
+        return 2 * count * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
 
     @staticmethod
     def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -88,13 +99,14 @@ class ModelRunner:
         before its owner writes them. Returns whether it ran."""
         tokens = COMPILE_MIN_TOKENS
         num_blocks = -(-tokens // self.block_size)
-        if not self.kernels.compile_enabled or (self.kv_caches and self.kv_caches[0][0].shape[0] < num_blocks):
+        if not self.kernels.compile_enabled or any(k.shape[0] < num_blocks for k, _ in self.kv_caches):
             return False
         live = bool(self.mamba_states) and self.mamba_states[0].conv.shape[0] > 0
         if self.mamba_states and not live:
             return False
         seq = ScheduledSeq("warmup", [0] * tokens, 0, list(range(num_blocks)), sample=True,
-                           params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1)
+                           params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1,
+                           window_blocks=list(range(num_blocks)) if self.has_window_pool else None)
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
         self.sampler.forget(["warmup"])
         return True
