@@ -193,7 +193,7 @@ class Engine:
         num_window = 0
         if window is not None:
             bs = args.block_size
-            least = -(-(window - 1) // bs) + 1 + -(-args.max_num_batched_tokens // bs)
+            least = -(-(window - 1) // bs) + 2 + -(-args.max_num_batched_tokens // bs)
             if per_block == 0 and args.num_kv_blocks is None:
                 num_window = budget // per_window
             else:
@@ -463,6 +463,8 @@ class Engine:
             "mamba_checkpoints_capacity": cache.get("state_checkpoints_capacity", 0),
             "mamba_checkpoint_bytes": self.state_bytes_per_slot,
             "hybrid_hit_tokens_lost": cache["hit_tokens_lost"],
+            **{key: cache.get(key, 0) for key in ("swa_blocks_total", "swa_blocks_used", "swa_blocks_cached",
+                                                   "swa_blocks_released")},
         }
 
     def reset_prefix_cache(self) -> int:

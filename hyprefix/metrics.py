@@ -26,7 +26,9 @@ _ENGINE_COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
     ("sibling_waits", "sibling_waits", "Times a request waited for another to compute a shared prefix."),
     ("hybrid_hit_tokens_lost", "hybrid_hit_tokens_lost",
-     "Cached KV tokens a hybrid model could not reuse for want of a state checkpoint."),
+     "Cached KV tokens a hit could not reuse: no Mamba state checkpoint there, or its sliding window was evicted."),
+    ("swa_blocks_released", "swa_blocks_released",
+     "Sliding-window KV blocks running requests gave back as they left the window."),
 )
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_requests_running", "Sequences in the running batch."),
@@ -37,6 +39,9 @@ _ENGINE_GAUGES = (
     ("kv_blocks_free", "kv_blocks_free", "Unreferenced KV blocks holding no cached prefix."),
     ("mamba_checkpoints_used", "mamba_checkpoints_used", "Mamba state checkpoints in use (hybrid models)."),
     ("mamba_checkpoints_capacity", "mamba_checkpoints_capacity", "Mamba state checkpoint slots (hybrid models)."),
+    ("swa_blocks_total", "swa_blocks_total", "Blocks in the sliding-window layers' own KV pool."),
+    ("swa_blocks_used", "swa_blocks_used", "Sliding-window KV blocks referenced by requests."),
+    ("swa_blocks_cached", "swa_blocks_cached", "Unreferenced sliding-window KV blocks still findable by hash."),
 )
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -29,13 +29,18 @@ def make_prompt(rng: random.Random, prefixes: list[list[int]], block_size: int) 
     return prefix + rng_tokens(rng, rng.randint(1, 2 * block_size))
 
 
-@pytest.mark.parametrize(("seed", "block_size", "num_kv_blocks", "budget", "max_num_seqs"),
-                         [(0, 4, 40, 24, 8), (1, 16, 20, 40, 10)])
-def test_prefix_cache_stress_matches_cache_off(qwen3_dir, seed, block_size, num_kv_blocks, budget, max_num_seqs):
+@pytest.mark.parametrize(("arch", "seed", "block_size", "num_kv_blocks", "budget", "max_num_seqs", "swa_ratio"),
+                         [("qwen3", 0, 4, 40, 24, 8, None), ("qwen3", 1, 16, 20, 40, 10, None),
+                          # every layer has a 24-token window, in a pool of its own that is too small
+                          ("mistral", 2, 4, 60, 12, 8, 0.3)])
+def test_prefix_cache_stress_matches_cache_off(tiny_models, arch, seed, block_size, num_kv_blocks, budget,
+                                               max_num_seqs, swa_ratio):
     rng = random.Random(seed)
-    llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=block_size,
+    model_dir = tiny_models[arch][0]
+    swa = {"swa_full_tokens_ratio": swa_ratio} if swa_ratio else {}
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=block_size,
               max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, seed=seed, log_stats_interval=0,
-              enable_prefix_caching=True, **TINY_CASCADE)
+              enable_prefix_caching=True, **swa, **TINY_CASCADE)
     engine = llm.engine
     capacity = num_kv_blocks * block_size
     max_prompt = capacity // 2
@@ -57,7 +62,8 @@ def test_prefix_cache_stress_matches_cache_off(qwen3_dir, seed, block_size, num_
 
     run = drive(llm, rng, todo, block_size=block_size, max_prompt=max_prompt, abort_p=0.05, reset_step=60,
                 follow_p=0.35, follow_max_tokens=10, max_steps=MAX_STEPS)
-    ref_llm = LLM(str(qwen3_dir), dtype="float32", num_kv_blocks=4 * num_kv_blocks, block_size=block_size,
+    ref_llm = LLM(str(model_dir), dtype="float32", disable_hybrid_swa_memory=True,
+                  num_kv_blocks=4 * num_kv_blocks, block_size=block_size,
                   max_num_batched_tokens=512, max_num_seqs=16, seed=seed, log_stats_interval=0,
                   enable_prefix_caching=False, **TINY_CASCADE)
     verify(llm, ref_llm, run, NUM_REQUESTS)
@@ -70,3 +76,6 @@ def test_prefix_cache_stress_matches_cache_off(qwen3_dir, seed, block_size, num_
     assert run.num_followups > 5, run.num_followups
     assert run.aborted and run.reset_done
     assert any(out.num_cached_tokens > 0 for out in run.last.values())
+    if swa_ratio:  # blocks left running requests' windows; some hits lost their evicted window
+        assert stats["swa_blocks_released"] > 0 and stats["hybrid_hit_tokens_lost"] > 0
+        assert any(out.num_cached_tokens > 24 for out in run.last.values())
