@@ -103,14 +103,35 @@ def checkpoint_identity(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
+# GGUF architectures (``general.architecture``) whose models hyprefix runs: Llama
+# (SmolLM2, and Mistral, which llama.cpp writes as llama), Mistral, Qwen2, Qwen3, Gemma 3.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).get_field("general.architecture")
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from exc
+    if field is None:
+        raise ValueError(f"GGUF file {path.name} names no architecture (general.architecture)")
+    return str(field.contents())
+
+
 def load_config(path: Path):
     from transformers import AutoConfig
 
     if path.suffix != ".gguf":
         return AutoConfig.from_pretrained(str(path))
+    arch = gguf_architecture(path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; hyprefix loads GGUF "
+                         f"files of {', '.join(GGUF_ARCHITECTURES)}")
     try:
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError as exc:  # e.g. "GGUF model with architecture X is not supported yet."
+    except ValueError as exc:
         raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
 
 
@@ -124,8 +145,20 @@ def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)["tensors"]
     except NotImplementedError as exc:  # a quantization type gguf cannot dequantize
-        raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
+        raise ValueError(f"cannot load the GGUF file {path.name}: {exc} ({_tensors_named_in(path, str(exc))})") \
+            from exc
     yield from tensors.items()
+
+
+def _tensors_named_in(path: Path, message: str) -> str:
+    """The file's tensors whose quantization type the message names."""
+    import re
+
+    from gguf import GGUFReader
+
+    names = [t.name for t in GGUFReader(str(path)).tensors
+             if re.search(rf"\b{re.escape(t.tensor_type.name)}\b", message)]
+    return f"tensors of that type: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
 
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
