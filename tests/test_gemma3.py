@@ -29,10 +29,11 @@ def test_config_routing_and_refusals(gemma3_model):
     assert model_class(config) is Gemma3ForCausalLM
     gguf_like = type(config).from_dict({**config.to_dict(), "architectures": None})  # model_type only
     assert model_class(gguf_like) is Gemma3ForCausalLM
-    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        capped = type(config).from_dict({**config.to_dict(), field: 30.0})
-        with pytest.raises(ValueError, match="softcapping"):
-            Gemma3ForCausalLM(capped, torch.float32, torch.device("meta"), 64)
+    for field, value in [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                         ("use_bidirectional_attention", True)]:
+        unsupported = type(config).from_dict({**config.to_dict(), field: value})
+        with pytest.raises(ValueError, match=field):
+            Gemma3ForCausalLM(unsupported, torch.float32, torch.device("meta"), 64)
 
 
 def test_packed_tanh_gelu_mlp_equals_the_plain_one():
