@@ -20,7 +20,7 @@ from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
 from hyprefix.errors import RequestError
 from hyprefix.models.llama import Attention
-from hyprefix.models.loader import load_model, load_tokenizer
+from hyprefix.models.loader import gguf_parsed_once, load_model, load_tokenizer
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyprefix.request import Request
 from hyprefix.runner.cascade import CascadeThresholds
@@ -88,13 +88,15 @@ class Engine:
 
             model_path = str(demo_model_path("hybrid"))
         t0 = time.perf_counter()
-        loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision)
+        with gguf_parsed_once():
+            loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision)
+            self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
         self.model_path = loaded.path
         self.model_identity = loaded.identity
         self.hf_config = loaded.hf_config
+        self.text_config = loaded.hf_config.get_text_config()  # the config itself but for multimodal ones
         self.dtype = loaded.dtype
-        self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
-        self.vocab_size = int(loaded.hf_config.vocab_size)
+        self.vocab_size = int(self.text_config.vocab_size)
         self.max_model_len = args.max_model_len or loaded.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
 
@@ -151,7 +153,7 @@ class Engine:
             dtype=str(self.dtype).replace("torch.", ""),
             vocab_size=self.vocab_size,
             matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head),
-            lm_head_params=int(self.hf_config.hidden_size) * self.vocab_size,
+            lm_head_params=int(self.text_config.hidden_size) * self.vocab_size,
             attention_layers=len(attention),
             attention_width=attention[0].q_size if attention else 0,
             kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, self.dtype, 1),
@@ -217,7 +219,7 @@ class Engine:
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        for source in (self.hf_config, self._generation_config()):
+        for source in (self.hf_config, self.text_config, self._generation_config()):
             value = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(value, int):
                 ids.add(value)

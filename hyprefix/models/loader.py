@@ -4,6 +4,8 @@ chat template all from the file, read by transformers' GGUF support)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Iterator
@@ -167,7 +169,7 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     hf_config = load_config(path)
     cls = model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, checkpoint_dtype(hf_config), device)
-    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+    max_pos = int(getattr(hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
     net.materialize(device)
@@ -176,6 +178,21 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     net.pack_weights()
     return LoadedModel(net, hf_config, path, checkpoint_identity(path), torch_dtype, max_pos, weight_bytes)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's metadata on every read (config, weights,
+    tokenizer): ~15 s apiece for Gemma 3's 262k-token vocabulary. Inside this block one
+    parse per file serves every read (the readers are dropped at its end)."""
+    import gguf
+
+    original = gguf.GGUFReader
+    gguf.GGUFReader = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def load_tokenizer(path: str | os.PathLike):
