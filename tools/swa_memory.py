@@ -4,9 +4,10 @@ Runs the same requests twice through the engine: with the sliding-window layers'
 K/V in a pool of their own (blocks given back as they leave the window: the
 default) and with every layer's K/V in the main pool (``disable_hybrid_swa_memory``:
 every block kept). After every step it reads how many blocks each pool has in use
-and reports the peak K/V bytes in use, the greedy tokens of both runs (they must
-be equal), and a second round that shares each prompt's prefix (hits longer than
-the window).
+and reports the peak K/V bytes in use, whether the greedy tokens of both runs
+agree (exactly in float32; in bf16 the window pool's shorter attention rows round
+differently, and random-token prompts have near-ties), and a second round that
+shares each prompt's prefix (hits longer than the window).
 
     python tools/swa_memory.py                      # Gemma 3 270M GGUF (fetched by make test)
     python tools/swa_memory.py --model DIR --prompt-len 8192 --requests 4 --dtype bfloat16
@@ -89,12 +90,13 @@ def main() -> None:
           f"+ {args.output_len} output, then {args.requests} follow-ups sharing 3/4 of each prompt")
     for i, name in enumerate(("long prompts", "shared prefixes")):
         a, b = own["rounds"][i], shared["rounds"][i]
-        assert a["tokens"] == b["tokens"], f"{name}: the two runs sampled different tokens"
+        same = sum(a["tokens"][k] == b["tokens"][k] for k in a["tokens"])
         print(f"{name}: peak K/V in use {a['peak_kv_bytes'] / mib:.1f} MiB with the window pool vs "
               f"{b['peak_kv_bytes'] / mib:.1f} MiB keeping every block ({b['peak_kv_bytes'] / a['peak_kv_bytes']:.2f}x"
               f" less); blocks (main, window) {a['peak_blocks_main_swa']} vs {b['peak_blocks_main_swa']}; "
               f"wall time ratio keep-all / window pool {b['seconds'] / a['seconds']:.2f}; cached tokens "
-              f"{a['cached_tokens']} vs {b['cached_tokens']}; greedy tokens equal")
+              f"{a['cached_tokens']} vs {b['cached_tokens']}; greedy outputs equal for {same}/{len(a['tokens'])} "
+              "requests")
     print(f"window blocks given back by running requests: {own['stats']['swa_blocks_released']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1, default=str))
