@@ -15,7 +15,6 @@ from hyprefix import LLM, SamplingParams
 from hyprefix.hardware import device_caps
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.layers import GatedMLP
-from hyprefix.models.loader import load_model
 from hyprefix.models.registry import model_class
 
 LOGIT_ATOL = 1e-4  # float32; observed max error ~5e-6
@@ -98,7 +97,7 @@ def test_prefix_hits_across_the_window(gemma3_model):
 ])
 def test_multimodal_checkpoint_loads_the_language_model(gemma3_model, tmp_path, prefix, vision):
     """A Gemma3ForConditionalGeneration checkpoint (config nests ``text_config``) loads
-    through the loader, skipping vision tensors, into the same logits."""
+    through the engine, skipping vision tensors, into the same logits."""
     from safetensors.torch import load_file, save_file
     from transformers import Gemma3Config
 
@@ -116,12 +115,8 @@ def test_multimodal_checkpoint_loads_the_language_model(gemma3_model, tmp_path, 
     save_file(weights, tmp_path / "model.safetensors")
     shutil.copy(path / "tokenizer.json", tmp_path / "tokenizer.json")
 
-    loaded = load_model(str(tmp_path), "float32", torch.device("cpu"), None)
-    assert isinstance(loaded.model, Gemma3ForCausalLM)
-    # The engine reads a flat config (vocab_size): run the loaded model in place of the
-    # text-only checkpoint's.
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
-    llm.engine.runner.model = loaded.model
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=128, block_size=16)
+    assert isinstance(llm.engine.runner.model, Gemma3ForCausalLM)
     prompts = random_prompts((7, 57), seed=4)
     assert all(err < LOGIT_ATOL for err, _ in logit_errors(llm, hf, prompts, chunk=9))
 

@@ -4,7 +4,6 @@ tokens), dequantized to float32 by our loader and by transformers from the same 
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from conftest import logit_errors
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.models.loader import gguf_parsed_once
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from fetch_test_models import GEMMA3, models_dir
@@ -22,12 +22,16 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "List three prime numbers and explain why they are prime."]
 
 
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    path = models_dir() / GGUF
+def fetched(name: str) -> Path:
+    path = models_dir() / name
     if not path.is_file():
         pytest.fail(f"{path} is missing: run `make test` or `python tools/fetch_test_models.py` to fetch it")
     return path
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return fetched(GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -132,22 +136,15 @@ LIGHTHOUSES = [  # prompts of 600-900 tokens, longer than the window
 
 @pytest.fixture(scope="module")
 def one_gguf_parse():
-    """transformers parses a GGUF's metadata on each read (our config, weights and
-    tokenizer; its config and weights), ~15 s apiece for Gemma's 262k-token vocabulary:
-    parse the file once for all of them."""
-    import gguf
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    """The engine parses a GGUF once per load; transformers' own loads (the reference)
+    would parse it again, ~15 s apiece for Gemma's 262k-token vocabulary."""
+    with gguf_parsed_once():
         yield
 
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    path = models_dir() / GEMMA3
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `make test` or `python tools/fetch_test_models.py` to fetch it")
-    return path
+    return fetched(GEMMA3)
 
 
 @pytest.fixture(scope="module")

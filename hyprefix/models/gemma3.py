@@ -41,11 +41,6 @@ class _RopeView:
         pass
 
 
-def text_config(hf_config):
-    """The language model's config (a multimodal checkpoint nests it in ``text_config``)."""
-    return getattr(hf_config, "text_config", None) or hf_config
-
-
 def _check_supported(cfg) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, name, None) is not None:
@@ -88,7 +83,7 @@ class Gemma3ForCausalLM(CausalLM):
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
-        cfg = text_config(hf_config)
+        cfg = hf_config.get_text_config()
         _check_supported(cfg)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         attn = self.layers[0].attn
