@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("make-demo-model", help="write a deterministic random-weight demo model")
-    demo.add_argument("--arch", default="dense", choices=["dense", "hybrid"])
+    demo.add_argument("--arch", default="dense", choices=["dense", "hybrid", "deltanet"],
+                      help="dense: Qwen3-style; hybrid: NemotronH-style (Mamba2); deltanet: Qwen3.5-style")
     demo.add_argument("--size", default="tiny", choices=["tiny", "bench"])
     demo.add_argument("--out", required=True)
     demo.set_defaults(func=cmd_make_demo_model)

@@ -15,13 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, NemotronHConfig, NemotronHForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # Bump whenever the recipe (configs, init, tokenizer, files written) changes: the cache
 # directory name includes it, so old cached models are not reused.
 DEMO_VERSION = "2"
 
-ARCHS = ("dense", "hybrid")
+ARCHS = ("dense", "hybrid", "deltanet")
 SIZES = ("tiny", "bench")
 # Names ``--model`` accepts for the demo models: (arch, size) of ``demo_model_path``.
 DEMO_ALIASES = {
@@ -29,6 +37,8 @@ DEMO_ALIASES = {
     "demo-hybrid-0.5b": ("hybrid", "bench"),
     "demo-dense-tiny": ("dense", "tiny"),
     "demo-hybrid-tiny": ("hybrid", "tiny"),
+    "demo-qwen3.5-0.8b": ("deltanet", "bench"),
+    "demo-qwen3.5-tiny": ("deltanet", "tiny"),
 }
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
@@ -182,6 +192,72 @@ def _hybrid_config(size: str) -> NemotronHConfig:
     )
 
 
+_DELTANET_SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3.5-style: Gated DeltaNet layers with a gated-attention layer every fourth.
+    "tiny": {
+        "vocab_size": TOKENIZER_VOCAB_SIZE,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "intermediate_size": 768,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+    },
+    # "demo-qwen3.5-0.8b": Qwen3.5-0.8B shapes (18 DeltaNet + 6 attention layers, 248k vocabulary).
+    "bench": {
+        "vocab_size": 248320,
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 3584,
+        "max_position_embeddings": 40960,
+        "initializer_range": 0.02,
+    },
+}
+
+
+def _deltanet_config(size: str) -> Qwen3_5TextConfig:
+    shape = dict(_DELTANET_SHAPES[size])
+    layers = shape["num_hidden_layers"]
+    return Qwen3_5TextConfig(
+        **shape,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        linear_conv_kernel_dim=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        attention_bias=False,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        hyprefix_demo={
+            "recipe_version": DEMO_VERSION,
+            "arch": "deltanet",
+            "size": size,
+            "seed": _SEED,
+            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
+            "note": "random weights, deterministic (seed 0)",
+        },
+    )
+
+
+_BUILDERS = {"dense": (_dense_config, Qwen3ForCausalLM), "hybrid": (_hybrid_config, NemotronHForCausalLM),
+             "deltanet": (_deltanet_config, Qwen3_5ForCausalLM)}
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -227,8 +303,8 @@ def make_demo_model(arch: str, out_dir: str | Path, *, size: str = "tiny") -> Pa
     _check(arch, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = _dense_config(size) if arch == "dense" else _hybrid_config(size)
-    model_class = Qwen3ForCausalLM if arch == "dense" else NemotronHForCausalLM
+    make_config, model_class = _BUILDERS[arch]
+    config = make_config(size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         # _from_config builds directly in the target dtype (no float32 copy of the bench model).

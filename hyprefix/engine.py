@@ -46,7 +46,7 @@ class ModelFacts:
     attention_layers: int
     attention_width: int  # query heads x head dim of one attention layer (0 without attention)
     kv_bytes_per_token: int  # K + V of every attention layer
-    state_bytes_per_sequence: int  # recurrent state of every Mamba layer (0 for dense models)
+    state_bytes_per_sequence: int  # state of every recurrent layer (Mamba2, Gated DeltaNet; 0 for dense models)
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ class Engine:
         if window is not None:
             log.info("sliding-window layers (window %d) keep their K/V in a pool of their own: %d blocks = %.1f MiB",
                      window, num_window_blocks, self.memory_bytes["swa_pool"] / mib)
-        log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live Mamba states "
-                 "%d x %.2f MiB = %.1f MiB | Mamba checkpoints %d x %.2f MiB = %.1f MiB",
+        log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live recurrent states "
+                 "%d x %.2f MiB = %.1f MiB | state checkpoints %d x %.2f MiB = %.1f MiB",
                  loaded.weight_bytes / mib, num_blocks, args.block_size, self.memory_bytes["kv_pool"] / mib,
                  num_live, state_bytes / mib, self.memory_bytes["live_states"] / mib, num_ckpts, state_bytes / mib,
                  self.memory_bytes["checkpoint_pool"] / mib)
@@ -206,7 +206,7 @@ class Engine:
         return _PoolSizes(num_blocks, num_window, per_block, per_window)
 
     def _checkpoint_slots(self, state_bytes: int) -> int:
-        """Mamba checkpoint slots the budget pays for (0 disables hybrid hits)."""
+        """Recurrent-state checkpoint slots the budget pays for (0 disables hybrid hits)."""
         args = self.args
         if not args.enable_prefix_caching or args.mamba_cache_memory_gb <= 0:
             return 0

@@ -11,7 +11,8 @@ import torch
 
 ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2")
+HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2", "qwen3_5", "qwen3_next")
+DELTANET_ARCHS = ("qwen3_5", "qwen3_next")  # Gated DeltaNet hybrids
 GEMMA3_WINDOW = 20  # the tiny Gemma 3's sliding window
 
 
@@ -52,10 +53,32 @@ def _tiny_config(arch: str):
 
 
 def _tiny_hybrid_config(arch: str):
-    from transformers import BambaConfig, Mamba2Config, NemotronHConfig
+    from transformers import BambaConfig, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
                   initializer_range=0.2, tie_word_embeddings=False)
+    # initializer_range 0.1: at 0.2 the tiny model amplifies float32 rounding so much that
+    # transformers' own chunked and recurrent delta rules disagree by up to 4e-4 on a
+    # 130-token prompt; at 0.1 they agree within 6e-6 (logits up to ~4).
+    deltanet = dict(initializer_range=0.1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, intermediate_size=128, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "qwen3_5":
+        # Gated DeltaNet (2 key heads, each serving 2 value heads) and gated attention with
+        # partial rotary; tied embeddings as in the small Qwen3.5 models
+        return Qwen3_5TextConfig(**{**common, "tie_word_embeddings": True, **deltanet}, num_hidden_layers=4,
+                                 layer_types=["linear_attention", "linear_attention", "full_attention",
+                                              "linear_attention"])
+    if arch == "qwen3_next":
+        # MoE on every layer but layer 2 (dense MLP), a shared expert with its gate,
+        # unnormalised top-k weights
+        return Qwen3NextConfig(**{**common, **deltanet}, num_hidden_layers=4,
+                               layer_types=["linear_attention", "full_attention", "linear_attention",
+                                            "full_attention"],
+                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[2],
+                               norm_topk_prob=False)
     if arch == "nemotron_h":
         # mamba / attention (no rope) / mamba / relu^2 MLP / attention / mamba
         return NemotronHConfig(**common, hybrid_override_pattern="M*M-*M", num_attention_heads=4,
@@ -82,10 +105,13 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
     config = _tiny_hybrid_config(arch) if arch in HYBRID_ARCHS else _tiny_config(arch)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if arch in HYBRID_ARCHS:
-        with torch.no_grad():  # HF leaves these at 1; vary them so a wrong index shows
+        with torch.no_grad():  # HF leaves these at 1 (or 0 for 1+w norms); vary them so a wrong index shows
             for name, p in model.named_parameters():
-                if name.endswith(("dt_bias", ".D")) or "mixer.norm" in name or "mamba.norm" in name:
+                if name.endswith(("dt_bias", ".D")) or any(m in name for m in ("mixer.norm", "mamba.norm",
+                                                                               "linear_attn.norm")):
                     p.uniform_(0.5, 1.5)
+                elif arch in DELTANET_ARCHS and name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     if arch == "gemma3":
         with torch.no_grad():  # HF leaves Gemma norms at 0 (a scale of 1); vary them
             for name, p in model.named_parameters():
@@ -165,14 +191,14 @@ def our_last_logits(llm, prompts: list[list[int]], chunk: int | None = None) -> 
     params = SamplingParams(temperature=0)
     for i, p in enumerate(prompts):
         assert kv.allocate_slots(f"t{i}", len(p))
-    runner._apply_state_ops([(None, i) for i in range(len(prompts))] if runner.mamba_states else [])
+    runner._apply_state_ops([(None, i) for i in range(len(prompts))] if runner.recurrent_states else [])
 
     def run(spans: list[tuple[int, int]]) -> torch.Tensor:
         seqs = [ScheduledSeq(f"t{i}", p[a:b], a, kv.block_table(f"t{i}"), True, params, state_slot=i)
                 for i, (p, (a, b)) in enumerate(zip(prompts, spans, strict=True)) if b > a]
         with torch.inference_mode():
             batch = build_batch(seqs, kv.block_size, runner.device, runner.cascade_thresholds)
-            hidden = runner.model(batch, runner.kv_caches, runner.mamba_states)
+            hidden = runner.model(batch, runner.kv_caches, runner.recurrent_states)
             logits = runner.model.compute_logits(hidden[batch.logits_indices])
         order = {s.request_id: j for j, s in enumerate(batch.sample_seqs)}
         return logits[[order.get(f"t{i}", 0) for i in range(len(prompts))]]

@@ -118,16 +118,20 @@ def test_unknown_arch(arch: str, tmp_path: Path) -> None:
         demo_model_path(arch)
 
 
-def test_hybrid_demo_loads_in_transformers_and_hyprefix(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "hf_class", "layers"), [
+    ("hybrid", "NemotronHForCausalLM", ["linear_attention", "mlp", "linear_attention", "full_attention",
+                                        "linear_attention", "mlp"]),
+    ("deltanet", "Qwen3_5ForCausalLM", ["linear_attention"] * 3 + ["full_attention"])])
+def test_hybrid_demo_loads_in_transformers_and_hyprefix(tmp_path: Path, arch: str, hf_class: str,
+                                                        layers: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     from hyprefix import LLM, SamplingParams
 
-    path = make_demo_model("hybrid", tmp_path / "hybrid")
+    path = make_demo_model(arch, tmp_path / arch)
     hf = AutoModelForCausalLM.from_pretrained(path)
-    assert type(hf).__name__ == "NemotronHForCausalLM"
-    assert hf.config.layers_block_type == ["linear_attention", "mlp", "linear_attention", "full_attention",
-                                           "linear_attention", "mlp"]
+    assert type(hf).__name__ == hf_class
+    assert (getattr(hf.config, "layers_block_type", None) or hf.config.layer_types) == layers
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 8:].tolist()
     out = LLM(str(path), dtype="float32").generate([prompt], SamplingParams(temperature=0, max_tokens=6,
@@ -200,7 +204,8 @@ def test_model_aliases_name_the_demo_directories(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(demo, "demo_model_path", lambda arch, size: Path("/demo") / f"{arch}-{size}")
     assert {name: resolve_demo_alias(name) for name in demo.DEMO_ALIASES} == {
         "demo-dense-0.6b": "/demo/dense-bench", "demo-hybrid-0.5b": "/demo/hybrid-bench",
-        "demo-dense-tiny": "/demo/dense-tiny", "demo-hybrid-tiny": "/demo/hybrid-tiny"}
+        "demo-dense-tiny": "/demo/dense-tiny", "demo-hybrid-tiny": "/demo/hybrid-tiny",
+        "demo-qwen3.5-0.8b": "/demo/deltanet-bench", "demo-qwen3.5-tiny": "/demo/deltanet-tiny"}
     assert resolve_demo_alias("Qwen/Qwen3-0.6B") is None
     assert resolve_model_dir("demo-hybrid-0.5b") == Path("/demo/hybrid-bench")
     assert resolve_model("demo-hybrid-tiny") == ("/demo/hybrid-tiny", "demo-hybrid-tiny")  # the bench's --model

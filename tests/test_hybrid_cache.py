@@ -1,4 +1,4 @@
-"""Mamba-state prefix caching on hybrid models: equivalence with caching off and the
+"""Recurrent-state prefix caching on hybrid models (Mamba2 and Gated DeltaNet): equivalence with caching off and the
 checkpoint placement rules (divergence point, last prompt boundary, finish)."""
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def test_restored_prefills_share_a_step_with_a_fresh_one(hybrid_models):
     assert sorted(s.start_pos for s in first.seqs) == [0, 32, 48]
 
 
-def test_divergence_point_checkpoint(hybrid_models):
-    path, _ = hybrid_models["nemotron_h"]
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+def test_divergence_point_checkpoint(hybrid_models, arch):
+    path, _ = hybrid_models[arch]
     llm = make(path)
     shared = random_prompts([40], seed=41)[0]
     first = shared + random_prompts([30], seed=42)[0]  # checkpoints only at its own last boundary, 64
@@ -98,14 +99,15 @@ def test_last_boundary_checkpoint_of_a_multi_chunk_prompt(hybrid_models):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next"])
 @pytest.mark.parametrize("budget", [2048, 21])
-def test_identical_block_aligned_prompt_computes_only_its_last_token(hybrid_models, budget):
+def test_identical_block_aligned_prompt_computes_only_its_last_token(hybrid_models, budget, arch):
     """The RL-burst case: a block-aligned prompt seen before is a full KV hit that
     resumes from the checkpoint one token before its end and computes one token, as on
     a dense model. With a 21-token budget the chunks end at 21, 42 and 63: the state
     after 63 tokens is written one step before its block completes and is published
     with it."""
-    path, _ = hybrid_models["mamba2"]
+    path, _ = hybrid_models[arch]
     prompt = random_prompts([64], seed=52)[0]
     reference = greedy(make(path, enable_prefix_caching=False), [prompt])
     llm = make(path, max_num_batched_tokens=budget)
@@ -128,8 +130,9 @@ def test_identical_prompts_submitted_together_compute_the_prompt_once(hybrid_mod
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
 
 
-def test_finish_checkpoint_is_reused_by_the_next_turn(hybrid_models):
-    path, _ = hybrid_models["nemotron_h"]
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_next"])
+def test_finish_checkpoint_is_reused_by_the_next_turn(hybrid_models, arch):
+    path, _ = hybrid_models[arch]
     llm = make(path)
     prompt = random_prompts([40], seed=61)[0]
     answer = greedy(llm, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]

@@ -73,7 +73,8 @@ def check_states(engine) -> None:
 
 
 @pytest.mark.parametrize(("arch", "seed", "block_size", "num_kv_blocks", "num_ckpts", "budget", "max_num_seqs"),
-                         [("nemotron_h", 0, 16, 24, 5, 48, 6), ("mamba2", 1, 8, 24, 4, 32, 6)])
+                         [("nemotron_h", 0, 16, 24, 5, 48, 6), ("mamba2", 1, 8, 24, 4, 32, 6),
+                          ("qwen3_next", 2, 16, 24, 5, 48, 6), ("qwen3_5", 3, 7, 40, 4, 29, 5)])
 def test_hybrid_prefix_cache_stress_matches_cache_off(hybrid_models, arch, seed, block_size, num_kv_blocks,
                                                       num_ckpts, budget, max_num_seqs):
     path, _ = hybrid_models[arch]

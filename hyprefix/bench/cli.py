@@ -79,7 +79,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     bench.add_argument("--workload", choices=list(WORKLOAD_CLASSES), default="throughput")
     bench.add_argument("--model", default=None,
                        help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
-                            "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-dense-tiny, demo-hybrid-tiny")
+                            "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-qwen3.5-0.8b (Qwen3.5-0.8B-shaped, "
+                            "Gated DeltaNet), demo-dense-tiny, demo-hybrid-tiny, demo-qwen3.5-tiny")
     bench.add_argument("--dtype", default=None, choices=DTYPES,
                        help="every arm's dtype (default auto: the engine's choice for this CPU, and the same "
                             "for transformers); an arm may name its own, e.g. hyprefix@float32")

@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
     """Base of the model classes. Subclasses build their blocks, then call
     ``_init_head`` and implement ``forward`` and ``map_name``.
 
-    ``forward(batch, kv_caches, mamba_states)`` takes the step's ``ForwardBatch``
+    ``forward(batch, kv_caches, states)`` takes the step's ``ForwardBatch``
     (``hyprefix/forward.py``), gathers its rotary tables once and hands them and
     ``kernels`` (the elementwise kernels, eager or compiled by step size; eager until
     the owner, the runner, assigns ``Kernels(compile_enabled)``) to its layers.
@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
 
     kv_layout: KVLayout
     kernels: fused.Kernels
-    state_layout = None  # Mamba state shapes (hybrid models)
+    state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
     _packed_head: torch.Tensor | None = None
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
@@ -157,6 +157,17 @@ def strip_prefix(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
+
+
+def language_model_name(name: str) -> str | None:
+    """An HF tensor name relative to the language model (``layers.0...``, ``norm.weight``,
+    ``lm_head.weight``) for text and multimodal checkpoints; None for vision towers,
+    projectors and multi-token-prediction heads."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return None if name.startswith(("vision_tower.", "multi_modal_projector.", "visual.", "mtp.")) else name
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

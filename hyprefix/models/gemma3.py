@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.models.base import CausalLM, KVLayout, Target, rope_tables
+from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name, rope_tables
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import GatedMLP, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention, map_attention_or_mlp
@@ -108,7 +108,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotaries = self._rotaries(device)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                mamba_states=None) -> torch.Tensor:
+                states=None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids) * self.embed_scale, None
         ropes = {t: rotary.tables(batch.positions) for t, rotary in self.rotaries.items()}
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -120,7 +120,7 @@ class Gemma3ForCausalLM(CausalLM):
         super().load_weights((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights)
 
     def map_name(self, name: str) -> Target | None:
-        name = _language_model_name(name)
+        name = language_model_name(name)
         if name is None:
             return None
         head = self.map_head(name, "embed_tokens.weight", "norm.weight")
@@ -134,12 +134,3 @@ class Gemma3ForCausalLM(CausalLM):
             return f"layers.{idx}.{_RENAMED[module]}.{leaf}", None, None
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
 
-
-def _language_model_name(name: str) -> str | None:
-    """An HF tensor name relative to the language model (``layers.0...``, ``norm.weight``,
-    ``lm_head.weight``); None for a multimodal checkpoint's vision tower and projector."""
-    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    return None if name.startswith(("vision_tower.", "multi_modal_projector.")) else name

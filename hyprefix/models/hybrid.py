@@ -12,8 +12,6 @@ mixer, an attention layer (paged KV cache) or an MLP:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,19 +20,8 @@ from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm
 from hyprefix.models.llama import Attention, map_attention_or_mlp
-from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims, MambaLayerState
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Shapes of one Mamba layer's state, for pool sizing."""
-
-    num_layers: int
-    conv_dim: int
-    conv_width: int  # kernel - 1
-    heads: int
-    head_dim: int
-    state: int
+from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims
+from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
 
 
 class ReluSquaredMLP(nn.Module):
@@ -113,20 +100,19 @@ class HybridForCausalLM(CausalLM):
         mambas = [b.mixer for b in blocks if b.kind == "linear_attention"]
         head_dim = attns[0].head_dim if attns else 1
         self.kv_layout = KVLayout(len(attns), attns[0].num_kv_heads if attns else 1, head_dim)
-        self.state_layout = StateLayout(len(mambas), dims.conv_dim, dims.conv_kernel - 1, dims.heads, dims.head_dim,
-                                        dims.state) if mambas else None
+        self.state_layout = StateLayout(tuple(dims.state_shape for _ in mambas)) if mambas else None
         self._init_head(cfg, dtype, device, max_positions, eps,
                         head_dim if attns and self.flavour == "bamba" else None,
                         can_tie=self.flavour != "nemotron_h")
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                mamba_states: list[MambaLayerState] | None = None) -> torch.Tensor:
+                states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
         kernels = self.kernels
         rope = self.rotary.tables(batch.positions) if self.rotary is not None else None
         residual = self.embed(batch.input_ids)
         if self.residual_in_fp32:
             residual = residual.float()
-        kv_iter, state_iter = iter(kv_caches), iter(mamba_states or [])
+        kv_iter, state_iter = iter(kv_caches), iter(states or [])
         for block in self.blocks:
             h = block.norm(residual.to(self.dtype), kernels)
             if block.kind == "linear_attention":

@@ -13,8 +13,11 @@ from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 
 
 class Attention(nn.Module):
+    """``output_gate`` (Qwen3.5, Qwen3-Next): the output is multiplied by sigmoid of a
+    per-channel gate that ``qkv`` computes after v ([q | k | v | gate])."""
+
     def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device,
-                 qk_norm: bool, qkv_bias: bool, o_bias: bool) -> None:
+                 qk_norm: bool, qkv_bias: bool, o_bias: bool, output_gate: bool = False) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -23,8 +26,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.window = _layer_window(cfg, layer_idx)
-        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias,
-                             dtype=dtype, device=device)
+        self.output_gate = output_gate
+        self.qkv = Linear(cfg.hidden_size, self.q_size * (2 if output_gate else 1) + 2 * self.kv_size,
+                          bias=qkv_bias, dtype=dtype, device=device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device)
         # QK-norm (Qwen3): one weight row per q head then per k head, filled at load.
         self.qk_norm_eps = getattr(cfg, "rms_norm_eps", 1e-6)
@@ -38,12 +42,15 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         # q and k are adjacent columns of qkv: normalise and rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        kv_end = self.q_size + 2 * self.kv_size
+        v = qkv[:, self.q_size + self.kv_size: kv_end].view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
             qk = kernels.qk_norm_rope(qk, self.qk_norm_weight, rope.cos, rope.sin, self.qk_norm_eps, rope.rotary_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window).reshape(t, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(qkv[:, kv_end:])
+        return self.o_proj(out)
 
 
 def _layer_window(cfg, layer_idx: int) -> int | None:
@@ -105,7 +112,7 @@ class LlamaForCausalLM(CausalLM):
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.head_dim)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                mamba_states=None) -> torch.Tensor:
+                states=None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary.tables(batch.positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

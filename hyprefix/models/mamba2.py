@@ -4,14 +4,10 @@ in_proj -> causal depthwise conv1d (with a conv state of the last K-1 inputs)
 -> SiLU -> chunked SSD scan with an initial SSM state -> D skip -> gated grouped
 RMSNorm -> out_proj.
 
-State lives outside the module, in ``MambaLayerState`` tensors indexed by slot:
-``conv`` [slots, conv_dim, K-1] in the model dtype and ``ssm`` [slots, heads,
-head_dim, state] in float32 whatever the model dtype. Before the forward the
-runner has put each scheduled request's initial state in its live slot (zeros
-or a restored checkpoint); the mixer reads it, advances it, writes it back, and
-copies the state at requested positions ("taps") into checkpoint slots. A tap
-inside a prefill splits the scan there, so checkpoints never force a chunk
-boundary on the scheduler.
+State lives outside the module (``recurrent_state.py``): ``conv`` [slots, conv_dim,
+K-1] in the model dtype and the SSM state ``matrix`` [slots, heads, head_dim,
+state] in float32 whatever the model dtype. A tap inside a prefill splits the scan
+there, so checkpoints never force a chunk boundary on the scheduler.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.layers import Linear
+from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState, conv_decode, conv_prefill
 
 
 @dataclass(frozen=True)
@@ -49,17 +46,11 @@ class MambaDims:
     def conv_dim(self) -> int:
         return self.inner + 2 * self.groups * self.state
 
+    @property
+    def state_shape(self) -> LayerStateShape:
+        return LayerStateShape(self.conv_dim, self.conv_kernel - 1, (self.heads, self.head_dim, self.state))
 
-@dataclass
-class MambaLayerState:
-    conv: torch.Tensor  # [live slots, conv_dim, K-1]
-    ssm: torch.Tensor  # [live slots, heads, head_dim, state], float32
-    ckpt_conv: torch.Tensor  # [checkpoint slots, conv_dim, K-1]
-    ckpt_ssm: torch.Tensor  # [checkpoint slots, heads, head_dim, state], float32
 
-    def tap(self, ckpt_slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.ckpt_conv[ckpt_slot].copy_(conv)
-        self.ckpt_ssm[ckpt_slot].copy_(ssm)
 
 
 class Mamba2Mixer(nn.Module):
@@ -76,7 +67,7 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(d.inner, dtype=dtype, device=device))
         self.out_proj = Linear(d.inner, d.hidden, bias=d.use_bias, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: MambaLayerState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
         d = self.d
         z, xbc, dt = self.in_proj(x).split([d.inner, d.conv_dim, d.heads], dim=-1)
         A = -torch.exp(self.A_log.float())
@@ -105,40 +96,33 @@ class Mamba2Mixer(nn.Module):
         C = C.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
         return xv.float(), B, C
 
-    def _decode(self, xbc, dt, A, batch: ForwardBatch, state: MambaLayerState):
+    def _decode(self, xbc, dt, A, batch: ForwardBatch, state: RecurrentLayerState):
         d = self.d
         slots = batch.decode_state_slots
         assert slots is not None
-        window = torch.cat((state.conv.index_select(0, slots), xbc.unsqueeze(-1).to(state.conv.dtype)), dim=-1)
-        state.conv.index_copy_(0, slots, window[:, :, 1:])
-        conv = (window * self.conv1d_weight[:, 0, :]).sum(-1)
-        if self.conv1d_bias is not None:
-            conv = conv + self.conv1d_bias
+        conv, conv_states = conv_decode(state, slots, xbc, self.conv1d_weight, self.conv1d_bias)
         xv, B, C = self._split_xbc(F.silu(conv))
         dt = self._dt(dt)  # [n, heads]
         xh = xv.view(-1, d.heads, d.head_dim)
-        h = state.ssm.index_select(0, slots)
+        h = state.matrix.index_select(0, slots)
         h = h * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * xh)[..., None] * B[:, :, None, :]
-        state.ssm.index_copy_(0, slots, h)
+        state.matrix.index_copy_(0, slots, h)
         for row, ckpt in batch.decode_state_taps:
-            state.tap(ckpt, window[row, :, 1:], h[row])
+            state.tap(ckpt, conv_states[row], h[row])
         y = torch.einsum("bhpn,bhn->bhp", h, C)
         return y, xv
 
-    def _prefill(self, xbc, dt, A, slot: int, taps: list[tuple[int, int]], state: MambaLayerState):
+    def _prefill(self, xbc, dt, A, slot: int, taps: list[tuple[int, int]], state: RecurrentLayerState):
         d = self.d
         k1 = d.conv_kernel - 1
         n = xbc.shape[0]
-        # Old conv state + new inputs: also right for prompts shorter than the kernel.
-        full = torch.cat((state.conv[slot], xbc.t().to(state.conv.dtype)), dim=-1)  # [C, K-1+n]
-        conv = F.conv1d(full[None], self.conv1d_weight, self.conv1d_bias, groups=d.conv_dim)[0]  # [C, n]
-        state.conv[slot].copy_(full[:, n:])
-        xv, B, C = self._split_xbc(F.silu(conv.t()))
+        conv, inputs = conv_prefill(state, slot, xbc, self.conv1d_weight, self.conv1d_bias)
+        xv, B, C = self._split_xbc(F.silu(conv))
         y, h, tapped = ssd_scan(xv.view(n, d.heads, d.head_dim), self._dt(dt), A, B, C,
-                                state.ssm[slot], d.chunk, [offset for offset, _ in taps])
-        state.ssm[slot].copy_(h)
+                                state.matrix[slot], d.chunk, [offset for offset, _ in taps])
+        state.matrix[slot].copy_(h)
         for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
-            state.tap(ckpt, full[:, offset:offset + k1], h_at)
+            state.tap(ckpt, inputs[:, offset:offset + k1], h_at)
         return y, xv
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
+from hyprefix.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,11 @@ MODEL_CLASSES: dict[str, type] = {
     "NemotronHForCausalLM": HybridForCausalLM,
     "BambaForCausalLM": HybridForCausalLM,
     "Mamba2ForCausalLM": HybridForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,  # the language model; images are not supported
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,  # likewise
 }
 
 

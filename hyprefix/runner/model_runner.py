@@ -1,5 +1,5 @@
 """SchedulerOutput -> tensors -> forward -> sampled token ids. Owns the KV and
-Mamba state tensors and performs every state copy the scheduler asks for; gives
+recurrent state tensors and performs every state copy the scheduler asks for; gives
 the model its elementwise kernels (compiled or not) once, at construction."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
-from hyprefix.models.mamba2 import MambaLayerState
+from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds
@@ -42,18 +42,11 @@ class ModelRunner:
         self.has_window_pool = num_window_blocks > 0
         self.kv_caches = [kv(num_window_blocks if self.has_window_pool and layout.window(i) is not None
                              else num_blocks) for i in range(layout.num_layers)]
-        self.mamba_states: list[MambaLayerState] = []  # one per Mamba layer: live and checkpoint slots
-        sl = model.state_layout
-        if sl is not None:
-            def conv(n: int) -> torch.Tensor:
-                return torch.zeros(n, sl.conv_dim, sl.conv_width, dtype=dtype, device=device)
-
-            def ssm(n: int) -> torch.Tensor:
-                return torch.zeros(n, sl.heads, sl.head_dim, sl.state, dtype=torch.float32, device=device)
-
-            self.mamba_states = [MambaLayerState(conv(num_live_slots), ssm(num_live_slots),
-                                                 conv(num_checkpoint_slots), ssm(num_checkpoint_slots))
-                                 for _ in range(sl.num_layers)]
+        # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
+        state_layout = model.state_layout
+        self.recurrent_states: list[RecurrentLayerState] = [
+            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device)
+            for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device)
         model.kernels = Kernels(compile_enabled)
 
@@ -74,23 +67,15 @@ class ModelRunner:
 
     @staticmethod
     def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
-        """Conv + SSM state of every Mamba layer (0 for models without Mamba layers)."""
-        sl = model.state_layout
-        if sl is None:
-            return 0
-        per_layer = sl.conv_dim * sl.conv_width * _elem(dtype) + sl.heads * sl.head_dim * sl.state * 4
-        return sl.num_layers * per_layer
+        """Conv + matrix state of every recurrent layer (0 for models without any)."""
+        layout = model.state_layout
+        return layout.bytes_per_slot(dtype) if layout is not None else 0
 
     def _apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
         """Initialise live slots: copy a checkpoint in (never alias it) or zero it."""
         for src, dst in ops:
-            for layer in self.mamba_states:
-                if src is None:
-                    layer.conv[dst].zero_()
-                    layer.ssm[dst].zero_()
-                else:
-                    layer.conv[dst].copy_(layer.ckpt_conv[src])
-                    layer.ssm[dst].copy_(layer.ckpt_ssm[src])
+            for layer in self.recurrent_states:
+                layer.restore(src, dst)
 
     def warmup(self) -> bool:
         """Run one throwaway step big enough for the compiled kernels, so they compile
@@ -101,8 +86,8 @@ class ModelRunner:
         num_blocks = -(-tokens // self.block_size)
         if not self.kernels.compile_enabled or any(k.shape[0] < num_blocks for k, _ in self.kv_caches):
             return False
-        live = bool(self.mamba_states) and self.mamba_states[0].conv.shape[0] > 0
-        if self.mamba_states and not live:
+        live = bool(self.recurrent_states) and self.recurrent_states[0].conv.shape[0] > 0
+        if self.recurrent_states and not live:
             return False
         seq = ScheduledSeq("warmup", [0] * tokens, 0, list(range(num_blocks)), sample=True,
                            params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1,
@@ -118,7 +103,7 @@ class ModelRunner:
             return {}
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
-        hidden = self.model(batch, self.kv_caches, self.mamba_states)
+        hidden = self.model(batch, self.kv_caches, self.recurrent_states)
         if not batch.sample_seqs:
             return {}
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,184 @@
+"""Gated DeltaNet mixer (Qwen3.5, Qwen3-Next linear-attention layers) in plain
+PyTorch over per-request live state slots (``recurrent_state.py``).
+
+in_proj -> [q k v | z | b | a]; causal depthwise conv1d over q k v (with a conv
+state of the last K-1 inputs) -> SiLU -> L2-normalised q, k (q scaled by
+1/sqrt(key dim)), each key head serving ``v_heads / k_heads`` consecutive value
+heads -> gated delta rule from an initial state -> RMSNorm(o) * SiLU(z) per value
+head -> out_proj.
+
+The gated delta rule, per value head with state S [key dim, value dim] (float32):
+``S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t``, with
+``g_t = -exp(A_log) softplus(a_t + dt_bias)`` and ``beta_t = sigmoid(b_t)``.
+Prefills run it chunked (``gated_delta_scan``); a tap inside a prefill ends a chunk
+there, so checkpoints never force a chunk boundary on the scheduler. Decodes run
+the one-token recurrence batched over rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.forward import ForwardBatch
+from hyprefix.models.layers import Linear
+from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState, conv_decode, conv_prefill
+
+
+@dataclass(frozen=True)
+class DeltaNetDims:
+    hidden: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    eps: float
+    chunk: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_shape(self) -> LayerStateShape:
+        return LayerStateShape(self.conv_dim, self.conv_kernel - 1, (self.v_heads, self.k_dim, self.v_dim))
+
+    @classmethod
+    def from_config(cls, cfg) -> DeltaNetDims:
+        return cls(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                   cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """``in_proj`` holds Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a
+    stacked in that order (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are
+    reordered into it at load, ``models/qwen3_next.py``)."""
+
+    def __init__(self, d: DeltaNetDims, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.d = d
+        self.in_proj = Linear(d.hidden, d.conv_dim + d.value_dim + 2 * d.v_heads, bias=False, dtype=dtype,
+                              device=device)
+        self.conv1d_weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel, dtype=dtype, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(d.v_heads, dtype=dtype, device=device))
+        self.A_log = nn.Parameter(torch.empty(d.v_heads, dtype=dtype, device=device))
+        self.norm_weight = nn.Parameter(torch.empty(d.v_dim, dtype=dtype, device=device))
+        self.out_proj = Linear(d.value_dim, d.hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
+        d = self.d
+        t = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split([d.conv_dim, d.value_dim, d.v_heads, d.v_heads], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        o = torch.empty(t, d.v_heads, d.v_dim, dtype=torch.float32, device=x.device)
+        n_dec = batch.num_decode
+        if n_dec:
+            o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
+        for span in batch.prefills:
+            sl = span.token_slice
+            o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
+        return self.out_proj(self._gated_norm(o, z).to(x.dtype))
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [n, conv_dim] -> q, k [n, v_heads, k_dim] (normalised, q scaled)
+        and v [n, v_heads, v_dim], float32."""
+        d = self.d
+        q, k, v = F.silu(conv_out.float()).split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        n, rep = q.shape[0], d.v_heads // d.k_heads
+        q = _l2norm(q.view(n, d.k_heads, d.k_dim)) * d.k_dim ** -0.5
+        k = _l2norm(k.view(n, d.k_heads, d.k_dim))
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        return q, k, v.reshape(n, d.v_heads, d.v_dim)
+
+    def _decode(self, qkv, g, beta, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
+        slots = batch.decode_state_slots
+        assert slots is not None
+        conv, conv_states = conv_decode(state, slots, qkv, self.conv1d_weight, None)
+        q, k, v = self._qkv(conv)
+        h = state.matrix.index_select(0, slots) * torch.exp(g)[:, :, None, None]  # [m, H, K, V]
+        delta = (v - torch.einsum("mhkv,mhk->mhv", h, k)) * beta[:, :, None]
+        h = h + k[..., None] * delta[:, :, None, :]
+        state.matrix.index_copy_(0, slots, h)
+        for row, ckpt in batch.decode_state_taps:
+            state.tap(ckpt, conv_states[row], h[row])
+        return torch.einsum("mhkv,mhk->mhv", h, q)
+
+    def _prefill(self, qkv, g, beta, slot: int, taps: list[tuple[int, int]],
+                 state: RecurrentLayerState) -> torch.Tensor:
+        k1 = self.d.conv_kernel - 1
+        conv, inputs = conv_prefill(state, slot, qkv, self.conv1d_weight, None)
+        q, k, v = self._qkv(conv)
+        o, h, tapped = gated_delta_scan(q, k, v, g, beta, state.matrix[slot], self.d.chunk,
+                                        [offset for offset, _ in taps])
+        state.matrix[slot].copy_(h)
+        for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
+            state.tap(ckpt, inputs[:, offset:offset + k1], h_at)
+        return o
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) * w * SiLU(z) per value head, in float32: [T, H, V] -> [T, H*V]."""
+        d = self.d
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps)
+        out = self.norm_weight.float() * normed * F.silu(z.float().view_as(o))
+        return out.view(o.shape[0], d.value_dim)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     h0: torch.Tensor, chunk: int,
+                     cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunked gated delta rule over one sequence, float32.
+
+    q, k [n, H, K], v [n, H, V], g (log decay, <= 0) and beta [n, H], h0 [H, K, V].
+    Segments end every ``chunk`` tokens and at every offset in ``cuts``; returns
+    (o [n, H, V], final state, states after each cut offset in order).
+
+    Within a segment of length Q, with G_t = exp(cumsum g) from its start, the
+    deltas u solve ``(I + L) u = beta v - beta G k h0`` with L[t, j] = beta_t
+    (G_t / G_j) k_t . k_j for j < t (unit lower triangular: one triangular solve);
+    then ``o_t = G_t q_t h0 + sum_{j<=t} (G_t / G_j)(q_t . k_j) u_j`` and the state
+    after it is ``G_Q h0 + sum_j (G_Q / G_j) k_j u_j^T``.
+    """
+    n = q.shape[0]
+    o = torch.empty_like(v)
+    h = h0.to(q.dtype)
+    cut_set = set(cuts)
+    tapped: dict[int, torch.Tensor] = {}
+    start = 0
+    while start < n:
+        end = min(start + chunk, n, *(c for c in cut_set if c > start))
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, Q, *]
+        bs = beta[start:end].t()  # [H, Q]
+        cs = torch.cumsum(g[start:end].t(), dim=-1)  # [H, Q]
+        span = end - start
+        causal = torch.ones(span, span, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q, Q]
+        lower = (bs[:, :, None] * (ks @ ks.transpose(1, 2)) * decay).tril(-1)
+        rhs = torch.cat((bs[:, :, None] * vs, (bs * torch.exp(cs))[:, :, None] * ks), dim=-1)
+        solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        u = solved[..., :vs.shape[-1]] - solved[..., vs.shape[-1]:] @ h  # [H, Q, V]
+        out = (qs * torch.exp(cs)[:, :, None]) @ h + ((qs @ ks.transpose(1, 2)) * decay) @ u
+        o[start:end] = out.transpose(0, 1)
+        to_end = torch.exp(cs[:, -1:] - cs)  # [H, Q]
+        h = h * torch.exp(cs[:, -1])[:, None, None] + (ks * to_end[:, :, None]).transpose(1, 2) @ u
+        if end in cut_set:
+            tapped[end] = h.clone()
+        start = end
+    return o, h, [tapped[c] for c in cuts]

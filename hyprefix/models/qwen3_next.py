@@ -1,0 +1,242 @@
+"""Gated-DeltaNet hybrids: Qwen3.5 (dense and MoE; text models and the language model
+of their ``ForConditionalGeneration`` checkpoints) and Qwen3-Next.
+
+Each layer is ``norm -> mixer -> norm -> MLP`` with residuals; the mixer is a Gated
+DeltaNet (``linear_attention``, ``gated_deltanet.py``) or gated attention
+(``full_attention``: output gate, partial rotary, QK-norm) by ``layer_types``; the
+MLP is a gated SiLU MLP or a sparse MoE block (router, experts, shared expert with a
+sigmoid gate). Norms scale by ``1 + w`` (stored so at load, so the shared kernels
+apply), except the DeltaNet's gated output norm. For text, Qwen3.5's multimodal
+RoPE (``mrope_section``) reduces to plain RoPE: every section sees the same position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.forward import ForwardBatch
+from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name
+from hyprefix.models.fused import Kernels
+from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
+from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.llama import Attention
+from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax router over ``num_experts`` gated SiLU experts plus a shared
+    expert scaled by sigmoid(shared_gate(x)). Expert weights are stacked: gate_up
+    [E * 2I, hidden] (each expert's gate rows then up rows), down [E * hidden, I]."""
+
+    def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.inter = cfg.num_experts, cfg.num_experts_per_tok, inter
+        self.norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
+        self.router = Linear(hidden, self.num_experts, bias=False, dtype=dtype, device=device)
+        self.experts_gate_up = nn.Parameter(torch.empty(self.num_experts * 2 * inter, hidden, dtype=dtype,
+                                                        device=device))
+        self.experts_down = nn.Parameter(torch.empty(self.num_experts * hidden, inter, dtype=dtype, device=device))
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        self.shared = GatedMLP(hidden, shared, False, dtype, device) if shared else None
+        self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        gate_up = self.experts_gate_up.view(self.num_experts, 2 * self.inter, -1)
+        down = self.experts_down.view(self.num_experts, -1, self.inter)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, down[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, h)
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+def _is_moe_layer(cfg, i: int) -> bool:
+    if not getattr(cfg, "num_experts", 0):
+        return False
+    if i in (getattr(cfg, "mlp_only_layers", None) or []):
+        return False
+    return (i + 1) % (getattr(cfg, "decoder_sparse_step", 1) or 1) == 0
+
+
+class Qwen3NextLayer(nn.Module):
+    def __init__(self, cfg, i: int, dims: DeltaNetDims, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if self.kind == LINEAR:
+            self.mixer: nn.Module = GatedDeltaNet(dims, dtype, device)
+        elif self.kind == FULL:
+            bias = bool(getattr(cfg, "attention_bias", False))
+            self.mixer = Attention(cfg, i, dtype, device, qk_norm=True, qkv_bias=bias, o_bias=bias, output_gate=True)
+        else:
+            raise ValueError(f"unsupported layer type {self.kind!r} (layer {i})")
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp: nn.Module = (SparseMoE(cfg, dtype, device) if _is_moe_layer(cfg, i)
+                               else GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, device))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
+                cache, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cache``: the layer's (K, V) pool or its recurrent state. Returns (this
+        layer's output, residual stream); their sum is the hidden state."""
+        if residual is None:
+            h, residual = self.input_norm(x, kernels), x
+        else:
+            h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h = self.mixer(h, batch, cache) if self.kind == LINEAR else self.mixer(h, batch, rope, cache, kernels)
+        h, residual = self.post_norm.add_forward(h, residual, kernels)
+        return self.mlp(h), residual
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and the language
+    model of Qwen3_5(Moe)ForConditionalGeneration (``hf_config.text_config``)."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        super().__init__()
+        cfg = hf_config.get_text_config()
+        dims = DeltaNetDims.from_config(cfg)
+        self.layers = nn.ModuleList(Qwen3NextLayer(cfg, i, dims, dtype, device) for i in range(cfg.num_hidden_layers))
+        attns = [layer.mixer for layer in self.layers if layer.kind == FULL]
+        deltas = [layer for layer in self.layers if layer.kind == LINEAR]
+        if not attns:
+            raise ValueError("a Qwen3.5 / Qwen3-Next config needs at least one full_attention layer")
+        self.kv_layout = KVLayout(len(attns), attns[0].num_kv_heads, attns[0].head_dim)
+        self.state_layout = StateLayout(tuple(dims.state_shape for _ in deltas)) if deltas else None
+        self._q_shape = (attns[0].num_heads, attns[0].head_dim)  # to split q_proj into query and gate rows
+        self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attns[0].head_dim)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
+        x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary.tables(batch.positions)
+        kv_iter, state_iter = iter(kv_caches), iter(states or [])
+        for layer in self.layers:
+            cache = next(state_iter) if layer.kind == LINEAR else next(kv_iter)
+            x, residual = layer(x, residual, batch, rope, cache, self.kernels)
+        return x + residual
+
+    # ------------------------------------------------------------------ loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._converted(weights))
+
+    def _converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors -> ours: ``1 + w`` norms; the attention q_proj split into query and
+        gate rows; Qwen3-Next's interleaved DeltaNet projections and fused expert tensors
+        split into the per-part tensors the names map to."""
+        for name, t in weights:
+            name = language_model_name(name)
+            if name is None:
+                continue
+            if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+                yield name, t.float() + 1
+            elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                heads, head_dim = self._q_shape
+                q, gate = t.reshape(heads, 2, head_dim, *t.shape[1:]).unbind(1)
+                yield name, q.reshape(heads * head_dim, *t.shape[1:])
+                yield name.replace("q_proj", "gate_proj"), gate.reshape(heads * head_dim, *t.shape[1:])
+            elif name.endswith("linear_attn.in_proj_qkvz.weight"):
+                yield from self._split_qkvz(name, t)
+            elif name.endswith("linear_attn.in_proj_ba.weight"):
+                d = self._dims
+                b, a = t.view(d.k_heads, 2, d.v_heads // d.k_heads, -1).unbind(1)
+                yield name.replace("in_proj_ba", "in_proj_b"), b.reshape(d.v_heads, -1)
+                yield name.replace("in_proj_ba", "in_proj_a"), a.reshape(d.v_heads, -1)
+            elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # fused [E, rows, cols]
+                yield name, t.reshape(-1, t.shape[-1])
+            else:
+                yield name, t
+
+    @property
+    def _dims(self) -> DeltaNetDims:
+        return next(layer.mixer.d for layer in self.layers if layer.kind == LINEAR)
+
+    def _split_qkvz(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Qwen3-Next groups in_proj_qkvz by key head: [q, k, v (r heads), z (r heads)]
+        per key head; ours is [q | k | v | z] over all heads."""
+        d = self._dims
+        r = d.v_heads // d.k_heads
+        q, k, v, z = t.view(d.k_heads, -1, t.shape[-1]).split([d.k_dim, d.k_dim, r * d.v_dim, r * d.v_dim], dim=1)
+        qkv = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+        yield name.replace("in_proj_qkvz", "in_proj_qkv"), qkv
+        yield name.replace("in_proj_qkvz", "in_proj_z"), z.reshape(-1, t.shape[-1])
+
+    def map_name(self, name: str) -> Target | None:
+        head = self.map_head(name, "embed_tokens.weight", "norm.weight")
+        if head is not None or name == "lm_head.weight" or "rotary_emb" in name:
+            return head
+        if not name.startswith("layers."):
+            return name, None, None
+        _, idx, rest = name.split(".", 2)
+        prefix, layer = f"layers.{idx}", self.layers[int(idx)]
+        module, leaf = rest.rsplit(".", 1) if "." in rest else ("", rest)
+        if module in ("input_layernorm", "post_attention_layernorm"):
+            return f"{prefix}.{'input_norm' if module == 'input_layernorm' else 'post_norm'}.{leaf}", None, None
+        if module.startswith("linear_attn") or rest.startswith("linear_attn."):
+            return self._map_deltanet(prefix, rest.split(".", 1)[1])
+        if module.startswith("self_attn."):
+            return self._map_attention(prefix, layer.mixer, module.split(".", 1)[1], leaf)
+        if module.startswith("mlp"):
+            return self._map_mlp(prefix, layer.mlp, rest.split(".", 1)[1])
+        return f"{prefix}.{rest}", None, None
+
+    def _map_deltanet(self, prefix: str, rest: str) -> Target:
+        d = self._dims
+        sizes = [d.conv_dim, d.value_dim, d.v_heads, d.v_heads]
+        parts = {"in_proj_qkv.weight": 0, "in_proj_z.weight": 1, "in_proj_b.weight": 2, "in_proj_a.weight": 3}
+        if rest in parts:
+            return f"{prefix}.mixer.in_proj.weight", parts[rest], sizes
+        renamed = {"conv1d.weight": "conv1d_weight", "norm.weight": "norm_weight"}
+        return f"{prefix}.mixer.{renamed.get(rest, rest)}", None, None
+
+    def _map_attention(self, prefix: str, attn: Attention, module: str, leaf: str) -> Target:
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size, attn.q_size]
+        parts = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 3}
+        if module in parts:
+            return f"{prefix}.mixer.qkv.{leaf}", parts[module], sizes
+        if module in ("q_norm", "k_norm"):
+            return (f"{prefix}.mixer.qk_norm_weight", int(module == "k_norm"), [attn.num_heads, attn.num_kv_heads])
+        return f"{prefix}.mixer.{module}.{leaf}", None, None
+
+    def _map_mlp(self, prefix: str, mlp: nn.Module, rest: str) -> Target:
+        if isinstance(mlp, GatedMLP):
+            return _map_gated_mlp(f"{prefix}.mlp", mlp, rest)
+        assert isinstance(mlp, SparseMoE)
+        if rest == "gate.weight":
+            return f"{prefix}.mlp.router.weight", None, None
+        if rest == "shared_expert_gate.weight":
+            return f"{prefix}.mlp.shared_gate.weight", None, None
+        if rest.startswith("shared_expert.") and mlp.shared is not None:
+            return _map_gated_mlp(f"{prefix}.mlp.shared", mlp.shared, rest.split(".", 1)[1])
+        if rest == "experts.gate_up_proj":
+            return f"{prefix}.mlp.experts_gate_up", None, None
+        if rest == "experts.down_proj":
+            return f"{prefix}.mlp.experts_down", None, None
+        _, e, proj, _ = rest.split(".")  # experts.{e}.{gate,up,down}_proj.weight
+        e, n = int(e), mlp.num_experts
+        if proj == "down_proj":
+            return f"{prefix}.mlp.experts_down", e, [self.config.hidden_size] * n
+        return f"{prefix}.mlp.experts_gate_up", 2 * e + (proj == "up_proj"), [mlp.inter] * (2 * n)
+
+
+def _map_gated_mlp(prefix: str, mlp: GatedMLP, rest: str) -> Target:
+    module, leaf = rest.rsplit(".", 1)
+    if module in ("gate_proj", "up_proj"):
+        return f"{prefix}.gate_up.{leaf}", int(module == "up_proj"), [mlp.intermediate] * 2
+    return f"{prefix}.down.{leaf}", None, None
+

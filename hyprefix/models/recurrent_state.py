@@ -1,0 +1,113 @@
+"""What every recurrent mixer (Mamba2, Gated DeltaNet) shares: where its state lives
+and its causal depthwise conv over a conv state.
+
+A recurrent layer's state is a conv window (the last K-1 conv inputs, in the model
+dtype) and a matrix state (float32 whatever the model dtype): Mamba2's SSM state
+[heads, head_dim, state], Gated DeltaNet's [value heads, key dim, value dim]. The
+state lives outside the modules, in ``RecurrentLayerState`` tensors indexed by slot.
+Before a forward the runner has put each scheduled request's initial state in its
+live slot (zeros or a restored checkpoint, copied never aliased); the mixer reads
+it, advances it, writes it back, and copies the state at requested positions
+("taps") into checkpoint slots.
+
+A checkpoint slot holds the state of every recurrent layer of the model; the layers
+may differ in shape (``StateLayout`` lists them), so one byte budget serves models
+that mix kinds of recurrent layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerStateShape:
+    """One recurrent layer's state: conv window [conv_dim, conv_width] (model dtype) and
+    a float32 matrix state of shape ``matrix``."""
+
+    conv_dim: int
+    conv_width: int  # kernel - 1
+    matrix: tuple[int, ...]
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for d in self.matrix:
+            numel *= d
+        return self.conv_dim * self.conv_width * elem + numel * 4
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The state shapes of a model's recurrent layers, in layer order."""
+
+    layers: tuple[LayerStateShape, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return sum(layer.bytes(dtype) for layer in self.layers)
+
+
+@dataclass
+class RecurrentLayerState:
+    conv: torch.Tensor  # [live slots, conv_dim, K-1]
+    matrix: torch.Tensor  # [live slots, *matrix], float32
+    ckpt_conv: torch.Tensor  # [checkpoint slots, conv_dim, K-1]
+    ckpt_matrix: torch.Tensor  # [checkpoint slots, *matrix], float32
+
+    @classmethod
+    def allocate(cls, shape: LayerStateShape, live: int, checkpoints: int, dtype: torch.dtype,
+                 device: torch.device) -> RecurrentLayerState:
+        def conv(n: int) -> torch.Tensor:
+            return torch.zeros(n, shape.conv_dim, shape.conv_width, dtype=dtype, device=device)
+
+        def matrix(n: int) -> torch.Tensor:
+            return torch.zeros(n, *shape.matrix, dtype=torch.float32, device=device)
+
+        return cls(conv(live), matrix(live), conv(checkpoints), matrix(checkpoints))
+
+    def tap(self, ckpt_slot: int, conv: torch.Tensor, matrix: torch.Tensor) -> None:
+        self.ckpt_conv[ckpt_slot].copy_(conv)
+        self.ckpt_matrix[ckpt_slot].copy_(matrix)
+
+    def restore(self, ckpt_slot: int | None, live_slot: int) -> None:
+        """Initialise a live slot from a checkpoint (a copy) or with zeros (None)."""
+        if ckpt_slot is None:
+            self.conv[live_slot].zero_()
+            self.matrix[live_slot].zero_()
+        else:
+            self.conv[live_slot].copy_(self.ckpt_conv[ckpt_slot])
+            self.matrix[live_slot].copy_(self.ckpt_matrix[ckpt_slot])
+
+
+def conv_prefill(state: RecurrentLayerState, slot: int, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of one prefill ``x`` [n, C] after the slot's conv state;
+    advances the state. Returns (conv output [n, C] before the activation, the conv
+    inputs [C, K-1+n] old state first: the conv state after ``j`` tokens is
+    ``inputs[:, j:j + K-1]``). Also right for prompts shorter than the kernel."""
+    n = x.shape[0]
+    inputs = torch.cat((state.conv[slot], x.t().to(state.conv.dtype)), dim=-1)
+    out = F.conv1d(inputs[None], weight, bias, groups=weight.shape[0])[0]
+    state.conv[slot].copy_(inputs[:, n:])
+    return out.t(), inputs
+
+
+def conv_decode(state: RecurrentLayerState, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``x`` [m, C] for the live ``slots``; advances their conv
+    states. Returns (conv output [m, C] before the activation, each row's new conv
+    state [m, C, K-1])."""
+    window = torch.cat((state.conv.index_select(0, slots), x.unsqueeze(-1).to(state.conv.dtype)), dim=-1)
+    new_state = window[:, :, 1:]
+    state.conv.index_copy_(0, slots, new_state)
+    out = (window * weight[:, 0, :]).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return out, new_state

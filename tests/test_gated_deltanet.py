@@ -1,0 +1,124 @@
+"""The Gated DeltaNet scan against a float64 token-by-token oracle, and the Qwen3.5
+checkpoint layouts the tiny-model tests in test_hybrid_vs_hf.py do not cover: the
+language model of a Qwen3_5ForConditionalGeneration checkpoint and Qwen3.5-MoE."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import ASSETS, _tiny_hybrid_config, hf_greedy, logit_errors, random_prompts
+
+from hyprefix import LLM, SamplingParams
+from hyprefix.models.gated_deltanet import gated_delta_scan
+
+
+def _oracle(q, k, v, g, beta, h0):
+    """The gated delta rule one token at a time, float64."""
+    q, k, v, g, beta, h = (x.double() for x in (q, k, v, g, beta, h0))
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        h = h * torch.exp(g[t])[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", h, k[t])) * beta[t][:, None]
+        h = h + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", h, q[t]))
+        states.append(h)
+    return torch.stack(outs), states
+
+
+def _inputs(n: int, heads: int = 4, kd: int = 16, vd: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(n, heads, kd, generator=gen), dim=-1) * kd ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(n, heads, kd, generator=gen), dim=-1)
+    v = torch.randn(n, heads, vd, generator=gen)
+    # decays from almost none to strong, as A_log spans them in real checkpoints
+    g = -torch.tensor([0.01, 0.3, 2.0, 12.0])[:heads] * torch.rand(n, heads, generator=gen)
+    beta = torch.rand(n, heads, generator=gen)
+    h0 = torch.randn(heads, kd, vd, generator=gen)
+    return q, k, v, g, beta, h0
+
+
+@pytest.mark.parametrize(("n", "chunk", "cuts"), [
+    (1, 64, []), (3, 64, [1, 2]), (57, 64, [16, 56]), (130, 64, [1, 63, 64, 65, 128]), (130, 16, [7, 100])])
+def test_scan_matches_token_by_token_oracle(n, chunk, cuts):
+    q, k, v, g, beta, h0 = _inputs(n)
+    o, h, tapped = gated_delta_scan(q, k, v, g, beta, h0, chunk, cuts)
+    ref, states = _oracle(q, k, v, g, beta, h0)
+    assert (o.double() - ref).abs().max().item() < 1e-5
+    assert (h.double() - states[-1]).abs().max().item() < 1e-5
+    assert len(tapped) == len(cuts)
+    for cut, state in zip(cuts, tapped, strict=True):
+        assert (state.double() - states[cut - 1]).abs().max().item() < 1e-5, f"tap at {cut}"
+
+
+def test_tap_does_not_change_the_output():
+    """A checkpoint inside a prefill ends a chunk there; outputs and final state stay the same."""
+    q, k, v, g, beta, h0 = _inputs(100, seed=3)
+    plain = gated_delta_scan(q, k, v, g, beta, h0, 64, [])
+    tapped = gated_delta_scan(q, k, v, g, beta, h0, 64, [5, 70])
+    assert torch.allclose(plain[0], tapped[0], atol=1e-5) and torch.allclose(plain[1], tapped[1], atol=1e-5)
+
+
+def _save(model, out) -> None:
+    model.save_pretrained(out)
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "eos_token": "<|im_end|>"}))
+
+
+def _vary_norms(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias") or "linear_attn.norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight") and "visual" not in name:
+                p.normal_(0, 0.3)
+
+
+def test_qwen3_5_conditional_generation_checkpoint_runs_its_language_model(tmp_path):
+    """What the hub's Qwen3.5 repos hold: ``model.language_model.*`` weights and a
+    ``text_config``, plus a vision tower that is skipped."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = _tiny_hybrid_config("qwen3_5").to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, patch_size=4)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(config).eval()
+    _vary_norms(hf)
+    _save(hf, tmp_path)
+    names = set(json.loads((tmp_path / "config.json").read_text())["architectures"])
+    assert names == {"Qwen3_5ForConditionalGeneration"}
+
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+    prompts = random_prompts((3, 40), seed=5)
+    assert all(err < 1e-4 for err, _ in logit_errors(llm, hf, prompts))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_qwen3_5_moe_matches_transformers(tmp_path):
+    """Every layer a sparse MoE block (normalised top-k, shared expert with its gate)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    base = _tiny_hybrid_config("qwen3_5").to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "rope_parameters",
+            "layer_types", "initializer_range", "eos_token_id", "bos_token_id", "pad_token_id")
+    config = Qwen3_5MoeTextConfig(**{k: base[k] for k in keep}, num_experts=6, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=40)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _vary_norms(hf)
+    _save(hf, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    prompts = random_prompts((2, 16, 57), seed=6)
+    assert all(err < 1e-4 for err, _ in logit_errors(llm, hf, prompts, chunk=9))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
