@@ -91,12 +91,15 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None  # long [D, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # long [D]
     decode_cascade: DecodeCascade | None  # set when some decode blocks are read as segments
-    decode_state_slots: torch.Tensor | None  # long [D]: live Mamba state slot of each decode
+    decode_state_slots: torch.Tensor | None  # long [D]: live recurrent-state slot of each decode
     decode_state_taps: list[tuple[int, int]]  # (decode row, checkpoint slot): save its state after the step
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
     sample_seqs: list[ScheduledSeq]
     window_kv: WindowKV | None = None  # sliding-window layers' own pool (None: they read the tables above)
+    # (first, end) when the decode rows' state slots are first, first + 1, ...: their
+    # states are one slice of the live tensor and are updated in place.
+    decode_state_range: tuple[int, int] | None = None
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @property

@@ -61,6 +61,36 @@ def test_tap_does_not_change_the_output():
     assert torch.allclose(plain[0], tapped[0], atol=1e-5) and torch.allclose(plain[1], tapped[1], atol=1e-5)
 
 
+def test_one_checkpoint_holds_recurrent_layers_of_different_shapes():
+    """A model mixing kinds of recurrent layers: each layer's live and checkpoint
+    tensors get its own shape, and one checkpoint costs the sum of their bytes."""
+    from hyprefix.models.base import KVLayout
+    from hyprefix.models.recurrent_state import LayerStateShape, StateLayout
+    from hyprefix.runner.cascade import CascadeThresholds
+    from hyprefix.runner.model_runner import ModelRunner
+
+    mamba, deltanet = LayerStateShape(96, 3, (8, 16, 16)), LayerStateShape(64, 3, (4, 16, 8))
+    layout = StateLayout((mamba, deltanet, mamba))
+
+    class Model(torch.nn.Module):
+        kv_layout = KVLayout(0, 1, 1)
+        state_layout = layout
+
+    expected = 2 * (96 * 3 * 2 + 8 * 16 * 16 * 4) + 64 * 3 * 2 + 4 * 16 * 8 * 4  # bf16 conv, float32 matrix
+    assert ModelRunner.state_bytes_per_slot(Model(), torch.bfloat16) == expected
+    runner = ModelRunner(Model(), torch.bfloat16, torch.device("cpu"), 4, 16, 0, CascadeThresholds(0, 2),
+                         compile_enabled=False, num_live_slots=2, num_checkpoint_slots=3)
+    assert [tuple(s.matrix.shape) for s in runner.recurrent_states] == [(2, 8, 16, 16), (2, 4, 16, 8), (2, 8, 16, 16)]
+    assert [tuple(s.ckpt_conv.shape) for s in runner.recurrent_states] == [(3, 96, 3), (3, 64, 3), (3, 96, 3)]
+    assert all(s.matrix.dtype == torch.float32 and s.conv.dtype == torch.bfloat16 for s in runner.recurrent_states)
+    runner.recurrent_states[1].matrix[0].fill_(1.0)
+    runner.recurrent_states[1].tap(2, runner.recurrent_states[1].conv[0], runner.recurrent_states[1].matrix[0])
+    runner._apply_state_ops([(2, 1)])  # restore checkpoint 2 into live slot 1: a copy
+    assert torch.equal(runner.recurrent_states[1].matrix[1], torch.ones(4, 16, 8))
+    runner.recurrent_states[1].matrix[1].zero_()
+    assert runner.recurrent_states[1].ckpt_matrix[2].eq(1).all()
+
+
 def _save(model, out) -> None:
     model.save_pretrained(out)
     shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")

@@ -21,6 +21,7 @@ block ``h``.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 _BEFORE_LAST = b"#before-last"
@@ -43,7 +44,9 @@ class StatePool:
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
         self._reserved: dict[int, bytes] = {}  # slot -> key being written (not findable yet)
-        self._free_live = list(range(num_live_slots - 1, -1, -1))
+        # A min-heap: the lowest free slot first, so requests admitted together get
+        # ascending slots and decode reads their states as one slice.
+        self._free_live = list(range(num_live_slots))
         self._live: dict[str, int] = {}
 
     # ------------------------------------------------------------------- live
@@ -52,14 +55,14 @@ class StatePool:
             return self._live[request_id]
         if not self._free_live:
             raise RuntimeError("no free live state slot (more running requests than max_num_seqs)")
-        slot = self._free_live.pop()
+        slot = heapq.heappop(self._free_live)
         self._live[request_id] = slot
         return slot
 
     def release_live(self, request_id: str) -> None:
         slot = self._live.pop(request_id, None)
         if slot is not None:
-            self._free_live.append(slot)
+            heapq.heappush(self._free_live, slot)
 
     def live_slot(self, request_id: str) -> int | None:
         return self._live.get(request_id)

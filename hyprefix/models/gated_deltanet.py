@@ -105,17 +105,20 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, d.v_heads, d.v_dim)
 
     def _decode(self, qkv, g, beta, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
-        slots = batch.decode_state_slots
+        slots, slot_range = batch.decode_state_slots, batch.decode_state_range
         assert slots is not None
         conv, conv_states = conv_decode(state, slots, qkv, self.conv1d_weight, None)
         q, k, v = self._qkv(conv)
-        h = state.matrix.index_select(0, slots) * torch.exp(g)[:, :, None, None]  # [m, H, K, V]
-        delta = (v - torch.einsum("mhkv,mhk->mhv", h, k)) * beta[:, :, None]
-        h = h + k[..., None] * delta[:, :, None, :]
-        state.matrix.index_copy_(0, slots, h)
+        m, (heads, kd, vd) = q.shape[0], state.matrix.shape[1:]
+        h = state.decode_matrices(slots, slot_range)  # [m, H, K, V], updated in place
+        flat = h.view(m * heads, kd, vd)
+        flat.mul_(torch.exp(g).view(-1, 1, 1))
+        delta = (v - torch.bmm(k.reshape(-1, 1, kd), flat).view(m, heads, vd)) * beta[:, :, None]
+        flat.baddbmm_(k.reshape(-1, kd, 1), delta.reshape(-1, 1, vd))
+        state.store_decode_matrices(h, slots, slot_range)
         for row, ckpt in batch.decode_state_taps:
             state.tap(ckpt, conv_states[row], h[row])
-        return torch.einsum("mhkv,mhk->mhv", h, q)
+        return torch.bmm(q.reshape(-1, 1, kd), flat).view(m, heads, vd)
 
     def _prefill(self, qkv, g, beta, slot: int, taps: list[tuple[int, int]],
                  state: RecurrentLayerState) -> torch.Tensor:

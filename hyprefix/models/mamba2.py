@@ -98,18 +98,21 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc, dt, A, batch: ForwardBatch, state: RecurrentLayerState):
         d = self.d
-        slots = batch.decode_state_slots
+        slots, slot_range = batch.decode_state_slots, batch.decode_state_range
         assert slots is not None
         conv, conv_states = conv_decode(state, slots, xbc, self.conv1d_weight, self.conv1d_bias)
         xv, B, C = self._split_xbc(F.silu(conv))
-        dt = self._dt(dt)  # [n, heads]
-        xh = xv.view(-1, d.heads, d.head_dim)
-        h = state.matrix.index_select(0, slots)
-        h = h * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * xh)[..., None] * B[:, :, None, :]
-        state.matrix.index_copy_(0, slots, h)
+        dt = self._dt(dt)  # [m, heads]
+        m = dt.shape[0]
+        h = state.decode_matrices(slots, slot_range)  # [m, heads, head_dim, state], updated in place
+        flat = h.view(m * d.heads, d.head_dim, d.state)
+        flat.mul_(torch.exp(dt * A).view(-1, 1, 1))
+        flat.baddbmm_((dt[:, :, None] * xv.view(m, d.heads, d.head_dim)).reshape(-1, d.head_dim, 1),
+                      B.reshape(-1, 1, d.state))
+        state.store_decode_matrices(h, slots, slot_range)
         for row, ckpt in batch.decode_state_taps:
             state.tap(ckpt, conv_states[row], h[row])
-        y = torch.einsum("bhpn,bhn->bhp", h, C)
+        y = torch.bmm(flat, C.reshape(-1, d.state, 1)).view(m, d.heads, d.head_dim)
         return y, xv
 
     def _prefill(self, xbc, dt, A, slot: int, taps: list[tuple[int, int]], state: RecurrentLayerState):

@@ -76,6 +76,19 @@ class RecurrentLayerState:
         self.ckpt_conv[ckpt_slot].copy_(conv)
         self.ckpt_matrix[ckpt_slot].copy_(matrix)
 
+    def decode_matrices(self, slots: torch.Tensor, slot_range: tuple[int, int] | None) -> torch.Tensor:
+        """The decode rows' matrix states, to update in place: a view of the live
+        tensor when the slots are one ascending range (``ForwardBatch.decode_state_range``),
+        else a gathered copy that ``store_decode_matrices`` writes back."""
+        if slot_range is not None:
+            return self.matrix[slot_range[0]:slot_range[1]]
+        return self.matrix.index_select(0, slots)
+
+    def store_decode_matrices(self, matrices: torch.Tensor, slots: torch.Tensor,
+                              slot_range: tuple[int, int] | None) -> None:
+        if slot_range is None:
+            self.matrix.index_copy_(0, slots, matrices)
+
     def restore(self, ckpt_slot: int | None, live_slot: int) -> None:
         """Initialise a live slot from a checkpoint (a copy) or with zeros (None)."""
         if ckpt_slot is None:

@@ -91,7 +91,14 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         sample_seqs=sample_seqs,
         window_kv=_window_kv(ordered, len(decodes), block_size, device)
         if ordered and ordered[0].window_blocks is not None else None,
+        decode_state_range=_slot_range([s.state_slot for s in decodes]),
     )
+
+
+def _slot_range(slots: list[int]) -> tuple[int, int] | None:
+    if not slots or slots[0] < 0 or slots != list(range(slots[0], slots[0] + len(slots))):
+        return None
+    return slots[0], slots[0] + len(slots)
 
 
 def _window_kv(ordered: list[ScheduledSeq], num_decode: int, block_size: int,
