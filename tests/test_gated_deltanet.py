@@ -105,6 +105,8 @@ def _vary_norms(model) -> None:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("norm.weight") and "visual" not in name:
                 p.normal_(0, 0.3)
+            elif name.endswith("bias") and "visual" not in name:  # attention biases start at zero
+                p.normal_(0, 0.2)
 
 
 def test_qwen3_5_conditional_generation_checkpoint_runs_its_language_model(tmp_path):
@@ -132,7 +134,8 @@ def test_qwen3_5_conditional_generation_checkpoint_runs_its_language_model(tmp_p
 
 
 def test_qwen3_5_moe_matches_transformers(tmp_path):
-    """Every layer a sparse MoE block (normalised top-k, shared expert with its gate)."""
+    """Every layer a sparse MoE block (normalised top-k, shared expert with its gate);
+    attention with q/k/v/o biases (q_proj's split into query and gate rows)."""
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
 
     base = _tiny_hybrid_config("qwen3_5").to_dict()
@@ -141,7 +144,7 @@ def test_qwen3_5_moe_matches_transformers(tmp_path):
             "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "rope_parameters",
             "layer_types", "initializer_range", "eos_token_id", "bos_token_id", "pad_token_id")
     config = Qwen3_5MoeTextConfig(**{k: base[k] for k in keep}, num_experts=6, num_experts_per_tok=2,
-                                  moe_intermediate_size=32, shared_expert_intermediate_size=40)
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=40, attention_bias=True)
     torch.manual_seed(1)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _vary_norms(hf)
