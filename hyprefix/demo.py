@@ -88,6 +88,17 @@ _DTYPES = {"tiny": torch.float32, "bench": torch.bfloat16}
 _SEED = 0
 
 
+def _demo_fields(arch: str, size: str, note: str = "random weights, deterministic (seed 0)") -> dict[str, Any]:
+    """Config fields every demo model has: the tokenizer's special ids and the recipe."""
+    return {
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "hyprefix_demo": {"recipe_version": DEMO_VERSION, "arch": arch, "size": size, "seed": _SEED,
+                          "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE, "note": note},
+    }
+
+
 def _check(arch: str, size: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown demo arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -114,17 +125,7 @@ def _dense_config(size: str) -> Qwen3Config:
         use_sliding_window=False,
         max_window_layers=shape["num_hidden_layers"],
         use_cache=True,
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
-        hyprefix_demo={
-            "recipe_version": DEMO_VERSION,
-            "arch": "dense",
-            "size": size,
-            "seed": _SEED,
-            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
-            "note": note,
-        },
+        **_demo_fields("dense", size, note=note),
     )
 
 
@@ -178,17 +179,7 @@ def _hybrid_config(size: str) -> NemotronHConfig:
         use_conv_bias=True,
         attention_bias=False,
         mlp_bias=False,
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
-        hyprefix_demo={
-            "recipe_version": DEMO_VERSION,
-            "arch": "hybrid",
-            "size": size,
-            "seed": _SEED,
-            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
-            "note": "random weights, deterministic (seed 0)",
-        },
+        **_demo_fields("hybrid", size),
     )
 
 
@@ -240,17 +231,7 @@ def _deltanet_config(size: str) -> Qwen3_5TextConfig:
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
         attention_bias=False,
-        bos_token_id=ENDOFTEXT_ID,
-        eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
-        hyprefix_demo={
-            "recipe_version": DEMO_VERSION,
-            "arch": "deltanet",
-            "size": size,
-            "seed": _SEED,
-            "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
-            "note": "random weights, deterministic (seed 0)",
-        },
+        **_demo_fields("deltanet", size),
     )
 
 

@@ -104,14 +104,13 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
     torch.manual_seed(seed)
     config = _tiny_hybrid_config(arch) if arch in HYBRID_ARCHS else _tiny_config(arch)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if arch in HYBRID_ARCHS:
-        with torch.no_grad():  # HF leaves these at 1 (or 0 for 1+w norms); vary them so a wrong index shows
+    if arch in DELTANET_ARCHS:
+        vary_deltanet_weights(model)
+    elif arch in HYBRID_ARCHS:
+        with torch.no_grad():  # HF leaves these at 1; vary them so a wrong index shows
             for name, p in model.named_parameters():
-                if name.endswith(("dt_bias", ".D")) or any(m in name for m in ("mixer.norm", "mamba.norm",
-                                                                               "linear_attn.norm")):
+                if name.endswith(("dt_bias", ".D")) or "mixer.norm" in name or "mamba.norm" in name:
                     p.uniform_(0.5, 1.5)
-                elif arch in DELTANET_ARCHS and name.endswith("norm.weight"):
-                    p.normal_(0, 0.3)
     if arch == "gemma3":
         with torch.no_grad():  # HF leaves Gemma norms at 0 (a scale of 1); vary them
             for name, p in model.named_parameters():
@@ -122,6 +121,27 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
+    save_tiny_checkpoint(model, out)
+    return model
+
+
+def vary_deltanet_weights(model) -> None:
+    """HF leaves dt_bias and the DeltaNet's gated norm at 1, its 1+w norms and the
+    attention biases at 0: vary them so a wrong index shows (a vision tower is left alone)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("dt_bias") or "linear_attn.norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+
+
+def save_tiny_checkpoint(model, out: Path) -> None:
+    """The HF model's checkpoint with the project's tokenizer and a chat template."""
     model.save_pretrained(out)
     shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -130,7 +150,6 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0):
         "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     }))
-    return model
 
 
 # Tiny test prompts share only a few blocks. With these engine arguments decodes take

@@ -5,11 +5,17 @@ language model of a Qwen3_5ForConditionalGeneration checkpoint and Qwen3.5-MoE."
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import ASSETS, _tiny_hybrid_config, hf_greedy, logit_errors, random_prompts
+from conftest import (
+    _tiny_hybrid_config,
+    hf_greedy,
+    logit_errors,
+    random_prompts,
+    save_tiny_checkpoint,
+    vary_deltanet_weights,
+)
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.models.gated_deltanet import gated_delta_scan
@@ -91,24 +97,6 @@ def test_one_checkpoint_holds_recurrent_layers_of_different_shapes():
     assert runner.recurrent_states[1].ckpt_matrix[2].eq(1).all()
 
 
-def _save(model, out) -> None:
-    model.save_pretrained(out)
-    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                           "eos_token": "<|im_end|>"}))
-
-
-def _vary_norms(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("dt_bias") or "linear_attn.norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("norm.weight") and "visual" not in name:
-                p.normal_(0, 0.3)
-            elif name.endswith("bias") and "visual" not in name:  # attention biases start at zero
-                p.normal_(0, 0.2)
-
-
 def test_qwen3_5_conditional_generation_checkpoint_runs_its_language_model(tmp_path):
     """What the hub's Qwen3.5 repos hold: ``model.language_model.*`` weights and a
     ``text_config``, plus a vision tower that is skipped."""
@@ -120,8 +108,8 @@ def test_qwen3_5_conditional_generation_checkpoint_runs_its_language_model(tmp_p
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = Qwen3_5ForConditionalGeneration(config).eval()
-    _vary_norms(hf)
-    _save(hf, tmp_path)
+    vary_deltanet_weights(hf)
+    save_tiny_checkpoint(hf, tmp_path)
     names = set(json.loads((tmp_path / "config.json").read_text())["architectures"])
     assert names == {"Qwen3_5ForConditionalGeneration"}
 
@@ -147,8 +135,8 @@ def test_qwen3_5_moe_matches_transformers(tmp_path):
                                   moe_intermediate_size=32, shared_expert_intermediate_size=40, attention_bias=True)
     torch.manual_seed(1)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _vary_norms(hf)
-    _save(hf, tmp_path)
+    vary_deltanet_weights(hf)
+    save_tiny_checkpoint(hf, tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     prompts = random_prompts((2, 16, 57), seed=6)
     assert all(err < 1e-4 for err, _ in logit_errors(llm, hf, prompts, chunk=9))

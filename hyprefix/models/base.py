@@ -119,7 +119,26 @@ class CausalLM(nn.Module):
             self._packed_head = pack_weight(self.embed.weight)
 
     def map_name(self, name: str) -> Target | None:
-        """Our parameter for an HF tensor name; None to skip the tensor."""
+        """Our parameter for an HF tensor name; None to skip the tensor. Names every
+        decoder shares (embedding, final norm, LM head, rotary buffers, tensors outside
+        the layers) are mapped here; ``map_layer`` maps the tensors of layer ``idx``."""
+        name = self.relative_name(name)
+        if name is None:
+            return None
+        head = self.map_head(name, "embed_tokens.weight", "norm.weight")
+        if head is not None or name == "lm_head.weight" or "rotary_emb" in name:
+            return head
+        if not name.startswith("layers."):
+            return name, None, None
+        _, idx, rest = name.split(".", 2)
+        return self.map_layer(int(idx), rest)
+
+    def relative_name(self, name: str) -> str | None:
+        """The name relative to the decoder (``layers.0...``); None to skip the tensor."""
+        return strip_prefix(name)
+
+    def map_layer(self, idx: int, rest: str) -> Target:
+        """Our parameter for tensor ``rest`` (``self_attn.q_proj.weight``, ...) of layer ``idx``."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -68,10 +68,7 @@ class Gemma3DecoderLayer(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream); their sum is the hidden state."""
-        if residual is None:
-            h, residual = self.input_norm(x, kernels), x
-        else:
-            h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h, residual = self.input_norm.add_forward(x, residual, kernels)
         h = self.post_norm(self.attn(h, batch, rope, kv_cache, kernels), kernels)
         h, residual = self.pre_ff_norm.add_forward(h, residual, kernels)
         return self.post_ff_norm(self.mlp(h), kernels), residual
@@ -119,16 +116,10 @@ class Gemma3ForCausalLM(CausalLM):
         """Gemma norms scale by ``1 + w``: stored so (in float32, as HF adds it)."""
         super().load_weights((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights)
 
-    def map_name(self, name: str) -> Target | None:
-        name = language_model_name(name)
-        if name is None:
-            return None
-        head = self.map_head(name, "embed_tokens.weight", "norm.weight")
-        if head is not None or name == "lm_head.weight" or "rotary_emb" in name:
-            return head
-        if not name.startswith("layers."):
-            return name, None, None
-        _, idx, rest = name.split(".", 2)
+    def relative_name(self, name: str) -> str | None:
+        return language_model_name(name)
+
+    def map_layer(self, idx: int, rest: str) -> Target:
         module, leaf = rest.rsplit(".", 1)
         if module in _RENAMED:
             return f"layers.{idx}.{_RENAMED[module]}.{leaf}", None, None

@@ -24,8 +24,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                     kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the first layer has no residual yet: (norm(x), x)."""
+        if residual is None:
+            return self(x, kernels), x
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 

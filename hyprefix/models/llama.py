@@ -7,7 +7,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.attention import paged_attention
-from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
+from hyprefix.models.base import CausalLM, KVLayout, Target
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 
@@ -78,10 +78,7 @@ class DecoderLayer(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream); their sum is the hidden state."""
-        if residual is None:
-            h, residual = self.input_norm(x, kernels), x
-        else:
-            h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h, residual = self.input_norm.add_forward(x, residual, kernels)
         h = self.attn(h, batch, rope, kv_cache, kernels)
         h, residual = self.post_norm.add_forward(h, residual, kernels)
         return self.mlp(h), residual
@@ -119,14 +116,7 @@ class LlamaForCausalLM(CausalLM):
             x, residual = layer(x, residual, batch, rope, kv, self.kernels)
         return x + residual
 
-    def map_name(self, name: str) -> Target | None:
-        name = strip_prefix(name)
-        head = self.map_head(name, "embed_tokens.weight", "norm.weight")
-        if head is not None or name == "lm_head.weight" or "rotary_emb" in name:
-            return head
-        if not name.startswith("layers."):
-            return name, None, None
-        _, idx, rest = name.split(".", 2)
+    def map_layer(self, idx: int, rest: str) -> Target:
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
 
 

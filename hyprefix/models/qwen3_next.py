@@ -94,10 +94,7 @@ class Qwen3NextLayer(nn.Module):
                 cache, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: the layer's (K, V) pool or its recurrent state. Returns (this
         layer's output, residual stream); their sum is the hidden state."""
-        if residual is None:
-            h, residual = self.input_norm(x, kernels), x
-        else:
-            h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h, residual = self.input_norm.add_forward(x, residual, kernels)
         h = self.mixer(h, batch, cache) if self.kind == LINEAR else self.mixer(h, batch, rope, cache, kernels)
         h, residual = self.post_norm.add_forward(h, residual, kernels)
         return self.mlp(h), residual
@@ -110,7 +107,7 @@ class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
         cfg = hf_config.get_text_config()
-        dims = DeltaNetDims.from_config(cfg)
+        dims = self._dims = DeltaNetDims.from_config(cfg)
         self.layers = nn.ModuleList(Qwen3NextLayer(cfg, i, dims, dtype, device) for i in range(cfg.num_hidden_layers))
         attns = [layer.mixer for layer in self.layers if layer.kind == FULL]
         deltas = [layer for layer in self.layers if layer.kind == LINEAR]
@@ -162,10 +159,6 @@ class Qwen3NextForCausalLM(CausalLM):
             else:
                 yield name, t
 
-    @property
-    def _dims(self) -> DeltaNetDims:
-        return next(layer.mixer.d for layer in self.layers if layer.kind == LINEAR)
-
     def _split_qkvz(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Qwen3-Next groups in_proj_qkvz by key head: [q, k, v (r heads), z (r heads)]
         per key head; ours is [q | k | v | z] over all heads."""
@@ -176,22 +169,19 @@ class Qwen3NextForCausalLM(CausalLM):
         yield name.replace("in_proj_qkvz", "in_proj_qkv"), qkv
         yield name.replace("in_proj_qkvz", "in_proj_z"), z.reshape(-1, t.shape[-1])
 
-    def map_name(self, name: str) -> Target | None:
-        head = self.map_head(name, "embed_tokens.weight", "norm.weight")
-        if head is not None or name == "lm_head.weight" or "rotary_emb" in name:
-            return head
-        if not name.startswith("layers."):
-            return name, None, None
-        _, idx, rest = name.split(".", 2)
-        prefix, layer = f"layers.{idx}", self.layers[int(idx)]
-        module, leaf = rest.rsplit(".", 1) if "." in rest else ("", rest)
+    def relative_name(self, name: str) -> str | None:
+        return name  # ``_converted`` made it relative already
+
+    def map_layer(self, idx: int, rest: str) -> Target:
+        prefix, layer = f"layers.{idx}", self.layers[idx]
+        module, leaf = rest.rsplit(".", 1)
         if module in ("input_layernorm", "post_attention_layernorm"):
             return f"{prefix}.{'input_norm' if module == 'input_layernorm' else 'post_norm'}.{leaf}", None, None
-        if module.startswith("linear_attn") or rest.startswith("linear_attn."):
+        if rest.startswith("linear_attn."):
             return self._map_deltanet(prefix, rest.split(".", 1)[1])
-        if module.startswith("self_attn."):
+        if rest.startswith("self_attn."):
             return self._map_attention(prefix, layer.mixer, module.split(".", 1)[1], leaf)
-        if module.startswith("mlp"):
+        if rest.startswith("mlp."):
             return self._map_mlp(prefix, layer.mlp, rest.split(".", 1)[1])
         return f"{prefix}.{rest}", None, None
 

@@ -17,6 +17,7 @@ that mix kinds of recurrent layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,7 @@ class LayerStateShape:
     matrix: tuple[int, ...]
 
     def bytes(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for d in self.matrix:
-            numel *= d
-        return self.conv_dim * self.conv_width * elem + numel * 4
+        return self.conv_dim * self.conv_width * dtype.itemsize + math.prod(self.matrix) * torch.float32.itemsize
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
     def as_long(values: list) -> torch.Tensor:
         return _long(values, device)
 
+    decode_slots = [s.state_slot for s in decodes]
     decode_tables = decode_lens = decode_cascade = None
     if decodes:
         tables = [s.block_table[: -(-s.context_len // block_size)] for s in decodes]
@@ -83,15 +84,14 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
         decode_cascade=decode_cascade,
-        decode_state_slots=torch.tensor([s.state_slot for s in decodes], dtype=torch.long, device=device)
-        if decodes and decodes[0].state_slot >= 0 else None,
+        decode_state_slots=as_long(decode_slots) if decodes and decode_slots[0] >= 0 else None,
         decode_state_taps=[(row, slot) for row, s in enumerate(decodes) for _, slot in s.state_taps],
         prefills=spans,
         logits_indices=as_long(logits_indices),
         sample_seqs=sample_seqs,
         window_kv=_window_kv(ordered, len(decodes), block_size, device)
         if ordered and ordered[0].window_blocks is not None else None,
-        decode_state_range=_slot_range([s.state_slot for s in decodes]),
+        decode_state_range=_slot_range(decode_slots),
     )
 
 
