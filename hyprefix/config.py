@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -13,8 +14,9 @@ class EngineArgs:
 
     ``model`` None means the built-in (hybrid NemotronH-style) demo model. ``num_kv_blocks`` overrides the
     pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
-    the model's ``max_position_embeddings``. ``enforce_eager`` turns off the
-    ``torch.compile``d elementwise kernels used for large steps.
+    the model's ``max_position_embeddings``. ``enforce_eager`` turns off
+    ``torch.compile``: the elementwise kernels of large steps and the compiled decode
+    steps (``runner/decode_graph.py``).
     """
 
     model: str | None = None
@@ -38,6 +40,9 @@ class EngineArgs:
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
     seed: int = 0
+    # Weight-only quantization of the linear layers and LM head: None or "int8"
+    # (per-channel scales; a GGUF's Q8_0 tensors load as they are).
+    quantization: str | None = None
     enforce_eager: bool = False
     # Decode attention reads a shared prefix once for its group when that saves at least
     # this many K/V rows, and a row's private blocks in place when they hold at least
@@ -48,6 +53,8 @@ class EngineArgs:
     revision: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks",

@@ -89,7 +89,8 @@ class Engine:
             model_path = str(demo_model_path("hybrid"))
         t0 = time.perf_counter()
         with gguf_parsed_once():
-            loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision)
+            loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision,
+                                quantization=args.quantization, compiled_decode=not args.enforce_eager)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
         self.model_path = loaded.path
         self.model_identity = loaded.identity
@@ -117,7 +118,7 @@ class Engine:
         self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
-                                  compile_enabled=not args.enforce_eager,
+                                  compile_enabled=not args.enforce_eager, quantized=args.quantization is not None,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
                                   num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,

@@ -59,7 +59,10 @@ def paged_attention(
             tables = view.decode_block_tables if view is not None else batch.decode_block_tables
             assert tables is not None
             kd, vd = _gather_blocks(k_cache, v_cache, tables)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
+            if torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
+                od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)
+            else:
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
         outs.append(od.reshape(n, -1, head_dim))
     for i, span in enumerate(batch.prefills):
         qs = q[span.token_slice].transpose(0, 1).unsqueeze(0)
@@ -87,6 +90,17 @@ def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = k_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
     v = v_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
     return k, v
+
+
+def _reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Softmax attention of q [B, KVH, G, D] over k, v [B, KVH, L, D] with a bool mask
+    [B, 1, 1, L], written as broadcast products and sums (float32 statistics) that
+    Inductor compiles into a few loops with the block gather folded into their loads."""
+    scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs[..., None] * v.float()[:, :, None, :, :]).sum(-2).to(q.dtype)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

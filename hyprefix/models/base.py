@@ -20,6 +20,7 @@ from hyprefix.models.layers import (
     pack_weight,
     packed_linear,
 )
+from hyprefix.models.quant import Int8Weight, quantize_int8, reduction_linear
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -73,6 +74,7 @@ class CausalLM(nn.Module):
     kernels: fused.Kernels
     state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
     _packed_head: torch.Tensor | None = None
+    _int8_head: Int8Weight | None = None
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
     def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
@@ -105,18 +107,64 @@ class CausalLM(nn.Module):
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if torch.compiler.is_compiling():
+            head = self._int8_head if self._int8_head is not None else self.embed.weight
+            return reduction_linear(hidden, head, None).float()
+        if self._int8_head is not None:
+            return self._int8_head.matmul(hidden, None).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.embed.weight).float()
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, keep_plain: bool = False) -> None:
         """Switch linears to prepacked oneDNN weights where the device allows it (CPU).
-        A tied LM head gets its own packed copy; the embedding keeps the plain one."""
+        A tied LM head gets its own packed copy; the embedding keeps the plain one.
+        ``keep_plain``: keep the plain weights too (compiled decode steps read them)."""
         for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
             if isinstance(module, Linear | GatedMLP):
-                module.pack()
-        if self.lm_head is None and mkldnn_packing_available(self.embed.weight):
+                module.pack(keep_plain)
+        if self.lm_head is None and self._int8_head is None and mkldnn_packing_available(self.embed.weight):
             self._packed_head = pack_weight(self.embed.weight)
+
+    def quantize_weights(self) -> None:
+        """Weight-only int8 for every linear layer and the LM head (a tied head gets an
+        int8 copy; the embedding lookup keeps the float table)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.int8 is None:
+                module.quantize()
+        if self.lm_head is None:
+            self._int8_head = quantize_int8(self.embed.weight)
+
+    def weight_memory_bytes(self) -> int:
+        """Bytes the weights hold in memory: parameters, int8 weights and prepacked copies."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, Linear):
+                total += module.int8.nbytes if module.int8 is not None else 0
+                if module._packed is not None:
+                    total += module.in_features * module.out_features * self.dtype.itemsize
+            elif isinstance(module, GatedMLP) and module._packed is not None:
+                total += module.gate_up.in_features * module.gate_up.out_features * self.dtype.itemsize
+        total += self._int8_head.nbytes if self._int8_head is not None else 0
+        if self._packed_head is not None:
+            total += self.embed.weight.numel() * self.embed.weight.element_size()
+        return total
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every linear layer and the LM head as
+        stored (float or int8), the norms; the embedding lookup reads one row, not counted."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                float_bytes = module.in_features * module.out_features * self.dtype.itemsize
+                total += module.int8.nbytes if module.int8 is not None else float_bytes
+                total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
+            elif isinstance(module, RMSNorm):
+                total += module.weight.numel() * module.weight.element_size()
+        if self.lm_head is None:
+            total += self._int8_head.nbytes if self._int8_head is not None else \
+                self.embed.weight.numel() * self.embed.weight.element_size()
+        return total
 
     def map_name(self, name: str) -> Target | None:
         """Our parameter for an HF tensor name; None to skip the tensor. Names every

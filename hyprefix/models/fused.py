@@ -62,6 +62,8 @@ class Kernels:
         self._compiled: dict[str, Callable] = {}
 
     def _pick(self, fn: Callable, num_tokens: int) -> Callable:
+        if torch.compiler.is_compiling():  # inside a compiled decode step: traced into it
+            return fn
         if not self.compile_enabled or num_tokens < COMPILE_MIN_TOKENS:
             return fn
         compiled = self._compiled.get(fn.__name__)

@@ -11,6 +11,7 @@ from torch import nn
 
 from hyprefix.hardware import device_caps
 from hyprefix.models.fused import Kernels
+from hyprefix.models.quant import Int8Weight, quantize_int8, reduction_linear
 
 
 class RMSNorm(nn.Module):
@@ -85,16 +86,31 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class Linear(nn.Linear):
     """nn.Linear that, after loading, can switch to a prepacked oneDNN weight on CPU
-    (for the dtypes ``hardware.DeviceCaps.prepack`` allows; other devices keep the plain path)."""
+    (for the dtypes ``hardware.DeviceCaps.prepack`` allows; other devices keep the plain
+    path) or to int8 weights (``quant.py``). Inside a compiled decode step it reads the
+    plain (or int8) weight through ``quant.reduction_linear``; ``pack(keep_plain=True)``
+    keeps the plain weight for that beside the packed copy."""
 
     _packed: torch.Tensor | None = None
+    int8: Int8Weight | None = None
 
-    def pack(self) -> None:
+    def pack(self, keep_plain: bool = False) -> None:
         if self._packed is None and self.weight.numel() and mkldnn_packing_available(self.weight):
             self._packed = pack_weight(self.weight)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+            if not keep_plain:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+
+    def quantize(self, int8: Int8Weight | None = None) -> None:
+        """Switch to int8 weights: ``int8`` as given (a GGUF Q8_0 tensor), else quantized from the float weight."""
+        self.int8 = int8 if int8 is not None else quantize_int8(self.weight)
+        self._packed = None
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return reduction_linear(x, self.int8 if self.int8 is not None else self.weight, self.bias)
+        if self.int8 is not None:
+            return self.int8.matmul(x, self.bias)
         if self._packed is not None:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -128,18 +144,19 @@ class GatedMLP(nn.Module):
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
         self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
-    def pack(self) -> None:
-        self.down.pack()
+    def pack(self, keep_plain: bool = False) -> None:
+        self.down.pack(keep_plain)
         weight, bias = self.gate_up.weight, self.gate_up.bias
         if self._packed is not None or not weight.numel() or not mkldnn_packing_available(weight):
             return
         gate_w, up_w = weight.split(self.intermediate)
         gate_b, up_b = bias.split(self.intermediate) if bias is not None else (None, None)
         self._packed = (pack_weight(gate_w), pack_weight(up_w), gate_b, up_b)
-        weight.data = torch.empty(0, dtype=weight.dtype)
+        if not keep_plain:
+            weight.data = torch.empty(0, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
+        if self._packed is not None and not torch.compiler.is_compiling():
             gate_w, up_w, gate_b, up_b = self._packed
             gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, *self._epilogue)
             return self.down(torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul"))

@@ -164,7 +164,11 @@ def _tensors_named_in(path: Path, message: str) -> str:
 
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
-               revision: str | None = None) -> LoadedModel:
+               revision: str | None = None, quantization: str | None = None,
+               compiled_decode: bool = False) -> LoadedModel:
+    """``quantization`` "int8": weight-only int8 linears (``quant.py``). ``compiled_decode``:
+    the runner will compile decode steps, which read the plain weights: keep them beside
+    the prepacked copies (models without recurrent layers; those decode eagerly)."""
     path = resolve_model_dir(model, revision)
     hf_config = load_config(path)
     cls = model_class(hf_config)
@@ -175,9 +179,11 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     net.materialize(device)
     net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
     net.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    net.pack_weights()
-    return LoadedModel(net, hf_config, path, checkpoint_identity(path), torch_dtype, max_pos, weight_bytes)
+    if quantization == "int8":
+        net.quantize_weights()
+    net.pack_weights(keep_plain=compiled_decode and net.state_layout is None)
+    identity = checkpoint_identity(path) + (f"|{quantization}" if quantization else "")
+    return LoadedModel(net, hf_config, path, identity, torch_dtype, max_pos, net.weight_memory_bytes())
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds
+from hyprefix.runner.decode_graph import DecodeGraphs, max_graph_batch
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
 
@@ -26,7 +27,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
-                 num_window_blocks: int = 0) -> None:
+                 num_window_blocks: int = 0, quantized: bool = False) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
         of their own (``cache/sliding.py``); 0: they share the main pool."""
         self.model = model
@@ -49,6 +50,9 @@ class ModelRunner:
             for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device)
         model.kernels = Kernels(compile_enabled)
+        # Compiled decode steps: models without recurrent layers (those decode eagerly).
+        self.decode_graphs = DecodeGraphs(model, max_graph_batch(dtype, quantized)) \
+            if compile_enabled and state_layout is None else None
 
     @property
     def kernels(self) -> Kernels:
@@ -103,9 +107,13 @@ class ModelRunner:
             return {}
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
-        hidden = self.model(batch, self.kv_caches, self.recurrent_states)
-        if not batch.sample_seqs:
-            return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = None
+        if self.decode_graphs is not None and self.decode_graphs.eligible(batch):
+            logits = self.decode_graphs.logits(batch, self.kv_caches)
+        if logits is None:
+            hidden = self.model(batch, self.kv_caches, self.recurrent_states)
+            if not batch.sample_seqs:
+                return {}
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         tokens = self.sampler.sample(logits, batch.sample_seqs)
         return {seq.request_id: tok for seq, tok in zip(batch.sample_seqs, tokens, strict=True)}

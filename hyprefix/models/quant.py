@@ -1,0 +1,77 @@
+"""Weight-only int8 (``--quantization int8``) and the matmul form of compiled decode steps.
+
+An ``Int8Weight`` holds int8 values [N, K] and symmetric scales: one per output channel
+([N], what ``quantize_int8`` makes from a float weight) or one per group of ``group``
+input channels ([N, K / group], GGUF Q8_0's blocks of 32 taken as they are). The value
+of an element is ``q * scale``. Activations stay in the model dtype (W8A16 / W8A32).
+
+``reduction_linear`` is how every matmul is written inside a compiled decode step
+(``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row
+outermost, so Inductor turns it into one loop that streams each weight row once for all
+rows of a small batch, with int8 -> float and the scales folded into the loads. On a
+2-core AMD EPYC Zen 4 it read 28-30 GB/s (float32, M = 1..2) where oneDNN's prepacked
+GEMV read 20-28 and MKL's 11; int8 at M = 1 read 27 GB/s of int8 (1.6 ms for what
+takes 6 ms in float32). It is compute-bound sooner than a GEMM: bf16 above M = 2 and
+float32 above M = 8 go back to the eager matmuls (``decode_graph.max_graph_batch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Int8Weight:
+    qweight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N] (per channel) or [N, K / group] (per group)
+
+    @property
+    def group(self) -> int | None:
+        return None if self.scales.dim() == 1 else self.qweight.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.scaled_values().to(dtype)
+
+    def scaled_values(self) -> torch.Tensor:
+        """Float32 [N, K] (lazy under compile: folded into the consumer's loads)."""
+        if self.group is None:
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.qweight.shape
+        groups = self.qweight.view(n, -1, self.group).float() * self.scales[:, :, None]
+        return groups.view(n, k)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Eager: torch's int8 GEMV kernel where it is fast (bf16 activations, per-channel
+        scales), else dequantize and multiply (prefill-sized steps amortise it)."""
+        if x.dtype == torch.bfloat16 and self.group is None and x.device.type == "cpu" and x.dim() == 2:
+            out = torch._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
+            return out if bias is None else out + bias
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Per-output-channel symmetric int8: scale = max |w| / 127 over the row."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scales)
+
+
+def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) as a reduction per (output, row): see the module doc."""
+    if isinstance(weight, Int8Weight):
+        if weight.group is None:
+            out = (weight.qweight[:, None, :] * x[None, :, :]).sum(-1) * weight.scales[:, None].to(x.dtype)
+        else:
+            out = (weight.scaled_values().to(x.dtype)[:, None, :] * x[None, :, :]).sum(-1)
+    else:
+        out = (weight[:, None, :] * x[None, :, :]).sum(-1)
+    out = out.t()
+    return out if bias is None else out + bias
