@@ -47,6 +47,8 @@ class ModelFacts:
     attention_width: int  # query heads x head dim of one attention layer (0 without attention)
     kv_bytes_per_token: int  # K + V of every attention layer
     state_bytes_per_sequence: int  # state of every recurrent layer (Mamba2, Gated DeltaNet; 0 for dense models)
+    decode_weight_bytes: int = 0  # weights one decode step reads (linears and LM head as stored, norms)
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class Engine:
         self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
-                                  compile_enabled=not args.enforce_eager, quantized=args.quantization is not None,
+                                  compile_enabled=not args.enforce_eager,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
                                   num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
@@ -159,6 +161,8 @@ class Engine:
             attention_width=attention[0].q_size if attention else 0,
             kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, self.dtype, 1),
             state_bytes_per_sequence=self.state_bytes_per_slot,
+            decode_weight_bytes=model.decode_weight_bytes(),
+            quantization=self.args.quantization,
         )
 
     def warmup(self) -> None:

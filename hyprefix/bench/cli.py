@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hyprefix.bench.env import require
-from hyprefix.config import DTYPES
+from hyprefix.config import DTYPES, QUANTIZATIONS
 
 log = logging.getLogger("hyprefix.bench")
 
@@ -65,7 +65,7 @@ WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
 }
 ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens",
-                "enforce_eager")
+                "enforce_eager", "quantization")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
 
@@ -109,7 +109,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="token budget per step (default 2048; throughput: a whole prompt or decode batch)")
     eng.add_argument("--enforce-eager", action="store_true",
-                     help="no torch.compile'd kernels (quick runs on tiny models)")
+                     help="no torch.compile (neither the kernels of large steps nor the compiled decode steps)")
+    eng.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                     help="weight-only quantization of the hyprefix arms (transformers stays in --dtype)")
 
     online = bench.add_argument_group(
         "online driver (request workloads against a running OpenAI-compatible server, instead of in-process arms)")
@@ -177,7 +179,14 @@ def run_bench(ns: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, SERVER_ARM, EngineArm, check_arm_names, load_arm, run_arms
-    from hyprefix.bench.env import CpuMeter, environment, load_average, measure_matmul_peak, usable_cores
+    from hyprefix.bench.env import (
+        CpuMeter,
+        environment,
+        load_average,
+        measure_matmul_peak,
+        measure_read_bandwidth,
+        usable_cores,
+    )
     from hyprefix.bench.report import format_result, write_json
     from hyprefix.bench.summary import summarise
     from hyprefix.hardware import DTYPES as TORCH_DTYPES
@@ -236,11 +245,17 @@ def run_bench(ns: argparse.Namespace) -> int:
         plain = next((n for n in arms if "@" not in n), next(iter(arms)))  # an arm at --dtype, where there is one
         dtype = None if server else arms[plain].info()["dtype"]
         facts = next((arm.facts for arm in arms.values() if isinstance(arm, EngineArm)), None)
-        peak = None
+        peak = bandwidth = None
         if throughput:
             progress(f"{dtype} matmul peak")
             peak = measure_matmul_peak(TORCH_DTYPES[dtype])
+            bandwidth = [measure_read_bandwidth()]
         runs, failed = run_arms(arms, workload, ns.repeats, progress=progress)
+        if bandwidth:  # before and after the arms
+            bandwidth.append(measure_read_bandwidth())
+            rates = sorted(r for b in bandwidth for r in b["rates_gb_per_s"])
+            bandwidth = {**bandwidth[0], "runs": len(rates), "rates_gb_per_s": rates, "gb_per_s": rates[-1],
+                         "median_gb_per_s": rates[len(rates) // 2]}
         skipped.update(failed)
         bar.update(bar.total - bar.n)
         bar.set_postfix_str("done")
@@ -262,7 +277,8 @@ def run_bench(ns: argparse.Namespace) -> int:
         "cpu_contention": meter.stop(),
         "model_facts": asdict(facts) if facts else None,
         "peak": peak,
-        **summarise(runs, workload, models, skipped, facts=facts, peak=peak),
+        "memory_bandwidth": bandwidth,
+        **summarise(runs, workload, models, skipped, facts=facts, peak=peak, bandwidth=bandwidth),
     }
     print(format_result(result))
     if ns.out:

@@ -124,6 +124,25 @@ class RssPeak:
                 "rss_peak_gib": round(max(self.peak, rss_bytes() or 0) / 2**30, 3) if ok else None}
 
 
+def measure_read_bandwidth(nbytes: int = 512 * 2**20, runs: int = 12, warmup: int = 2) -> dict[str, Any]:
+    """Memory read bandwidth with this process's torch threads: ``sum`` over a float32
+    tensor far larger than the caches, best and median of ``runs`` (GB/s, 1e9 bytes). A
+    decode step streams every weight once, so weight bytes over this rate is its floor."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    for _ in range(warmup):
+        x.sum()
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        x.sum()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    rates.sort()
+    return {"bytes": nbytes, "runs": runs, "gb_per_s": rates[-1], "median_gb_per_s": rates[len(rates) // 2],
+            "rates_gb_per_s": rates, "threads": torch.get_num_threads()}
+
+
 def measure_matmul_peak(dtype: Any, m: int = 2048, k: int = 2048, n: int = 8192, runs: int = 6,
                         warmup: int = 2, seed: int = 0) -> dict[str, Any]:
     """Best-of-``runs`` GFLOP/s of ``linear(x[m, k], w[n, k])`` (2·m·k·n FLOPs a call) through

@@ -47,6 +47,15 @@ def _throughput_rows(result: dict[str, Any], names: list[str]) -> list[list[str]
         rows.append([f"prefill % of {peak['dtype']} matmul peak ({peak['gflops']:,.0f} GFLOP/s)",
                      *[_fmt(100 * flops[n]["fraction_of_peak"]) + " %" if n in flops else "-" for n in names]])
         rows.append(["prefill GFLOP/s", *[_fmt(flops[n]["prefill_gflops"]) if n in flops else "-" for n in names]])
+    roof = result.get("decode_roofline")
+    if roof:
+        arms_roof = roof["arms"]
+        weights = f"{roof['weight_bytes'] / 1e6:,.0f} MB{' ' + roof['quantization'] if roof['quantization'] else ''}"
+        rows.append([f"batch-1 TPOT ms (roofline {1e3 * roof['roofline_seconds']:.1f}: {weights} at "
+                     f"{roof['read_gb_per_s']:.1f} GB/s)",
+                     *[_fmt(1e3 * arms_roof[n]["tpot_seconds"]) if n in arms_roof else "-" for n in names]])
+        rows.append(["batch-1 TPOT / memory roofline",
+                     *[f"{arms_roof[n]['tpot_over_roofline']:.2f}x" if n in arms_roof else "-" for n in names]])
     return rows
 
 

@@ -11,8 +11,7 @@ outermost, so Inductor turns it into one loop that streams each weight row once 
 rows of a small batch, with int8 -> float and the scales folded into the loads. On a
 2-core AMD EPYC Zen 4 it read 28-30 GB/s (float32, M = 1..2) where oneDNN's prepacked
 GEMV read 20-28 and MKL's 11; int8 at M = 1 read 27 GB/s of int8 (1.6 ms for what
-takes 6 ms in float32). It is compute-bound sooner than a GEMM: bf16 above M = 2 and
-float32 above M = 8 go back to the eager matmuls (``decode_graph.max_graph_batch``).
+takes 6 ms in float32). It is compute-bound sooner than a GEMM (bf16 from M = 4).
 """
 
 from __future__ import annotations

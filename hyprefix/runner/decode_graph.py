@@ -6,14 +6,19 @@ Eager, a decode step of a small model is mostly per-op overhead: ~30 layers x a 
 dozen small ops. Compiled, Inductor fuses the elementwise chains into the matmuls'
 loops (``quant.reduction_linear``) and the step runs as a handful of C++ kernels.
 
-Two graphs cover every step that qualifies: one for batch 1 (its own: the most
-latency-bound case) and one for batches 2 .. ``max_batch`` with the batch size
-symbolic; both take the context length (block-table width) as a symbolic size, so a
-growing context never recompiles. A step qualifies when it is decode only, has no
-cascade plan (shared prefixes read once per group stay eager, ``runner/cascade.py``),
-no sliding-window pool and no recurrent state (hybrids stay eager), and at most
-``max_batch`` rows; any other step runs eagerly. If compiling fails (no C++ compiler,
-an unsupported op) the graphs are switched off with a warning and every step runs eagerly.
+One graph per batch size up to ``max_batch`` (today 1: the one-stream, most
+latency-bound case), compiled on first use, with the context length (block-table
+width) a symbolic size so a growing context never recompiles. A step qualifies when it
+is decode only, has no cascade plan (shared prefixes read once per group stay eager,
+``runner/cascade.py``), no sliding-window pool and no recurrent state (hybrids stay
+eager), and at most ``max_batch`` rows; any other step runs eagerly. If compiling fails
+(no C++ compiler, an unsupported op) the graphs are switched off with a warning and
+every step runs eagerly.
+
+Why batch 1 only: a graph with a symbolic batch size compiled to code that took 900 ms
+a step at batch 8 on SmolLM2-135M (eager: ~125 ms), and one static graph per batch size
+costs ~50 s of cold compile each on 2 cores; batched decode keeps the eager prepacked
+GEMMs, which are near their roofline there.
 """
 
 from __future__ import annotations
@@ -28,15 +33,7 @@ from hyprefix.forward import ForwardBatch
 log = logging.getLogger("hyprefix.runner")
 
 
-def max_graph_batch(dtype: torch.dtype, quantized: bool) -> int:
-    """Largest batch whose matmuls are faster as compiled reductions than as eager GEMMs.
-    Zen 4, 24 weight matrices of 3072 x 576 (float32): batch 1, 2, 4, 8 took 5.6, 5.8,
-    7.2, 8.4 ms as reductions vs 9.2 (M = 1) and ~14 ms (M = 16) prepacked; bf16
-    reductions turn compute-bound from batch 4 (5.7 ms vs 2.4 at batch 1) where oneDNN's
-    bf16 GEMM is not. int8 weights dequantize inside the loop like bf16 ones."""
-    if dtype == torch.float32 and not quantized:
-        return 8
-    return 2
+MAX_GRAPH_BATCH = 1
 
 
 class DecodeGraphs:
@@ -51,7 +48,7 @@ class DecodeGraphs:
         # inside every row of the next matmul (which made int8 rows compute-bound).
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
                                        options={"realize_cpu_opcount_threshold": 4})
-        self._seen: set[bool] = set()  # which graphs (batch 1, batch > 1) ran already
+        self._seen: set[int] = set()  # batch sizes whose graph ran already
 
     def eligible(self, batch: ForwardBatch) -> bool:
         return (self.enabled and not batch.prefills and 0 < batch.num_decode <= self.max_batch
@@ -67,11 +64,8 @@ class DecodeGraphs:
             tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
         args = [batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens]
         torch._dynamo.mark_dynamic(tables, 1)
-        multi = batch.num_decode > 1
-        if multi:
-            for tensor in args:
-                torch._dynamo.mark_dynamic(tensor, 0)
-        first = multi not in self._seen
+        size = batch.num_decode
+        first = size not in self._seen
         t0 = time.perf_counter()
         try:
             if first:
@@ -87,9 +81,8 @@ class DecodeGraphs:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
         if first:
-            self._seen.add(multi)
-            log.info("compiled the decode step for %s in %.1fs", f"batches 2..{self.max_batch}" if multi
-                     else "batch 1", time.perf_counter() - t0)
+            self._seen.add(size)
+            log.info("compiled the decode step for batch %d in %.1fs", size, time.perf_counter() - t0)
         return logits
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -11,7 +11,7 @@ from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds
-from hyprefix.runner.decode_graph import DecodeGraphs, max_graph_batch
+from hyprefix.runner.decode_graph import MAX_GRAPH_BATCH, DecodeGraphs
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
-                 num_window_blocks: int = 0, quantized: bool = False) -> None:
+                 num_window_blocks: int = 0) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
         of their own (``cache/sliding.py``); 0: they share the main pool."""
         self.model = model
@@ -51,7 +51,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly).
-        self.decode_graphs = DecodeGraphs(model, max_graph_batch(dtype, quantized)) \
+        self.decode_graphs = DecodeGraphs(model, MAX_GRAPH_BATCH) \
             if compile_enabled and state_layout is None else None
 
     @property
