@@ -41,7 +41,7 @@ class EngineArgs:
     disable_hybrid_swa_memory: bool = False
     seed: int = 0
     # Weight-only quantization of the linear layers and LM head: None or "int8"
-    # (per-channel scales; a GGUF's Q8_0 tensors load as they are).
+    # (per-channel scales, quantized at load from the float weights; GGUF files too).
     quantization: str | None = None
     enforce_eager: bool = False
     # Decode attention reads a shared prefix once for its group when that saves at least

@@ -184,7 +184,8 @@ def run_bench(ns: argparse.Namespace) -> int:
         environment,
         load_average,
         measure_matmul_peak,
-        measure_read_bandwidth,
+        measure_read_rates,
+        read_bandwidth,
         usable_cores,
     )
     from hyprefix.bench.report import format_result, write_json
@@ -249,13 +250,10 @@ def run_bench(ns: argparse.Namespace) -> int:
         if throughput:
             progress(f"{dtype} matmul peak")
             peak = measure_matmul_peak(TORCH_DTYPES[dtype])
-            bandwidth = [measure_read_bandwidth()]
+            rates = measure_read_rates()
         runs, failed = run_arms(arms, workload, ns.repeats, progress=progress)
-        if bandwidth:  # before and after the arms
-            bandwidth.append(measure_read_bandwidth())
-            rates = sorted(r for b in bandwidth for r in b["rates_gb_per_s"])
-            bandwidth = {**bandwidth[0], "runs": len(rates), "rates_gb_per_s": rates, "gb_per_s": rates[-1],
-                         "median_gb_per_s": rates[len(rates) // 2]}
+        if throughput:  # read rates before and after the arms
+            bandwidth = read_bandwidth(rates + measure_read_rates())
         skipped.update(failed)
         bar.update(bar.total - bar.n)
         bar.set_postfix_str("done")

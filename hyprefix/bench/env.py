@@ -124,10 +124,13 @@ class RssPeak:
                 "rss_peak_gib": round(max(self.peak, rss_bytes() or 0) / 2**30, 3) if ok else None}
 
 
-def measure_read_bandwidth(nbytes: int = 512 * 2**20, runs: int = 12, warmup: int = 2) -> dict[str, Any]:
-    """Memory read bandwidth with this process's torch threads: ``sum`` over a float32
-    tensor far larger than the caches, best and median of ``runs`` (GB/s, 1e9 bytes). A
-    decode step streams every weight once, so weight bytes over this rate is its floor."""
+READ_BYTES = 512 * 2**20
+
+
+def measure_read_rates(runs: int = 12, warmup: int = 2, nbytes: int = READ_BYTES) -> list[float]:
+    """Memory read rates (GB/s, 1e9 bytes) with this process's torch threads: ``sum`` over a
+    float32 tensor far larger than the caches, once per run. A decode step streams every
+    weight once, so weight bytes over this rate is its floor."""
     import torch
 
     x = torch.ones(nbytes // 4)
@@ -138,8 +141,15 @@ def measure_read_bandwidth(nbytes: int = 512 * 2**20, runs: int = 12, warmup: in
         t0 = time.perf_counter()
         x.sum()
         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    rates.sort()
-    return {"bytes": nbytes, "runs": runs, "gb_per_s": rates[-1], "median_gb_per_s": rates[len(rates) // 2],
+    return rates
+
+
+def read_bandwidth(rates: list[float]) -> dict[str, Any]:
+    """Best and median of ``measure_read_rates`` samples (several calls' worth may be pooled)."""
+    import torch
+
+    rates = sorted(rates)
+    return {"bytes": READ_BYTES, "runs": len(rates), "gb_per_s": rates[-1], "median_gb_per_s": rates[len(rates) // 2],
             "rates_gb_per_s": rates, "threads": torch.get_num_threads()}
 
 

@@ -166,7 +166,7 @@ def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: d
               facts: Any = None, peak: Any = None, bandwidth: Any = None) -> dict[str, Any]:
     """Per-arm, per-case summaries, ratios between arms, agreement and contention. ``models``
     maps each arm to its model label; ``facts`` (``ModelFacts``) and ``peak`` (``measure_matmul_peak``)
-    give the throughput workload's prefill FLOP rate; with ``bandwidth`` (``measure_read_bandwidth``)
+    give the throughput workload's prefill FLOP rate; with ``bandwidth`` (``env.read_bandwidth``)
     the hyprefix arms' batch-1 time per output token (median over repeats) is set against the
     memory roofline: the weight bytes a decode step reads over the median read rate measured
     before and after the arms (a shared machine's rate swings; the best is in the JSON too)."""

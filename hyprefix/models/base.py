@@ -116,6 +116,12 @@ class CausalLM(nn.Module):
             return packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.embed.weight).float()
 
+    @property
+    def decode_graph_capable(self) -> bool:
+        """Whether the runner compiles this model's decode steps (``runner/decode_graph.py``);
+        models with recurrent layers decode eagerly. The loader keeps plain weights for it."""
+        return self.state_layout is None
+
     def pack_weights(self, keep_plain: bool = False) -> None:
         """Switch linears to prepacked oneDNN weights where the device allows it (CPU).
         A tied LM head gets its own packed copy; the embedding keeps the plain one.

@@ -100,9 +100,9 @@ class Linear(nn.Linear):
             if not keep_plain:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
-    def quantize(self, int8: Int8Weight | None = None) -> None:
-        """Switch to int8 weights: ``int8`` as given (a GGUF Q8_0 tensor), else quantized from the float weight."""
-        self.int8 = int8 if int8 is not None else quantize_int8(self.weight)
+    def quantize(self) -> None:
+        """Switch to int8 weights quantized from the float weight."""
+        self.int8 = quantize_int8(self.weight)
         self._packed = None
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

@@ -181,7 +181,7 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     net.eval()
     if quantization == "int8":
         net.quantize_weights()
-    net.pack_weights(keep_plain=compiled_decode and net.state_layout is None)
+    net.pack_weights(keep_plain=compiled_decode and net.decode_graph_capable)
     identity = checkpoint_identity(path) + (f"|{quantization}" if quantization else "")
     return LoadedModel(net, hf_config, path, identity, torch_dtype, max_pos, net.weight_memory_bytes())
 

@@ -2,8 +2,8 @@
 
 An ``Int8Weight`` holds int8 values [N, K] and symmetric scales: one per output channel
 ([N], what ``quantize_int8`` makes from a float weight) or one per group of ``group``
-input channels ([N, K / group], GGUF Q8_0's blocks of 32 taken as they are). The value
-of an element is ``q * scale``. Activations stay in the model dtype (W8A16 / W8A32).
+input channels ([N, K / group], the layout of GGUF Q8_0's blocks of 32; nothing loads
+them that way yet). The value of an element is ``q * scale``. Activations stay in the model dtype (W8A16 / W8A32).
 
 ``reduction_linear`` is how every matmul is written inside a compiled decode step
 (``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row
@@ -36,15 +36,13 @@ class Int8Weight:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.scaled_values().to(dtype)
-
-    def scaled_values(self) -> torch.Tensor:
-        """Float32 [N, K] (lazy under compile: folded into the consumer's loads)."""
+        """[N, K] in ``dtype`` (lazy under compile: folded into the consumer's loads)."""
         if self.group is None:
-            return self.qweight.float() * self.scales[:, None]
-        n, k = self.qweight.shape
-        groups = self.qweight.view(n, -1, self.group).float() * self.scales[:, :, None]
-        return groups.view(n, k)
+            values = self.qweight.float() * self.scales[:, None]
+        else:
+            n, k = self.qweight.shape
+            values = (self.qweight.view(n, -1, self.group).float() * self.scales[:, :, None]).view(n, k)
+        return values.to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Eager: torch's int8 GEMV kernel where it is fast (bf16 activations, per-channel
@@ -69,7 +67,7 @@ def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: t
         if weight.group is None:
             out = (weight.qweight[:, None, :] * x[None, :, :]).sum(-1) * weight.scales[:, None].to(x.dtype)
         else:
-            out = (weight.scaled_values().to(x.dtype)[:, None, :] * x[None, :, :]).sum(-1)
+            out = (weight.dequantize(x.dtype)[:, None, :] * x[None, :, :]).sum(-1)
     else:
         out = (weight[:, None, :] * x[None, :, :]).sum(-1)
     out = out.t()

@@ -52,7 +52,7 @@ class ModelRunner:
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly).
         self.decode_graphs = DecodeGraphs(model, MAX_GRAPH_BATCH) \
-            if compile_enabled and state_layout is None else None
+            if compile_enabled and model.decode_graph_capable else None
 
     @property
     def kernels(self) -> Kernels:
