@@ -138,8 +138,41 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.int8 is None:
                 module.quantize()
-        if self.lm_head is None:
+        if self.lm_head is None and self._int8_head is None:
             self._int8_head = quantize_int8(self.embed.weight)
+
+    def load_int8_weights(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
+        """Checkpoint int8 weights (GGUF Q8_0 blocks) straight into their linear layers,
+        after ``load_weights``. Shards of a fused linear (q/k/v, gate/up) are joined once
+        all of them came as int8 with one group size; a linear missing some keeps its
+        float weight. A tied head's int8 copy is the embedding's int8 table (the lookup
+        keeps the float one). Returns how many linears (and heads) switched."""
+        modules = dict(self.named_modules())
+        shards: dict[str, dict[int, Int8Weight]] = {}
+        switched = 0
+        for name, weight in weights:
+            target = self.map_name(name)
+            if target is None:
+                continue
+            param_name, shard, sizes = target
+            if param_name == "embed.weight":
+                if self.lm_head is None:
+                    self._int8_head, switched = weight, switched + 1
+                continue
+            module_name, leaf = param_name.rsplit(".", 1)
+            module = modules.get(module_name)
+            if leaf != "weight" or not isinstance(module, Linear):
+                continue
+            parts = shards.setdefault(module_name, {})
+            parts[0 if shard is None else shard] = weight
+            if len(parts) < (1 if sizes is None else len(sizes)):
+                continue
+            ordered = [parts[i] for i in range(len(parts))]
+            if len({part.group for part in ordered}) == 1:
+                module.use_int8(Int8Weight(torch.cat([p.qweight for p in ordered]),
+                                           torch.cat([p.scales for p in ordered])))
+                switched += 1
+        return switched
 
     def weight_memory_bytes(self) -> int:
         """Bytes the weights hold in memory: parameters, int8 weights and prepacked copies."""

@@ -102,7 +102,14 @@ class Linear(nn.Linear):
 
     def quantize(self) -> None:
         """Switch to int8 weights quantized from the float weight."""
-        self.int8 = quantize_int8(self.weight)
+        self.use_int8(quantize_int8(self.weight))
+
+    def use_int8(self, weight: Int8Weight) -> None:
+        """Switch to these int8 weights [out_features, in_features]; the float one goes."""
+        if tuple(weight.qweight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"int8 weight of shape {tuple(weight.qweight.shape)} for a linear layer of "
+                             f"{self.out_features} x {self.in_features}")
+        self.int8 = weight
         self._packed = None
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

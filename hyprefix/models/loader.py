@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import DTYPES, resolve_dtype
+from hyprefix.models.quant import Int8Weight
 from hyprefix.models.registry import model_class
 
 
@@ -137,19 +138,51 @@ def load_config(path: Path):
         raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
 
 
+def _meta_reference(hf_config) -> torch.nn.Module:
+    """transformers' model on the meta device: it only names the tensors (GGUF names ->
+    transformers names)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
 def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors under transformers' names, dequantized to float32."""
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with torch.device("meta"):  # only names the tensors (GGUF names -> transformers names)
-        reference = AutoModelForCausalLM.from_config(hf_config)
     try:
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)["tensors"]
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                       model_to_load=_meta_reference(hf_config))["tensors"]
     except NotImplementedError as exc:  # a quantization type gguf cannot dequantize
         raise ValueError(f"cannot load the GGUF file {path.name}: {exc} ({_tensors_named_in(path, str(exc))})") \
             from exc
     yield from tensors.items()
+
+
+def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
+    """The file's Q8_0 matrices as int8 weights with one float16 scale per 32 values, the
+    blocks' own numbers (no float detour), under transformers' names and with the row
+    permutation transformers undoes on load (Llama's q/k) applied to values and scales."""
+    import gguf
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = gguf.GGUFReader(str(path))
+    processor = TENSOR_PROCESSORS.get(gguf_architecture(path), TensorProcessor)(config=hf_config.to_dict())
+    names = get_gguf_hf_weights_map(_meta_reference(hf_config), processor)
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
+    for tensor in reader.tensors:
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0 or tensor.data.ndim != 2:
+            continue
+        blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
+        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0]
+        values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+        values = processor.process(weights=values, name=tensor.name).weights
+        scales = processor.process(weights=scales, name=tensor.name).weights
+        if tensor.name in names:
+            yield names[tensor.name], Int8Weight(torch.from_numpy(np.ascontiguousarray(values)),
+                                                 torch.from_numpy(np.ascontiguousarray(scales)))
 
 
 def _tensors_named_in(path: Path, message: str) -> str:
@@ -180,7 +213,9 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
     net.eval()
     if quantization == "int8":
-        net.quantize_weights()
+        if path.suffix == ".gguf":  # Q8_0 matrices keep the file's int8 blocks
+            net.load_int8_weights(iter_gguf_q8_0(path, hf_config))
+        net.quantize_weights()  # the rest: per-channel int8 from the float weights
     net.pack_weights(keep_plain=compiled_decode and net.decode_graph_capable)
     identity = checkpoint_identity(path) + (f"|{quantization}" if quantization else "")
     return LoadedModel(net, hf_config, path, identity, torch_dtype, max_pos, net.weight_memory_bytes())

@@ -2,8 +2,9 @@
 
 An ``Int8Weight`` holds int8 values [N, K] and symmetric scales: one per output channel
 ([N], what ``quantize_int8`` makes from a float weight) or one per group of ``group``
-input channels ([N, K / group], the layout of GGUF Q8_0's blocks of 32; nothing loads
-them that way yet). The value of an element is ``q * scale``. Activations stay in the model dtype (W8A16 / W8A32).
+input channels ([N, K / group]: GGUF Q8_0's blocks of 32 with their float16 scales, loaded as
+they are by ``loader.iter_gguf_q8_0``). The value of an element is ``q * scale``.
+Activations stay in the model dtype (W8A16 / W8A32).
 
 ``reduction_linear`` is how every matmul is written inside a compiled decode step
 (``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row

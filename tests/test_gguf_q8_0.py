@@ -1,0 +1,84 @@
+"""GGUF Q8_0 weights load straight into int8 linears with ``quantization="int8"``: the
+blocks' int8 values and float16 scales as they are in the file (no float round trip),
+Llama's q/k row permutation applied to both. The file is a tiny Llama written with the
+``gguf`` library and rewritten as Q8_0 by ``tools/requantize_gguf.py``."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import our_last_logits
+from test_gguf_errors import write_gguf
+
+from hyprefix import LLM, SamplingParams
+from hyprefix.models.layers import Linear
+from hyprefix.models.loader import load_model
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "requantize_gguf.py"
+
+
+@pytest.fixture(scope="module")
+def q8_0_file(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("q8_0")
+    requantize = runpy.run_path(str(TOOL))["requantize"]
+    requantize(str(write_gguf(tmp / "f32.gguf")), str(tmp / "q8_0.gguf"))
+    return tmp / "q8_0.gguf"
+
+
+def test_the_tool_writes_q8_0_matrices_and_float_norms(q8_0_file):
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(q8_0_file)).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+
+
+def test_q8_0_blocks_become_int8_weights_exactly(q8_0_file):
+    """Every linear (fused q/k/v and gate/up included) and the untied LM head hold the
+    file's int8 blocks: dequantized, they equal transformers' float dequantization of the
+    same file bit for bit."""
+    floats = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, compiled_decode=True).model
+    ints = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, quantization="int8").model
+    reference = dict(floats.named_modules())
+    linears = [(name, m) for name, m in ints.named_modules() if isinstance(m, Linear)]
+    assert {name for name, _ in linears} >= {"layers.0.attn.qkv", "layers.0.mlp.gate_up", "lm_head"}
+    for name, module in linears:
+        assert module.int8 is not None and module.int8.group == 32, name
+        assert module.int8.qweight.dtype == torch.int8 and module.int8.scales.dtype == torch.float16
+        assert torch.equal(module.int8.dequantize(torch.float32), reference[name].weight), name
+    assert ints.decode_weight_bytes() < 0.3 * floats.decode_weight_bytes()
+
+
+def test_q8_0_block_values_are_the_files(q8_0_file):
+    """The v projection (no permutation) holds the raw bytes of the file's blocks."""
+    ints = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, quantization="int8").model
+    raw = next(t for t in gguf.GGUFReader(str(q8_0_file)).tensors if t.name == "blk.0.attn_v.weight")
+    blocks = np.asarray(raw.data).reshape(raw.data.shape[0], -1, 34)
+    attn = ints.layers[0].attn
+    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+    qkv = ints.layers[0].attn.qkv.int8
+    assert np.array_equal(qkv.qweight[v_rows].numpy(), blocks[:, :, 2:].view(np.int8).reshape(len(blocks), -1))
+    assert np.array_equal(qkv.scales[v_rows].numpy(), blocks[:, :, :2].copy().view(np.float16)[:, :, 0])
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_models, enforce_eager):
+    """Same weights, so the same logits (to float rounding) and the same greedy tokens,
+    eager and through the compiled decode step. (The tiny file's vocabulary is no real
+    tokenizer: a test checkpoint's serves; the prompts are token ids under 16.)"""
+    common = {"dtype": "float32", "num_kv_blocks": 64, "tokenizer": str(tiny_models["llama"][0])}
+    floats = LLM(str(q8_0_file), enforce_eager=True, **common)
+    ints = LLM(str(q8_0_file), quantization="int8", enforce_eager=enforce_eager, **common)
+    prompts = [[1, 5, 7, 3, 9, 2], [4, 4, 8, 15, 0, 11, 6, 1, 2, 3]]
+    ref = our_last_logits(floats, prompts)
+    assert torch.allclose(our_last_logits(ints, prompts), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt in prompts:  # one at a time: batch-1 decode steps are the compiled ones
+        assert ints.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+            floats.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    graphs = ints.engine.runner.decode_graphs
+    assert (graphs is None) == enforce_eager and (enforce_eager or graphs._seen == {1})
