@@ -1,8 +1,9 @@
 """Rewrite a GGUF file with every 2-D weight stored as Q8_0 (blocks of 32 int8 values
-and one float16 scale), as ``llama-quantize ... Q8_0`` does; 1-D tensors (norms) stay
-float32. The metadata (config, tokenizer, chat template) is copied unchanged.
+and one float16 scale), as ``llama-quantize ... Q8_0`` does, or as F32; 1-D tensors
+(norms) stay float32. The metadata (config, tokenizer, chat template) is copied unchanged.
 
     python tools/requantize_gguf.py SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q8_0.gguf
+    python tools/requantize_gguf.py --type F32 SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.F32.gguf
 
 The Q8_0 values are computed by ``gguf``'s reference quantizer from the source tensors
 dequantized to float32 (a Q4 source loses nothing more: every Q4 value is exact in Q8_0's
@@ -31,7 +32,7 @@ def requantize(src: str, dst: str, qtype: gguf.GGMLQuantizationType = gguf.GGMLQ
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for tensor in reader.tensors:
         values = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if values.ndim == 2 and values.shape[1] % block == 0:
+        if qtype != gguf.GGMLQuantizationType.F32 and values.ndim == 2 and values.shape[1] % block == 0:
             raw = gguf.quantize(values, qtype)
             writer.add_tensor(tensor.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
         else:
@@ -46,8 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src")
     parser.add_argument("dst")
+    parser.add_argument("--type", choices=["Q8_0", "F32"], default="Q8_0")
     args = parser.parse_args()
-    requantize(args.src, args.dst)
+    requantize(args.src, args.dst, gguf.GGMLQuantizationType[args.type])
 
 
 if __name__ == "__main__":

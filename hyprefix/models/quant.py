@@ -62,13 +62,28 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scales)
 
 
+def stored(x: torch.Tensor) -> torch.Tensor:
+    """Inside a compiled step, make Inductor store ``x`` (a norm's output, say) once
+    instead of inlining its computation into every output row's loop of the matmul that
+    reads it; eager, ``x`` itself. (A low ``realize_cpu_opcount_threshold`` did this for
+    every node, the weight-side dequantisation included, which then went through memory
+    as a float copy.)"""
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.force_stride_order(x, x.stride()) if torch.compiler.is_compiling() else x
+
+
 def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) as a reduction per (output, row): see the module doc."""
+    x = stored(x)
     if isinstance(weight, Int8Weight):
         if weight.group is None:
             out = (weight.qweight[:, None, :] * x[None, :, :]).sum(-1) * weight.scales[:, None].to(x.dtype)
-        else:
-            out = (weight.dequantize(x.dtype)[:, None, :] * x[None, :, :]).sum(-1)
+        else:  # [N, 1, groups, group] x [1, M, groups, group]: the scale is one load per group
+            n, k = weight.qweight.shape
+            groups, m = k // weight.group, x.shape[0]
+            out = (weight.qweight.view(n, 1, groups, weight.group) * weight.scales.view(n, 1, groups, 1).to(x.dtype)
+                   * x.view(1, m, groups, weight.group)).sum((-2, -1))
     else:
         out = (weight[:, None, :] * x[None, :, :]).sum(-1)
     out = out.t()

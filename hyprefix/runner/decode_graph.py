@@ -44,10 +44,7 @@ class DecodeGraphs:
         # Dynamo keeps the compiled steps of every engine in this process on one code
         # object (two per model shape); past its limit it would run them eagerly unsaid.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # A low realize threshold stores each norm's output once instead of recomputing it
-        # inside every row of the next matmul (which made int8 rows compute-bound).
-        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
-                                       options={"realize_cpu_opcount_threshold": 4})
+        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
         self._seen: set[int] = set()  # batch sizes whose graph ran already
 
     def eligible(self, batch: ForwardBatch) -> bool:
