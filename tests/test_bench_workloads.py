@@ -267,6 +267,40 @@ def test_throughput_ratios_and_flops_on_synthetic_timings() -> None:
         ("decode@16", ["hyprefix", "transformers"], 16, 16)]
 
 
+def test_batch1_tpot_against_each_arms_own_weight_bytes() -> None:
+    """hyprefix and llama.cpp arms get a roofline ratio, each over the bytes its decode step
+    reads (llama.cpp's from its GGUF file); transformers gets none."""
+    w = ThroughputWorkload(prompt_len=1000, decode_prompt_len=8, decode_tokens=11, batch_sizes=(1,))
+    runs = {"hyprefix": _throughput_runs("hyprefix", 120.0, {1: 50.0}),
+            "llama.cpp": _throughput_runs("llama.cpp", 100.0, {1: 40.0}),
+            "transformers": _throughput_runs("transformers", 100.0, {1: 5.0})}
+    facts = SimpleNamespace(matmul_params=100, lm_head_params=10, attention_layers=2, attention_width=8,
+                            decode_weight_bytes=10**9, quantization=None)
+    bandwidth = {"median_gb_per_s": 40.0, "gb_per_s": 50.0}
+    roof = summarise(runs, w, {}, facts=facts, bandwidth=bandwidth, decode_bytes={"llama.cpp": 5 * 10**8})[
+        "decode_roofline"]
+    assert roof["roofline_seconds"] == pytest.approx(0.025)
+    assert set(roof["arms"]) == {"hyprefix", "llama.cpp"}
+    assert roof["arms"]["hyprefix"] == pytest.approx(
+        {"tpot_seconds": 0.02, "weight_bytes": 10**9, "tpot_over_roofline": 0.8})
+    assert roof["arms"]["llama.cpp"] == pytest.approx(
+        {"tpot_seconds": 0.025, "weight_bytes": 5 * 10**8, "tpot_over_roofline": 2.0})
+
+
+def test_gguf_decode_bytes_count_the_embedding_only_as_a_tied_head(tmp_path) -> None:
+    from test_gguf_errors import TENSORS, write_gguf
+
+    from hyprefix.bench.arms import _gguf_weight_bytes, load_arm
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    total, decode, types = _gguf_weight_bytes(str(path))
+    sizes = {name: 4 * int(torch.tensor(shape).prod()) for name, shape in TENSORS.items()}
+    assert total == sum(sizes.values()) and types == ["F32"]
+    assert decode == total - sizes["token_embd.weight"]  # the file has output.weight: the head is its own
+    with pytest.raises(ValueError, match=r"the llama\.cpp arm runs GGUF files"):
+        load_arm("llama.cpp", "demo-dense-tiny", ThroughputWorkload(), dtype="float32")
+
+
 def test_flags_of_another_workload_are_refused(capsys) -> None:
     assert main(["bench", "--workload", "shared-prefix", "--turns", "3"]) == 2
     assert "--turns" in capsys.readouterr().err

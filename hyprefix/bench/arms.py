@@ -6,7 +6,10 @@ KV pool sized for every token of the largest case, its cache emptied before ever
 ``transformers``: ``generate`` on the same weights (a token's time is when its step calls our
 ``StoppingCriteria``), one request at a time like a CPU user without a serving engine (TTFT
 includes the wait for the requests ahead; ``ttft_own`` does not), throughput a round as one
-batch; an arm that cannot run the model is skipped. ``server``: ``hyprefix.bench.online``.
+batch; an arm that cannot run the model is skipped. ``llama.cpp``: llama-cpp-python's ``Llama``
+on the same GGUF file (it computes in the file's types: run an F32 or Q8_0 file for a like-for-like
+decode), one request at a time with this process's thread count; skipped when llama_cpp is not
+installed (``pip install llama-cpp-python``). ``server``: ``hyprefix.bench.online``.
 A round's time runs from its first request sent to its last one's end.
 """
 
@@ -25,7 +28,7 @@ from hyprefix.config import DTYPES as ARM_DTYPES
 
 log = logging.getLogger("hyprefix.bench")
 
-ARM_BASES = ("hyprefix", "hyprefix-nocache", "transformers")
+ARM_BASES = ("hyprefix", "hyprefix-nocache", "transformers", "llama.cpp")
 COMPARE_ARM = "compare-hyprefix"  # the hyprefix arm on --compare-model
 SERVER_ARM = "server"
 # Cumulative engine counters whose change over a run is reported; gauges as at the end of a run.
@@ -275,6 +278,70 @@ class TransformersArm:
                 for r, row in zip(requests, out[:, width:].tolist(), strict=True)]
 
 
+class LlamaCppArm:
+    """llama.cpp through llama-cpp-python: one sequence at a time (its ``Llama`` has one
+    slot; it keeps the previous request's K/V and reuses a common prefix, as llama.cpp
+    does); a token's time is when ``generate`` yields it."""
+
+    in_process = True
+
+    def __init__(self, name: str, model: str) -> None:
+        if not model.endswith(".gguf"):
+            raise ValueError(f"the llama.cpp arm runs GGUF files, not {model!r}")
+        import torch
+        from llama_cpp import Llama
+
+        self.name, self.model = name, model
+        self.threads = torch.get_num_threads()
+        self.llm = Llama(model_path=model, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=4096,
+                         n_batch=512, verbose=False)
+        self.vocab_size: int | None = self.llm.n_vocab()
+        self.weight_bytes, self.decode_weight_bytes, self.types = _gguf_weight_bytes(model)
+
+    def info(self) -> dict:
+        import llama_cpp
+
+        return {"engine": "llama.cpp (llama-cpp-python)", "version": llama_cpp.__version__, "model": self.model,
+                "dtype": "+".join(self.types), "threads": self.threads, "batching": "none, one request at a time",
+                "memory_bytes": {"weights": self.weight_bytes}, "decode_weight_bytes": self.decode_weight_bytes}
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def stats(self) -> None:
+        return None
+
+    def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
+        sent = time.perf_counter()
+        records = []
+        for r in requests:
+            sampling = {"top_k": 1, "temp": 0.0} if r.greedy else {"top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                                    "temp": r.temperature}
+            if r.seed is not None:
+                self.llm.set_seed(r.seed)
+            call, out, stamps = time.perf_counter(), [], []
+            for token in self.llm.generate(list(r.prompt), reset=True, **sampling):
+                out.append(token)
+                stamps.append(time.perf_counter())
+                if len(out) == r.max_tokens:
+                    break
+            records.append(RequestRecord(r.tag, len(r.prompt), out, sent, stamps, stamps[-1], call_start=call))
+        return records
+
+
+def _gguf_weight_bytes(path: str) -> tuple[int, int, list[str]]:
+    """A GGUF file's tensor bytes, the bytes a decode step reads (all but the embedding
+    table, which the lookup reads one row of, unless it is also the LM head: no
+    ``output.weight``), and the storage types of its matrices."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    total = sum(int(t.n_bytes) for t in tensors)
+    tied = all(t.name != "output.weight" for t in tensors)
+    decode = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    return total, decode, sorted({t.tensor_type.name for t in tensors if len(t.shape) == 2})
+
+
 def workload_kv_blocks(workload: Workload, block_size: int) -> int:
     """KV blocks for every token of every request of the workload (its largest case)."""
     return max(sum(-(-(n + case.output_len) // block_size) for lens in case.prompt_lens() for n in lens)
@@ -290,6 +357,8 @@ def load_arm(name: str, model: str, workload: Workload, *, dtype: str, seed: int
     dtype = own or dtype
     if base == "transformers":
         return TransformersArm(name, model, dtype, batched=workload.hf_batched)
+    if base == "llama.cpp":
+        return LlamaCppArm(name, model)
     if base not in ("hyprefix", "hyprefix-nocache", COMPARE_ARM):
         raise ValueError(f"unknown arm {name!r}")
     kwargs = {**workload.engine_defaults(), **(engine_kwargs or {})}

@@ -234,8 +234,8 @@ def run_bench(ns: argparse.Namespace) -> int:
             try:
                 arms[name] = server or load_arm(name, path, workload, dtype=ns.dtype or "auto", seed=ns.seed,
                                                 engine_kwargs=engine_kwargs)
-            except Exception as exc:  # transformers may not support the architecture
-                if not name.startswith("transformers"):
+            except Exception as exc:  # transformers may not support the architecture, llama_cpp may be missing
+                if not name.startswith(("transformers", "llama.cpp")):
                     raise
                 log.warning("skipping the %s arm: loading %s failed: %s", name, path, exc)
                 skipped[name] = f"loading failed: {type(exc).__name__}: {exc}"
@@ -276,7 +276,9 @@ def run_bench(ns: argparse.Namespace) -> int:
         "model_facts": asdict(facts) if facts else None,
         "peak": peak,
         "memory_bandwidth": bandwidth,
-        **summarise(runs, workload, models, skipped, facts=facts, peak=peak, bandwidth=bandwidth),
+        **summarise(runs, workload, models, skipped, facts=facts, peak=peak, bandwidth=bandwidth,
+                    decode_bytes={name: arm.decode_weight_bytes for name, arm in arms.items()
+                                  if isinstance(getattr(arm, "decode_weight_bytes", None), int)}),
     }
     print(format_result(result))
     if ns.out:

@@ -54,7 +54,9 @@ def _throughput_rows(result: dict[str, Any], names: list[str]) -> list[list[str]
         rows.append([f"batch-1 TPOT ms (roofline {1e3 * roof['roofline_seconds']:.1f}: {weights} at "
                      f"{roof['read_gb_per_s']:.1f} GB/s)",
                      *[_fmt(1e3 * arms_roof[n]["tpot_seconds"]) if n in arms_roof else "-" for n in names]])
-        rows.append(["batch-1 TPOT / memory roofline",
+        rows.append(["batch-1 decode reads MB (its weights)",
+                     *[_fmt(arms_roof[n]["weight_bytes"] / 1e6) if n in arms_roof else "-" for n in names]])
+        rows.append(["batch-1 TPOT / memory roofline (its bytes)",
                      *[f"{arms_roof[n]['tpot_over_roofline']:.2f}x" if n in arms_roof else "-" for n in names]])
     return rows
 

@@ -163,13 +163,15 @@ def agreement(runs: Runs, cases: dict[str, Workload]) -> list[dict[str, Any]]:
 
 
 def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: dict[str, str] | None = None,
-              facts: Any = None, peak: Any = None, bandwidth: Any = None) -> dict[str, Any]:
+              facts: Any = None, peak: Any = None, bandwidth: Any = None,
+              decode_bytes: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-arm, per-case summaries, ratios between arms, agreement and contention. ``models``
     maps each arm to its model label; ``facts`` (``ModelFacts``) and ``peak`` (``measure_matmul_peak``)
     give the throughput workload's prefill FLOP rate; with ``bandwidth`` (``env.read_bandwidth``)
-    the hyprefix arms' batch-1 time per output token (median over repeats) is set against the
-    memory roofline: the weight bytes a decode step reads over the median read rate measured
-    before and after the arms (a shared machine's rate swings; the best is in the JSON too)."""
+    the hyprefix and llama.cpp arms' batch-1 time per output token (median over repeats) is set
+    against the memory roofline: the weight bytes a decode step reads (``facts``, or the arm's
+    own in ``decode_bytes``) over the median read rate measured before and after the arms (a
+    shared machine's rate swings; the best is in the JSON too)."""
     cases = workload.cases()
     arms = {name: {c: {**summarise_case(rs, cases[c]), "model": models.get(name)} for c, rs in by_case.items() if rs}
             for name, by_case in runs.items()}
@@ -192,13 +194,15 @@ def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: d
             name: {"prefill_gflops": g, "fraction_of_peak": g / peak["gflops"] if peak else None}
             for name, g in gflops.items()})
     if facts is not None and bandwidth and "decode@1" in cases and facts.decode_weight_bytes:
-        roofline = facts.decode_weight_bytes / (bandwidth["median_gb_per_s"] * 1e9)
+        rate = bandwidth["median_gb_per_s"] * 1e9
+        weight_bytes = {name: (decode_bytes or {}).get(name, facts.decode_weight_bytes) for name in arms}
         tpot = {name: 1.0 / by_case["decode@1"]["decode_tokens_per_s"]["median"]
-                for name, by_case in arms.items() if split_arm(name)[0] == "hyprefix" and "decode@1" in by_case
-                and by_case["decode@1"].get("decode_tokens_per_s")}
+                for name, by_case in arms.items() if split_arm(name)[0] in ("hyprefix", "llama.cpp")
+                and "decode@1" in by_case and by_case["decode@1"].get("decode_tokens_per_s")}
         result["decode_roofline"] = {
             "weight_bytes": facts.decode_weight_bytes, "quantization": facts.quantization,
             "read_gb_per_s": bandwidth["median_gb_per_s"], "best_read_gb_per_s": bandwidth["gb_per_s"],
-            "roofline_seconds": roofline,
-            "arms": {name: {"tpot_seconds": t, "tpot_over_roofline": t / roofline} for name, t in tpot.items()}}
+            "roofline_seconds": facts.decode_weight_bytes / rate,
+            "arms": {name: {"tpot_seconds": t, "weight_bytes": weight_bytes[name],
+                            "tpot_over_roofline": t / (weight_bytes[name] / rate)} for name, t in tpot.items()}}
     return result

@@ -74,7 +74,16 @@ class CausalLM(nn.Module):
     kernels: fused.Kernels
     state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
     _packed_head: torch.Tensor | None = None
-    _int8_head: Int8Weight | None = None
+
+    @property
+    def _int8_head(self) -> Int8Weight | None:
+        """A tied LM head's int8 copy (buffers, like ``Linear.int8``); None if float."""
+        qweight = self._buffers.get("head_qweight")
+        return None if qweight is None else Int8Weight(qweight, self._buffers["head_scales"])
+
+    def _use_int8_head(self, weight: Int8Weight) -> None:
+        self.register_buffer("head_qweight", weight.qweight, persistent=False)
+        self.register_buffer("head_scales", weight.scales, persistent=False)
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
     def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
@@ -108,10 +117,11 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if torch.compiler.is_compiling():
-            head = self._int8_head if self._int8_head is not None else self.embed.weight
-            return reduction_linear(hidden, head, None).float()
-        if self._int8_head is not None:
-            return self._int8_head.matmul(hidden, None).float()
+            int8_head = self._int8_head
+            return reduction_linear(hidden, int8_head if int8_head is not None else self.embed.weight, None).float()
+        int8_head = self._int8_head
+        if int8_head is not None:
+            return int8_head.matmul(hidden, None).float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.embed.weight).float()
@@ -139,7 +149,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and module.int8 is None:
                 module.quantize()
         if self.lm_head is None and self._int8_head is None:
-            self._int8_head = quantize_int8(self.embed.weight)
+            self._use_int8_head(quantize_int8(self.embed.weight))
 
     def load_int8_weights(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
         """Checkpoint int8 weights (GGUF Q8_0 blocks) straight into their linear layers,
@@ -157,7 +167,8 @@ class CausalLM(nn.Module):
             param_name, shard, sizes = target
             if param_name == "embed.weight":
                 if self.lm_head is None:
-                    self._int8_head, switched = weight, switched + 1
+                    self._use_int8_head(weight)
+                    switched += 1
                 continue
             module_name, leaf = param_name.rsplit(".", 1)
             module = modules.get(module_name)
