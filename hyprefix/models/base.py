@@ -20,7 +20,7 @@ from hyprefix.models.layers import (
     pack_weight,
     packed_linear,
 )
-from hyprefix.models.quant import Int8Weight, quantize_int8, reduction_linear
+from hyprefix.models.quant import Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -77,13 +77,11 @@ class CausalLM(nn.Module):
 
     @property
     def _int8_head(self) -> Int8Weight | None:
-        """A tied LM head's int8 copy (buffers, like ``Linear.int8``); None if float."""
-        qweight = self._buffers.get("head_qweight")
-        return None if qweight is None else Int8Weight(qweight, self._buffers["head_scales"])
+        """A tied LM head's int8 copy (module buffers, like ``Linear.int8``); None if float."""
+        return int8_buffers(self, "head_")
 
     def _use_int8_head(self, weight: Int8Weight) -> None:
-        self.register_buffer("head_qweight", weight.qweight, persistent=False)
-        self.register_buffer("head_scales", weight.scales, persistent=False)
+        set_int8_buffers(self, weight, "head_")
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
     def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
@@ -116,10 +114,9 @@ class CausalLM(nn.Module):
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if torch.compiler.is_compiling():
-            int8_head = self._int8_head
-            return reduction_linear(hidden, int8_head if int8_head is not None else self.embed.weight, None).float()
         int8_head = self._int8_head
+        if torch.compiler.is_compiling():
+            return reduction_linear(hidden, int8_head if int8_head is not None else self.embed.weight, None).float()
         if int8_head is not None:
             return int8_head.matmul(hidden, None).float()
         if self._packed_head is not None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from hyprefix.hardware import device_caps
 from hyprefix.models.fused import Kernels
-from hyprefix.models.quant import Int8Weight, quantize_int8, reduction_linear
+from hyprefix.models.quant import Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
 
 
 class RMSNorm(nn.Module):
@@ -95,11 +95,8 @@ class Linear(nn.Linear):
 
     @property
     def int8(self) -> Int8Weight | None:
-        """The int8 weights, kept as (non-persistent) buffers so they move with the module
-        and a compiled step guards them like parameters (a dataclass attribute cost ~1 ms
-        of Dynamo guard lookups per SmolLM2 step)."""
-        qweight = self._buffers.get("qweight")
-        return None if qweight is None else Int8Weight(qweight, self._buffers["scales"])
+        """The int8 weights (module buffers, ``quant.set_int8_buffers``); None if float."""
+        return int8_buffers(self)
 
     def pack(self, keep_plain: bool = False) -> None:
         if self._packed is None and self.weight.numel() and mkldnn_packing_available(self.weight):
@@ -116,16 +113,14 @@ class Linear(nn.Linear):
         if tuple(weight.qweight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"int8 weight of shape {tuple(weight.qweight.shape)} for a linear layer of "
                              f"{self.out_features} x {self.in_features}")
-        self.register_buffer("qweight", weight.qweight, persistent=False)
-        self.register_buffer("scales", weight.scales, persistent=False)
+        set_int8_buffers(self, weight)
         self._packed = None
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            int8 = self.int8
-            return reduction_linear(x, int8 if int8 is not None else self.weight, self.bias)
         int8 = self.int8
+        if torch.compiler.is_compiling():
+            return reduction_linear(x, int8 if int8 is not None else self.weight, self.bias)
         if int8 is not None:
             return int8.matmul(x, self.bias)
         if self._packed is not None:

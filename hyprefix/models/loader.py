@@ -173,16 +173,15 @@ def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
     names = get_gguf_hf_weights_map(_meta_reference(hf_config), processor)
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
     for tensor in reader.tensors:
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0 or tensor.data.ndim != 2:
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0 or tensor.data.ndim != 2 or tensor.name not in names:
             continue
         blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
         scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0]
         values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1)
         values = processor.process(weights=values, name=tensor.name).weights
         scales = processor.process(weights=scales, name=tensor.name).weights
-        if tensor.name in names:
-            yield names[tensor.name], Int8Weight(torch.from_numpy(np.ascontiguousarray(values)),
-                                                 torch.from_numpy(np.ascontiguousarray(scales)))
+        yield names[tensor.name], Int8Weight(torch.from_numpy(np.ascontiguousarray(values)),
+                                             torch.from_numpy(np.ascontiguousarray(scales)))
 
 
 def _tensors_named_in(path: Path, message: str) -> str:
