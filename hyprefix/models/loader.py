@@ -161,9 +161,12 @@ def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
-    """The file's Q8_0 matrices as int8 weights with one float16 scale per 32 values, the
-    blocks' own numbers (no float detour), under transformers' names and with the row
-    permutation transformers undoes on load (Llama's q/k) applied to values and scales."""
+    """The file's Q8_0 matrices as int8 weights with one scale per 32 values, the blocks'
+    own numbers (no float detour), under transformers' names and with the row permutation
+    transformers undoes on load (Llama's q/k) applied to values and scales. The float16
+    scales are widened to float32 (exactly): a compiled step reads one per 32 weights, and
+    Inductor's C++ (built without F16C) converts a float16 scalar in ~20 instructions
+    (SmolLM2's 49152 x 576 head alone: 1.77 vs 1.27 ms, AMD EPYC Zen 4)."""
     import gguf
     import numpy as np
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -181,7 +184,7 @@ def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
         values = processor.process(weights=values, name=tensor.name).weights
         scales = processor.process(weights=scales, name=tensor.name).weights
         yield names[tensor.name], Int8Weight(torch.from_numpy(np.ascontiguousarray(values)),
-                                             torch.from_numpy(np.ascontiguousarray(scales)))
+                                             torch.from_numpy(np.ascontiguousarray(scales)).float())
 
 
 def _tensors_named_in(path: Path, message: str) -> str:
