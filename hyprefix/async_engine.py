@@ -270,6 +270,7 @@ class AsyncEngine:
             with self._lock:
                 self._stopped = True
             self._fail_pending_commands()
+            self.engine.close()
             log.info("engine loop stopped")
 
     def _run_commands(self, block: bool, timeout: float | None = None) -> bool:

@@ -51,6 +51,9 @@ class EngineArgs:
     cascade_min_solo_run_tokens: int = 256
     log_stats_interval: float = 5.0
     revision: str | None = None
+    # KV cache events over ZMQ (kv_events.py), vLLM's flag: a JSON object such as
+    # '{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'; None: off.
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -75,6 +78,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.swa_full_tokens_ratio > 0:
             raise ValueError(f"swa_full_tokens_ratio must be > 0, got {self.swa_full_tokens_ratio!r}")
+        if self.kv_events_config is not None:
+            from hyprefix.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)
         if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0 when num_kv_blocks is not given")
 

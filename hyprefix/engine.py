@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
+from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.sliding import SlidingWindowKV
@@ -19,6 +20,7 @@ from hyprefix.cache.state_pool import StatePool
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer
 from hyprefix.errors import RequestError
+from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
 from hyprefix.models.loader import gguf_parsed_once, load_model, load_tokenizer
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -108,14 +110,18 @@ class Engine:
         num_blocks, num_window_blocks = pools.num_blocks, pools.num_window_blocks
         state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
         num_ckpts = self._checkpoint_slots(state_bytes) if state_bytes else 0
+        events_config = KVEventsConfig.parse(args.kv_events_config)
+        self.cache_events = EventLog(enabled=events_config is not None)
         kinds: list[CacheKind] = []
         if loaded.model.kv_layout.num_layers:
             kinds.append(AttentionKV())
         if window is not None:
             kinds.append(SlidingWindowKV(num_window_blocks, args.block_size, window, args.enable_prefix_caching))
         if loaded.model.state_layout is not None:
-            kinds.append(RecurrentStateCache(StatePool(args.max_num_seqs, num_ckpts), args.block_size))
-        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity)
+            kinds.append(RecurrentStateCache(StatePool(args.max_num_seqs, num_ckpts, self.cache_events),
+                                             args.block_size))
+        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity,
+                            self.cache_events)
         self.cache = CacheCoordinator(kv, kinds)
         self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
@@ -140,6 +146,7 @@ class Engine:
                  loaded.weight_bytes / mib, num_blocks, args.block_size, self.memory_bytes["kv_pool"] / mib,
                  num_live, state_bytes / mib, self.memory_bytes["live_states"] / mib, num_ckpts, state_bytes / mib,
                  self.memory_bytes["checkpoint_pool"] / mib)
+        self.event_publisher = ZmqEventPublisher(events_config) if events_config is not None else None
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -402,6 +409,7 @@ class Engine:
             return outputs
         sampled = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, sampled)
+        self._publish_cache_events()
         touched: dict[str, _Parent] = {}
         for request in advanced:
             if request.request_id not in self._samples:
@@ -477,8 +485,21 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no running request holds; returns how many."""
         dropped = self.cache.reset_cache()
+        self._publish_cache_events()
         log.info("reset the prefix cache: dropped %d cached blocks", dropped)
         return dropped
+
+    def _publish_cache_events(self) -> None:
+        if self.event_publisher is not None:
+            events = self.cache_events.drain()
+            if events:
+                self.event_publisher.publish(events)
+
+    def close(self) -> None:
+        """Stop the KV event publisher (its sockets); the engine itself holds nothing else to close."""
+        if self.event_publisher is not None:
+            self.event_publisher.close()
+            self.event_publisher = None
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

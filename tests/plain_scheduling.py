@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
+from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.sliding import SlidingWindowKV
@@ -18,16 +19,18 @@ from hyprefix.scheduler import Scheduler, SchedulerConfig
 
 def make_scheduler(num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool = True,
                    model_identity: str = "test-model", checkpoints: int | None = None,
-                   attention: bool = True, window: int | None = None, window_blocks: int = 0) -> Scheduler:
+                   attention: bool = True, window: int | None = None, window_blocks: int = 0,
+                   events: EventLog | None = None) -> Scheduler:
     """A dense model by default; ``checkpoints``: add a recurrent state with that many
     checkpoint slots (a hybrid, or a pure recurrent model with ``attention=False``);
-    ``window``: add sliding-window layers with a pool of ``window_blocks`` of their own."""
+    ``window``: add sliding-window layers with a pool of ``window_blocks`` of their own;
+    ``events``: the cache announces its changes there."""
     kinds: list[CacheKind] = [AttentionKV()] if attention else []
     if checkpoints is not None:
-        kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints), block_size))
+        kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events), block_size))
     if window is not None:
         kinds.append(SlidingWindowKV(window_blocks, block_size, window, caching))
-    kv = KVCacheManager(num_blocks, block_size, caching, model_identity=model_identity)
+    kv = KVCacheManager(num_blocks, block_size, caching, model_identity=model_identity, events=events)
     return Scheduler(SchedulerConfig(budget, max_seqs), CacheCoordinator(kv, kinds))
 
 

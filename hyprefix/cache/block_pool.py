@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from hyprefix.cache.events import BlockRemoved, EventLog
+
 
 @dataclass
 class Block:
@@ -21,7 +23,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -30,6 +32,7 @@ class BlockPool:
         self._hash_index: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash
         self._forgotten: list[bytes] = []  # hashes forgotten since the last take_forgotten()
+        self.events = events if events is not None else EventLog()  # BlockRemoved as hashes go
 
     @property
     def num_blocks(self) -> int:
@@ -124,6 +127,7 @@ class BlockPool:
             if self._hash_index.get(block.block_hash) == block.block_id:
                 del self._hash_index[block.block_hash]
                 self._forgotten.append(block.block_hash)
+                self.events.add(BlockRemoved([block.block_hash]))
             block.block_hash = None
 
     def take_forgotten(self) -> list[bytes]:

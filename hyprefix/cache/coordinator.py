@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hyprefix.cache.events import AllBlocksCleared
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.request import Request
 
@@ -248,6 +249,8 @@ class CacheCoordinator:
         self._forget_evicted()
         for kind in self.kinds:
             kind.reset()
+        if self.kv.pool.num_cached == 0:  # after the removals it implies, so it comes last
+            self.kv.events.add(AllBlocksCleared())
         return dropped
 
     def _forget_evicted(self) -> None:

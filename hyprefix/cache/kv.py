@@ -19,17 +19,19 @@ Rules this module keeps (see docs/architecture.md):
 from __future__ import annotations
 
 from hyprefix.cache.block_pool import BlockPool
+from hyprefix.cache.events import BlockStored, EventLog
 from hyprefix.cache.hashing import extend_hashes, root_hash
 from hyprefix.request import Request
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_identity: str = "") -> None:
+                 model_identity: str = "", events: EventLog | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_identity = model_identity
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
+        self.events = self.pool.events
         self._tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}
         self._pending: dict[bytes, str] = {}  # block hash -> id of the request computing it
@@ -155,13 +157,31 @@ class KVCacheManager:
         if full <= done:
             return 0
         hashes = self.update_hashes(request)
-        added = 0
+        added: list[int] = []
         for i in range(done, full):
-            added += self.pool.publish(table[i], hashes[i])
+            if self.pool.publish(table[i], hashes[i]):
+                added.append(i)
             if self._pending.get(hashes[i]) == rid:
                 del self._pending[hashes[i]]
         self._num_published[rid] = full
-        return added
+        if self.events.enabled:
+            self._announce(request, added)
+        return len(added)
+
+    def _announce(self, request: Request, indices: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly indexed blocks."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs, tokens = self.block_size, request.all_token_ids
+        for run in runs:
+            self.events.add(BlockStored(
+                block_hashes=[request.block_hashes[i] for i in run],
+                parent_block_hash=request.block_hashes[run[0] - 1] if run[0] else None,
+                token_ids=list(tokens[run[0] * bs:(run[-1] + 1) * bs]), block_size=bs))
 
     # ---------------------------------------------------------------- release
     def free(self, request_id: str) -> None:

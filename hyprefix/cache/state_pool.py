@@ -24,6 +24,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from hyprefix.cache.events import EventLog, StateRemoved, StateStored
+
 _BEFORE_LAST = b"#before-last"
 
 
@@ -38,8 +40,9 @@ def block_of(key: bytes) -> bytes:
 
 
 class StatePool:
-    def __init__(self, num_live_slots: int, num_checkpoint_slots: int) -> None:
+    def __init__(self, num_live_slots: int, num_checkpoint_slots: int, events: EventLog | None = None) -> None:
         self.capacity = num_checkpoint_slots
+        self.events = events if events is not None else EventLog()  # StateStored / StateRemoved
         self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
@@ -92,6 +95,7 @@ class StatePool:
         elif self._lru:
             slot, old_hash = self._lru.popitem(last=False)
             del self._index[old_hash]
+            self._announce(StateRemoved, old_hash)
         else:
             return None
         self._reserved[slot] = block_hash
@@ -104,6 +108,7 @@ class StatePool:
             return None
         self._index[block_hash] = slot
         self._lru[slot] = block_hash
+        self._announce(StateStored, block_hash)
         return block_hash
 
     def cancel(self, slot: int) -> None:
@@ -116,7 +121,12 @@ class StatePool:
             return False
         del self._lru[slot]
         self._free_ckpt.append(slot)
+        self._announce(StateRemoved, key)
         return True
+
+    def _announce(self, kind: type[StateStored] | type[StateRemoved], key: bytes) -> None:
+        block = block_of(key)
+        self.events.add(kind([block], before_last_token=block != key))
 
     def drop(self, block_hash: bytes) -> bool:
         """The KV block was forgotten: drop every checkpoint that depends on it."""

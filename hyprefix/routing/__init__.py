@@ -1,0 +1,1 @@
+"""Routing requests between engine replicas by what each one has cached (no torch)."""
