@@ -29,9 +29,7 @@ class PrefixIndex:
             elif isinstance(event, BlockRemoved):
                 self.blocks.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
-                self.states.clear()
-                self.states_before_last.clear()
+                self.clear()
             elif isinstance(event, (StateStored, StateRemoved)):
                 self.hybrid = True
                 target = self.states_before_last if event.before_last_token else self.states
@@ -39,6 +37,11 @@ class PrefixIndex:
                     target.update(event.block_hashes)
                 else:
                     target.difference_update(event.block_hashes)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.states.clear()
+        self.states_before_last.clear()
 
     def cached_blocks(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` this replica holds K/V for."""
