@@ -144,6 +144,27 @@ def split_streams(events: list[CacheEvent]) -> tuple[list[CacheEvent], list[Cach
     return [e for e in events if not isinstance(e, (StateStored, StateRemoved))], state
 
 
+def replay(endpoint: str, start: int, topic: str | None = None, timeout_ms: int = 2000) -> list[tuple[int, bytes]]:
+    """(seq, payload) of every message a publisher's replay socket still holds from
+    ``start`` on, for ``topic`` (its KV topic when None), in order."""
+    import zmq
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    out = []
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")] + ([topic.encode()] if topic else []))
+        while dealer.poll(timeout_ms):
+            _, seq, payload = dealer.recv_multipart()
+            if not payload:
+                break
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close()
+    return out
+
+
 # ----------------------------------------------------------------- publisher
 class ZmqEventPublisher:
     """Binds the PUB (and replay) sockets and sends from a thread of its own, so the

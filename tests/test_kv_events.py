@@ -19,7 +19,9 @@ from hyprefix.cache.events import (
     StateRemoved,
     StateStored,
 )
-from hyprefix.kv_events import KVEventsConfig, decode_batch, encode_batch, split_streams
+from hyprefix.cache.recurrent import RecurrentStateCache
+from hyprefix.cache.state_pool import block_of
+from hyprefix.kv_events import KVEventsConfig, decode_batch, encode_batch, replay, split_streams
 from hyprefix.routing.index import PrefixIndex
 
 BS = 4
@@ -76,16 +78,12 @@ def test_a_block_another_request_already_published_is_not_announced_twice():
 
 def truth(s) -> tuple[set[bytes], set[bytes], set[bytes]]:
     """(KV hashes the pool indexes, checkpoints at block ends, checkpoints one token before)."""
-    kv_hashes = set(s.cache.kv.pool._hash_index)
     states: set[bytes] = set()
     before: set[bytes] = set()
-    kinds = [k for k in s.cache.kinds if hasattr(k, "pool")]
-    if kinds:
-        from hyprefix.cache.state_pool import block_of
-
+    if any(isinstance(k, RecurrentStateCache) for k in s.cache.kinds):
         for key in state_kind(s).pool._index:
             (states if block_of(key) == key else before).add(block_of(key))
-    return kv_hashes, states, before
+    return set(s.cache.kv.pool._hash_index), states, before
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
@@ -209,23 +207,6 @@ def _receive(sub, until, timeout_s: float = 10.0) -> list[tuple[int, bytes]]:
     return got
 
 
-def _replay(endpoint: str, start: int, topic: str | None = None) -> list[tuple[int, bytes]]:
-    import zmq
-
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", start.to_bytes(8, "big")] + ([topic.encode()] if topic else []))
-    out = []
-    while dealer.poll(5000):
-        _, seq, payload = dealer.recv_multipart()
-        if not payload:
-            break
-        out.append((int.from_bytes(seq, "big"), payload))
-    dealer.close()
-    return out
-
-
 def test_an_engine_publishes_its_blocks_over_zmq_with_replay(tiny_models):
     from hyprefix import SamplingParams
 
@@ -249,8 +230,8 @@ def test_an_engine_publishes_its_blocks_over_zmq_with_replay(tiny_models):
     assert llm.reset_prefix_cache() == 2
     cleared = _receive(sub, lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
     assert [e for _, p in cleared for e in decode_batch(p)[1]] == [BlockRemoved(expected[1::-1]), AllBlocksCleared()]
-    assert _replay(publisher.replay_endpoint, 0) == got + cleared  # a late subscriber catches up
-    assert _replay(publisher.replay_endpoint, len(got)) == cleared
+    assert replay(publisher.replay_endpoint, 0) == got + cleared  # a late subscriber catches up
+    assert replay(publisher.replay_endpoint, len(got)) == cleared
     assert not state_sub.poll(200)  # a dense model has no state stream
     llm.engine.close()
     sub.close()
@@ -282,7 +263,7 @@ def test_a_hybrid_engine_announces_its_state_checkpoints_on_the_state_topic(hybr
     # what the subscriber learnt is what the engine holds
     pool = llm.engine.cache.kv.pool
     assert index.blocks == set(pool._hash_index)
-    assert _replay(publisher.replay_endpoint, 0, "hybrid-state") == state
+    assert replay(publisher.replay_endpoint, 0, "hybrid-state") == state
     llm.engine.close()
     kv_sub.close()
     state_sub.close()

@@ -14,7 +14,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from hyprefix.kv_events import decode_batch
+from hyprefix.kv_events import decode_batch, replay
 from hyprefix.routing.policy import PrefixRouter
 
 log = logging.getLogger("hyprefix.routing")
@@ -124,8 +124,6 @@ class EventSubscriber:
     def _fill_gap(self, replica_id: str, endpoints: ReplicaEndpoints, topic: str, upto: int | None) -> None:
         """Apply the replica's buffered messages from the next expected one (to ``upto``
         when given); without a replay socket, forget the replica's index and go on."""
-        import zmq
-
         start = self._next_seq[(replica_id, topic)]
         if endpoints.replay_endpoint is None:
             if upto is not None:
@@ -135,20 +133,9 @@ class EventSubscriber:
                     self.router.replica(replica_id).index.clear()
                 self._next_seq[(replica_id, topic)] = upto
             return
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(endpoints.replay_endpoint)
-        try:
-            dealer.send_multipart([b"", start.to_bytes(8, "big"), topic.encode()])
-            while dealer.poll(2000):
-                _, seq_bytes, payload = dealer.recv_multipart()
-                if not payload:
-                    break
-                seq = int.from_bytes(seq_bytes, "big")
-                if seq >= self._next_seq[(replica_id, topic)] and (upto is None or seq < upto):
-                    self._apply(replica_id, topic, seq, payload)
-        finally:
-            dealer.close()
+        for seq, payload in replay(endpoints.replay_endpoint, start, topic):
+            if seq >= self._next_seq[(replica_id, topic)] and (upto is None or seq < upto):
+                self._apply(replica_id, topic, seq, payload)
         if upto is not None and self._next_seq[(replica_id, topic)] < upto:
             log.warning("replica %s: KV events %d..%d no longer in its replay buffer",
                         replica_id, self._next_seq[(replica_id, topic)], upto - 1)
