@@ -23,6 +23,33 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default)
 
 
+def add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    from hyprefix.routing.policy import RoutingRule
+
+    group = parser.add_argument_group("replicas (Ray Serve; needs the 'replicas' extra)")
+    group.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="serve with N engine replicas on Ray Serve behind one app (default: 0, one engine in "
+                            "this process, no Ray)")
+    group.add_argument("--replica-router", choices=["prefix", "pow2"], default="prefix",
+                       help="prefix: to the replica holding the longest cached prefix (from its KV events), "
+                            "balanced against load; pow2: Ray Serve's power-of-two choices (blind to prefixes)")
+    group.add_argument("--replica-cpus", type=float, default=None,
+                       help="Ray CPUs per replica, also its torch threads (default: the cluster's CPUs / N)")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster ('auto': the one `ray start --head` started here) instead of "
+                            "starting a local one")
+    rule = RoutingRule()
+    group.add_argument("--routing-balance-abs", type=int, default=rule.balance_abs,
+                       help="route to the least loaded replica when the most loaded has more than this many "
+                            "requests more... (SGLang's --balance-abs-threshold; default: %(default)s)")
+    group.add_argument("--routing-balance-rel", type=float, default=rule.balance_rel,
+                       help="...and more than this many times as many (SGLang's --balance-rel-threshold; "
+                            "default: %(default)s)")
+    group.add_argument("--routing-min-match", type=float, default=rule.min_match,
+                       help="else to the longest cached prefix if it covers at least this fraction of the "
+                            "prompt's blocks, else least loaded (SGLang's --cache-threshold; default: %(default)s)")
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
@@ -48,14 +75,31 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from hyprefix.server import run_server
-
     env_keys = [key for key in os.environ.get("HYPREFIX_API_KEY", "").split(",") if key]
     api_keys = ns.api_key or env_keys or None
+    limits = ServerLimits(**{name: getattr(ns, name) for name, *_ in ServerLimits.flags()})
+    if ns.replicas:
+        return _serve_replicas(ns, api_keys, limits)
+    from hyprefix.server import run_server
+
     run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_keys,
                cache_per_key=ns.cache_per_key,
-               access_log=ns.access_log, log_level=ns.log_level,
-               limits=ServerLimits(**{name: getattr(ns, name) for name, *_ in ServerLimits.flags()}))
+               access_log=ns.access_log, log_level=ns.log_level, limits=limits)
+    return 0
+
+
+def _serve_replicas(ns: argparse.Namespace, api_keys: list[str] | None, limits: ServerLimits) -> int:
+    from hyprefix.replicas import require_ray
+    from hyprefix.routing.policy import RoutingRule
+
+    require_ray()
+    from hyprefix.replicas.app import ReplicasConfig, run_replicas
+
+    config = ReplicasConfig(engine=engine_args(ns), num_replicas=ns.replicas, router=ns.replica_router,
+                            rule=RoutingRule(ns.routing_balance_abs, ns.routing_balance_rel, ns.routing_min_match),
+                            replica_cpus=ns.replica_cpus, model_names=ns.served_model_name, api_key=api_keys,
+                            cache_per_key=ns.cache_per_key, limits=limits)
+    run_replicas(config, host=ns.host, port=ns.port, address=ns.ray_address)
     return 0
 
 
@@ -95,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, kind, default, help_text in ServerLimits.flags():
         serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
                            help=f"{help_text} (default: %(default)s)")
+    add_replica_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")

@@ -29,7 +29,7 @@ from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
-from hyprefix.text import check_text, check_texts
+from hyprefix.text import chat_token_ids, check_text
 
 log = logging.getLogger("hyprefix")
 
@@ -282,21 +282,9 @@ class Engine:
                            param="prompt")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation under the tokenizer's chat template (the one
-        implementation behind ``LLM.chat`` and the server); bad input raises RequestError."""
-        from jinja2 import TemplateError
-
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", param="messages")
-        check_texts(messages, "messages", param="messages")
-        if self.tokenizer.chat_template is None:
-            raise RequestError("this model's tokenizer has no chat template", param="messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-        except TemplateError as exc:
-            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return list(ids)
+        """Token ids of a conversation under the tokenizer's chat template; bad input
+        raises RequestError (``text.chat_token_ids``)."""
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, group: str | None = None) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from hyprefix.outputs import RequestOutput
@@ -53,27 +54,33 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, int | float]], labels: dict[str, str]) -> None:
         self._stats = stats
-        self._model_name = model_name
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
         for name, key, doc in _ENGINE_COUNTERS:
-            family = CounterMetricFamily(f"hyprefix:{name}", doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(stats.get(key, 0)))
+            family = CounterMetricFamily(f"hyprefix:{name}", doc, labels=names)
+            family.add_metric(values, float(stats.get(key, 0)))
             yield family
         for name, key, doc in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(f"hyprefix:{name}", doc, labels=["model_name"])
-            family.add_metric([self._model_name], float(stats.get(key, 0)))
+            family = GaugeMetricFamily(f"hyprefix:{name}", doc, labels=names)
+            family.add_metric(values, float(stats.get(key, 0)))
             yield family
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str) -> None:
+    """``replica``: a ``replica`` label on every series (engine replicas behind one app)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str,
+                 replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        const = {"model_name": model_name, **({"replica": replica} if replica is not None else {})}
+        labels = list(const)
+        self._values = tuple(const.values())
         reg = self.registry
         self.request_success = Counter(
             "hyprefix:request_success", "Finished sequences (one per choice) by finish reason.",
@@ -90,34 +97,76 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=reg)
         self.queue_time = Histogram("hyprefix:request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=reg)
-        reg.register(_EngineStatsCollector(stats, model_name))
+        reg.register(_EngineStatsCollector(stats, const))
         self._generated: dict[str, int] = {}  # request id -> tokens counted so far (engine thread only)
 
     def observe(self, outputs: list[RequestOutput]) -> None:
         """Count one step's outputs (called on the engine thread)."""
-        name = self.model_name
+        values = self._values
         for out in outputs:
             total = sum(len(c.token_ids) for c in out.outputs)
             new = total - self._generated.get(out.request_id, 0)
             if new > 0:
-                self.generation_tokens.labels(name).inc(new)
+                self.generation_tokens.labels(*values).inc(new)
             if not out.finished:
                 self._generated[out.request_id] = total
                 continue
             self._generated.pop(out.request_id, None)
-            self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+            self.prompt_tokens.labels(*values).inc(len(out.prompt_token_ids))
             for c in out.outputs:
-                self.request_success.labels(name, c.finish_reason or "abort").inc()
+                self.request_success.labels(*values, c.finish_reason or "abort").inc()
             m = out.metrics
             if m.first_scheduled_time is not None:
-                self.queue_time.labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                self.queue_time.labels(*values).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:
-                self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
+                self.ttft.labels(*values).observe(max(0.0, m.first_token_time - m.arrival_time))
                 longest = max(len(c.token_ids) for c in out.outputs)
                 if m.finished_time is not None and longest > 1:
-                    self.tpot.labels(name).observe(max(0.0, m.finished_time - m.first_token_time) / (longest - 1))
+                    self.tpot.labels(*values).observe(max(0.0, m.finished_time - m.first_token_time) / (longest - 1))
             if m.finished_time is not None:
-                self.e2e.labels(name).observe(max(0.0, m.finished_time - m.arrival_time))
+                self.e2e.labels(*values).observe(max(0.0, m.finished_time - m.arrival_time))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def merge_expositions(texts: list[bytes | str]) -> bytes:
+    """One exposition of several (engine replicas, each with its ``replica`` label):
+    the samples of a metric family from every text under a single HELP/TYPE header."""
+    merged: dict[str, Metric] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+    registry = CollectorRegistry()
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)
+
+
+class RouterMetrics:
+    """The replica routers of this process (one per deployment handle, in the ingress)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "hyprefix:router_requests", "Requests routed, by replica and the rule that ranked the replicas "
+            "(prefix, least-loaded, imbalanced).", ["reason", "replica"], registry=self.registry)
+        self.matched_blocks = Counter(
+            "hyprefix:router_matched_blocks", "Blocks of the routed requests that their replica held when "
+            "routed (from its KV events).", ["replica"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+ROUTER_METRICS = RouterMetrics()

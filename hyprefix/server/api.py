@@ -24,7 +24,7 @@ from hyprefix import __version__
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
-from hyprefix.metrics import ServerMetrics
+from hyprefix.server.backend import LocalBackend, ServingBackend
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
     APIError,
@@ -34,7 +34,7 @@ from hyprefix.server.protocol import (
     ModelCard,
     ModelList,
 )
-from hyprefix.server.serving import OpenAIServing
+from hyprefix.server.serving import as_api_error
 
 log = logging.getLogger("hyprefix.server")
 
@@ -51,23 +51,28 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
     requests share cached blocks only with requests made with the same key (its
     ``cache_salt`` is bound to the key), so no salt a client guesses reaches another
     tenant's cache."""
-    names = model_names or [engine.args.model or DEMO_MODEL_NAME]
+    backend = LocalBackend(engine, model_names or [engine.args.model or DEMO_MODEL_NAME], limits)
+    app = build_openai_app(backend, api_key, backend.limits, cache_per_key)
+    app.state.async_engine, app.state.metrics = backend.async_engine, backend.metrics
+    return app
+
+
+def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = None,
+                     limits: ServerLimits | None = None, cache_per_key: bool = False) -> FastAPI:
+    """The OpenAI-compatible app over any ``ServingBackend``: one engine in this process
+    (``build_app``) or engine replicas on Ray Serve (``hyprefix.replicas``)."""
     limits = limits or ServerLimits()
-    async_engine = AsyncEngine(engine, stall_timeout=limits.stream_stall_timeout or None)
-    metrics = ServerMetrics(lambda: async_engine.stats, names[0])
-    async_engine.on_outputs = metrics.observe
-    serving = OpenAIServing(async_engine, names, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        backend.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(async_engine.shutdown)
+            await backend.stop()
 
     app = FastAPI(title="hyprefix", version=__version__, lifespan=lifespan)
-    app.state.async_engine, app.state.metrics = async_engine, metrics
+    app.state.backend = backend
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if cache_per_key and not keys:
         raise ValueError("--cache-per-key needs --api-key")
@@ -79,9 +84,8 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
 
     @app.get("/health")
     async def health() -> Response:
-        if async_engine.is_running:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "dead" if async_engine.dead else "stopping"}, status_code=503)
+        status = await backend.health()
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -89,26 +93,25 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=protected)
     async def models() -> dict[str, Any]:
-        # root is the name, not engine.model_path: clients need not know the server's directories
-        cards = [ModelCard(id=name, root=name, max_model_len=engine.max_model_len) for name in names]
+        # root is the name, not the model's path: clients need not know the server's directories
+        cards = [ModelCard(id=name, root=name, max_model_len=backend.max_model_len) for name in backend.model_names]
         return ModelList(data=cards).model_dump()
 
     @app.post("/reset_prefix_cache", responses=protected)
     async def reset_prefix_cache() -> dict[str, int]:
-        dropped = await async_engine.call(engine.reset_prefix_cache)
-        return {"dropped_blocks": dropped}
+        return {"dropped_blocks": await backend.reset_prefix_cache()}
 
     @app.post("/v1/completions", responses=generate)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.completions(body, _tenant(request)))
+        return await _respond(request, backend.completions(body, _tenant(request)))
 
     @app.post("/v1/chat/completions", responses=generate)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, serving.chat(body, _tenant(request)))
+        return await _respond(request, backend.chat(body, _tenant(request)))
 
     return app
 
@@ -129,6 +132,8 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening
     result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
     if hasattr(result, "model_dump"):
         return JSONResponse(result.model_dump())
     return StreamingResponse(result, media_type="text/event-stream",
@@ -250,12 +255,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
 
     @app.exception_handler(EngineClosedError)
-    async def closing(request: Request, exc: EngineClosedError) -> JSONResponse:
-        return _error_response(APIError(503, str(exc), type="service_unavailable"))
-
     @app.exception_handler(EngineDeadError)
-    async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(APIError(500, str(exc), type="internal_server_error"))
+    async def engine_down(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(as_api_error(exc))
 
 
 def _validation_error(errors: list[dict[str, Any]]) -> APIError:

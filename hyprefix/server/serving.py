@@ -7,6 +7,7 @@ stream. Outputs are cumulative; streams send the new text of each choice.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 import weakref
@@ -37,6 +38,8 @@ from hyprefix.server.protocol import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+log = logging.getLogger("hyprefix.server")
 
 
 @dataclass
@@ -112,7 +115,7 @@ class OpenAIServing:
         def add(engine: Engine) -> list[str | None]:
             # add_requests checks every prompt before it adds any: a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
-            salt = _salt(req.cache_salt, tenant)
+            salt = engine_salt(req.cache_salt, tenant)
             added = engine.add_requests(
                 [(engine_id, {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt}, params)
                  for engine_id, p in zip(engine_ids, prompts, strict=True)],
@@ -121,7 +124,7 @@ class OpenAIServing:
 
         call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
-            return _finalize_on_gc(self._stream_completion(call, req.echo), call.stream)
+            return finalize_on_gc(self._stream_completion(call, req.echo), call.stream.close)
         outs, usage = await self._collect(call)
         choices = []
         for i, out in enumerate(outs):
@@ -161,13 +164,14 @@ class OpenAIServing:
             ids = engine.encode_chat(messages, req.add_generation_prompt)
             room = min(engine.max_model_len, engine.max_pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
-            engine.add_requests([(request_id, {"prompt_token_ids": ids, "cache_salt": _salt(req.cache_salt, tenant)},
-                                  params)], arrival_time=arrival, max_total_tokens=self.limits.max_request_tokens)
+            prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
+            engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
+                                max_total_tokens=self.limits.max_request_tokens)
             return [None]
 
         call = await self._start(req, request_id, [request_id], model, add, "messages")
         if req.stream:
-            return _finalize_on_gc(self._stream_chat(call), call.stream)
+            return finalize_on_gc(self._stream_chat(call), call.stream.close)
         (out,), usage = await self._collect(call)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
@@ -225,7 +229,7 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
     yield "data: [DONE]\n\n"
 
 
-def _salt(cache_salt: str | None, tenant: str | None) -> str | None:
+def engine_salt(cache_salt: str | None, tenant: str | None) -> str | None:
     """The engine's cache salt: the client's, bound to its tenant when there is one."""
     return cache_salt if tenant is None else f"{tenant}|{cache_salt or ''}"
 
@@ -237,11 +241,11 @@ def _usage(outs: list[RequestOutput]) -> Usage:
     return usage
 
 
-def _finalize_on_gc(events: AsyncIterator[str], stream: OutputStream) -> AsyncIterator[str]:
-    """Abort the stream's requests if the event generator is dropped without ever
-    running (its ``finally`` then never runs), e.g. the client left before the
-    response started."""
-    weakref.finalize(events, stream.close)
+def finalize_on_gc(events: AsyncIterator[str], cancel: Callable[[], None]) -> AsyncIterator[str]:
+    """Run ``cancel`` (abort the stream's requests) if the event generator is dropped
+    without ever running (its ``finally`` then never runs), e.g. the client left before
+    the response started."""
+    weakref.finalize(events, cancel)
     return events
 
 
@@ -250,3 +254,16 @@ def request_error(exc: RequestError, prompt_param: str) -> APIError:
     "prompt" is the endpoint's prompt field (``messages`` for a chat)."""
     param = prompt_param if exc.param == "prompt" else exc.param
     return APIError(400, str(exc), param=param, code=exc.code)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The OpenAI error a failed call answers: its own ``APIError``; 503 while the engine
+    stops; 500 when it died or on any other exception (a bug of ours, logged)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, str(exc), type="service_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), type="internal_server_error")
+    log.error("internal error", exc_info=exc)
+    return APIError(500, "internal server error", type="internal_server_error")

@@ -1,0 +1,323 @@
+"""The Ray Serve application: ``EngineReplica`` (one engine each) behind ``Ingress`` (the
+OpenAI-compatible FastAPI app of the single-process server, over ``ReplicaSetBackend``).
+
+A generation call goes ingress -> (this process's ``PrefixAwareRequestRouter``) ->
+replica as one streaming call: its first item says what follows (an error, a whole
+JSON answer, or a stream of SSE events), so errors keep their status and a stream
+starts only once the request is accepted. Cancelling the call (the client left)
+cancels the replica's handler, which aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from hyprefix.config import EngineArgs
+from hyprefix.engine import Engine
+from hyprefix.errors import RequestError
+from hyprefix.kv_events import KVEventsConfig
+from hyprefix.metrics import ROUTER_METRICS, merge_expositions
+from hyprefix.replicas.router import METADATA_KEY, ROUTING_KWARG
+from hyprefix.routing.policy import RoutingRule
+from hyprefix.routing.request_key import RequestHasher, RoutingKey
+from hyprefix.server.api import DEMO_MODEL_NAME, build_openai_app
+from hyprefix.server.backend import Answer, LocalBackend
+from hyprefix.server.limits import ServerLimits
+from hyprefix.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, sse
+from hyprefix.server.serving import as_api_error, engine_salt, finalize_on_gc
+from hyprefix.text import chat_token_ids
+
+log = logging.getLogger("hyprefix.replicas")
+
+ROUTERS = ("prefix", "pow2")
+
+
+@dataclass
+class ReplicasConfig:
+    """What ``build_replicas_app`` deploys. ``router``: ``prefix`` (ours) or ``pow2``
+    (Ray Serve's default power-of-two-choices, blind to prefixes: the baseline)."""
+
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    num_replicas: int = 2
+    router: str = "prefix"
+    rule: RoutingRule = field(default_factory=RoutingRule)
+    replica_cpus: float | None = None  # Ray CPUs per engine replica (None: the cluster's, shared out)
+    max_ongoing_requests: int = 1024  # per replica; the engine queues what it cannot batch
+    model_names: list[str] | None = None
+    api_key: str | list[str] | None = None
+    cache_per_key: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"replica router must be one of {ROUTERS}, got {self.router!r}")
+        if self.replica_cpus is not None and not self.replica_cpus > 0:
+            raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        if self.cache_per_key and not self.api_key:
+            raise ValueError("--cache-per-key needs --api-key")
+
+    @property
+    def names(self) -> list[str]:
+        return self.model_names or [self.engine.model or DEMO_MODEL_NAME]
+
+
+def _error_item(error: APIError) -> dict[str, Any]:
+    return {"kind": "error", "error": {"status": error.status, "message": error.message, "type": error.type,
+                                       "param": error.param, "code": error.code}}
+
+
+class EngineReplica:
+    """One engine (on its own thread, as in ``hyprefix serve``) in a Ray Serve replica.
+    With prefix routing it publishes its KV cache events on ephemeral ports of its node
+    and reports them in its replica metadata."""
+
+    def __init__(self, config: ReplicasConfig) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, int(config.replica_cpus or 1)))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        args = config.engine
+        if config.router == "prefix":
+            args = dataclasses.replace(args, kv_events_config=_replica_events_config(args.kv_events_config))
+        engine = Engine(args)
+        engine.warmup()
+        self.engine = engine
+        self.backend = LocalBackend(engine, config.names, config.limits, replica=self.replica_id)
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:  # on the replica's event loop: the engine's outputs come back to it
+            self.backend.start()
+            self._started = True
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        publisher = self.engine.event_publisher
+        if publisher is None:
+            return {}
+        return {METADATA_KEY: {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                               "topic": publisher.config.topic, "state_topic": publisher.config.state_topic}}
+
+    async def describe(self) -> dict[str, Any]:
+        """What the ingress needs: the served names, and what it takes to hash a prompt
+        as this engine does (its tokenizer travels pickled: no path needs to exist there)."""
+        engine = self.engine
+        return {"model_names": self.backend.model_names, "max_model_len": engine.max_model_len,
+                "model_identity": engine.model_identity, "block_size": engine.args.block_size,
+                "tokenizer": engine.tokenizer}
+
+    async def generate(self, kind: str, body: CompletionRequest | ChatCompletionRequest, tenant: str | None,
+                       routing: RoutingKey | None = None) -> AsyncIterator[Any]:
+        del routing  # the router's; the engine hashes the prompt itself
+        self._start()
+        try:
+            answer = await (self.backend.completions if kind == "completions" else self.backend.chat)(body, tenant)
+        except Exception as exc:
+            yield _error_item(as_api_error(exc))
+            return
+        if hasattr(answer, "model_dump"):
+            yield {"kind": "json", "body": answer.model_dump()}
+            return
+        yield {"kind": "stream"}
+        try:
+            async for event in answer:
+                yield event
+        finally:
+            await answer.aclose()  # a cancelled call: the stream's finally aborts its requests
+
+    async def health(self) -> str:
+        self._start()
+        return await self.backend.health()
+
+    async def metrics_text(self) -> bytes:
+        return await self.backend.metrics_text()
+
+    async def reset_prefix_cache(self) -> int:
+        self._start()
+        return await self.backend.reset_prefix_cache()
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica stops
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.async_engine.shutdown()
+            self.engine.close()
+
+
+def _replica_events_config(user: str | None) -> str:
+    """The user's ``--kv-events-config`` (topics, buffer) on ephemeral ports of this node:
+    N replicas may share a node, and the router learns the ports from the metadata."""
+    from ray.util import get_node_ip_address
+
+    host = get_node_ip_address()
+    raw = dataclasses.asdict(KVEventsConfig.parse(user) or KVEventsConfig())
+    raw.update(endpoint=f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", enable_kv_cache_events=True,
+               publisher="zmq")
+    return json.dumps(raw)
+
+
+class ReplicaSetBackend:
+    """``ServingBackend`` over the engine replicas' deployment handle."""
+
+    def __init__(self, engines: DeploymentHandle, info: dict[str, Any]) -> None:
+        self.engines = engines
+        self.model_names: list[str] = info["model_names"]
+        self.max_model_len: int = info["max_model_len"]
+        self.hasher = RequestHasher(info["tokenizer"], info["model_identity"], info["block_size"])
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def _broadcast(self, method: str) -> list[Any]:
+        return await self.engines.broadcast(method).results_async(timeout_s=30, return_exceptions=True)
+
+    async def health(self) -> str:
+        """"ok" while at least one replica is (Ray Serve replaces the others)."""
+        statuses = [s if isinstance(s, str) else "unreachable" for s in await self._broadcast("health")]
+        if "ok" in statuses:
+            return "ok"
+        return statuses[0] if statuses else "no replicas"
+
+    async def metrics_text(self) -> bytes:
+        texts = [t for t in await self._broadcast("metrics_text") if isinstance(t, bytes)]
+        return merge_expositions([*texts, ROUTER_METRICS.exposition()])
+
+    async def reset_prefix_cache(self) -> int:
+        results = await self._broadcast("reset_prefix_cache")
+        failed = [r for r in results if not isinstance(r, int)]
+        if failed:
+            raise APIError(503, f"{len(failed)} of {len(results)} replicas could not reset: {failed[0]!r}",
+                           type="service_unavailable")
+        return sum(results)
+
+    async def completions(self, body: CompletionRequest, tenant: str | None) -> Answer:
+        def key() -> RoutingKey:  # a batch goes to one replica: routed by its first prompt
+            return self.hasher.prompt_key(body.prompts()[0], engine_salt(body.cache_salt, tenant))
+
+        return await self._call("completions", body, tenant, key)
+
+    async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer:
+        def key() -> RoutingKey:
+            messages = [m.template_dict() for m in body.messages]
+            ids = chat_token_ids(self.hasher.tokenizer, messages, body.add_generation_prompt)
+            return self.hasher.key(ids, engine_salt(body.cache_salt, tenant))
+
+        return await self._call("chat", body, tenant, key)
+
+    async def _call(self, kind: str, body: Any, tenant: str | None, key: Any) -> Answer:
+        try:
+            routing = key()
+        except (RequestError, ValueError, TypeError):
+            routing = RoutingKey()  # bad input: the replica answers the error
+        call = self.engines.options(stream=True).generate.remote(kind, body, tenant, **{ROUTING_KWARG: routing})
+        try:
+            first = await call.__anext__()
+        except BaseException as exc:
+            call.cancel()
+            if isinstance(exc, Exception):
+                raise APIError(503, f"no engine replica answered: {type(exc).__name__}: {exc}",
+                               type="service_unavailable") from exc
+            raise
+        if first["kind"] == "error":
+            raise APIError(**first["error"])
+        if first["kind"] == "json":
+            return first["body"]
+        return finalize_on_gc(_relay(call), call.cancel)
+
+
+async def _relay(call: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    """A replica's SSE events; a replica lost mid-stream ends it with an error event."""
+    done = False
+    try:
+        async for event in call:
+            yield event
+        done = True
+    except Exception as exc:
+        done = True
+        log.warning("an engine replica failed mid-stream: %r", exc)
+        yield sse(APIError(503, f"the engine replica failed: {type(exc).__name__}",
+                           type="service_unavailable").body())
+        yield "data: [DONE]\n\n"
+    finally:
+        if not done:
+            call.cancel()
+
+
+class Ingress:
+    async def __init__(self, engines: DeploymentHandle, config: ReplicasConfig) -> None:
+        self.config = config
+        self.backend = ReplicaSetBackend(engines, await engines.describe.remote())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        c = self.config
+        return build_openai_app(self.backend, c.api_key, c.limits, c.cache_per_key)
+
+
+def build_replicas_app(config: ReplicasConfig) -> Any:
+    """The Ray Serve application: ``serve.run(build_replicas_app(config), route_prefix="/")``
+    after ``ray.init`` (how ``hyprefix serve --replicas N`` runs it)."""
+    if config.replica_cpus is None:
+        config = dataclasses.replace(config, replica_cpus=default_replica_cpus(config.num_replicas))
+    router = None
+    if config.router == "prefix":
+        rule = config.rule
+        router = RequestRouterConfig(
+            request_router_class="hyprefix.replicas.router:PrefixAwareRequestRouter",
+            request_router_kwargs={"balance_abs": rule.balance_abs, "balance_rel": rule.balance_rel,
+                                   "min_match": rule.min_match})
+    options: dict[str, Any] = {"request_router_config": router} if router is not None else {}
+    engines = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=config.num_replicas, max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.replica_cpus}, **options)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
+        num_replicas=1, max_ongoing_requests=4 * config.num_replicas * config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engines.bind(config), config)
+
+
+def default_replica_cpus(num_replicas: int) -> float:
+    """The cluster's CPUs shared out (this machine's when Ray is not running yet)."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU") if ray.is_initialized() else None
+    return max(0.5, (cpus or os.cpu_count() or 1) / num_replicas)
+
+
+def run_replicas(config: ReplicasConfig, host: str = "127.0.0.1", port: int = 8000,
+                 address: str | None = None) -> None:
+    """Start (or join, with ``address``) a Ray cluster, deploy the app with Serve's HTTP
+    proxy on ``host:port`` and serve until SIGINT/SIGTERM (blocking)."""
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_replicas_app(config), name="hyprefix", route_prefix="/")
+        log.info("serving %s on http://%s:%d with %d engine replicas (%s router), ready in %.1fs",
+                 ", ".join(config.names), host, port, config.num_replicas, config.router, time.perf_counter() - t0)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        log.info("shutting down the replicas")
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,78 @@
+"""What the OpenAI app serves from: ``ServingBackend``, and ``LocalBackend``, one engine
+in this process (``hyprefix serve``). ``hyprefix.replicas`` has the Ray Serve one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from hyprefix.async_engine import AsyncEngine
+from hyprefix.engine import Engine
+from hyprefix.metrics import ServerMetrics
+from hyprefix.server.limits import ServerLimits
+from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from hyprefix.server.serving import OpenAIServing
+
+# A generation endpoint answers a response (a pydantic model or its dict) or, for a
+# stream, an iterator of SSE events; client errors raise ``APIError``.
+Answer = Any | AsyncIterator[str]
+
+
+class ServingBackend(Protocol):
+    model_names: list[str]
+    max_model_len: int
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def health(self) -> str:
+        """"ok", or why not ("dead", "stopping", ...): the app answers 503 then."""
+
+    async def metrics_text(self) -> bytes: ...
+
+    async def reset_prefix_cache(self) -> int: ...
+
+    async def completions(self, body: CompletionRequest, tenant: str | None) -> Answer: ...
+
+    async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer: ...
+
+
+class LocalBackend:
+    """One engine on its own thread in this process. ``replica`` labels its metrics
+    (a replica of a Ray Serve deployment)."""
+
+    def __init__(self, engine: Engine, model_names: list[str], limits: ServerLimits | None = None,
+                 replica: str | None = None) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.max_model_len = engine.max_model_len
+        self.limits = limits or ServerLimits()
+        self.async_engine = AsyncEngine(engine, stall_timeout=self.limits.stream_stall_timeout or None)
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_names[0], replica=replica)
+        self.async_engine.on_outputs = self.metrics.observe
+        self.serving = OpenAIServing(self.async_engine, model_names, self.limits)
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.async_engine.shutdown)
+
+    async def health(self) -> str:
+        if self.async_engine.is_running:
+            return "ok"
+        return "dead" if self.async_engine.dead else "stopping"
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.exposition()
+
+    async def reset_prefix_cache(self) -> int:
+        return await self.async_engine.call(self.engine.reset_prefix_cache)
+
+    async def completions(self, body: CompletionRequest, tenant: str | None) -> Answer:
+        return await self.serving.completions(body, tenant)
+
+    async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer:
+        return await self.serving.chat(body, tenant)
