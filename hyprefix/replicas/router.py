@@ -4,8 +4,8 @@ the request's block hashes against each replica's cache, as its KV events tell.
 It lives in the process that holds the deployment handle (the ingress). Each replica
 reports its event endpoints in its ``record_replica_metadata``; the router subscribes
 (``routing.subscriber``, a thread of its own) as replicas come and go. Load is the
-number of requests this router sent to a replica that have not completed (exact with
-one ingress replica; with several, each balances its own share).
+number of requests this router assigned to a replica that have not completed (exact
+with one ingress replica; with several, each balances its own share).
 
 Ray Serve pickles this module by value (to ship the class): its globals must pickle,
 so it reaches its metrics through the module ``hyprefix.metrics``.
@@ -14,6 +14,7 @@ so it reaches its metrics through the module ``hyprefix.metrics``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter as Tally
 from typing import Any
 
@@ -26,7 +27,7 @@ from hyprefix.routing.subscriber import EventSubscriber, ReplicaEndpoints
 
 ROUTING_KWARG = "routing"  # the deployment call's keyword argument holding the RoutingKey
 METADATA_KEY = "kv_events"
-_MAX_UNROUTED = 10_000  # the replica metadata entry holding its ReplicaEndpoints fields
+_UNROUTED_TTL_S = 600.0  # the replica metadata entry holding its ReplicaEndpoints fields
 
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, balance_abs: int = 8, balance_rel: float = 1.5, min_match: float = 0.1,
@@ -36,8 +37,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._subscriber: EventSubscriber | None = None
         self._subscribed: set[str] = set()
         self._loads: Tally[str] = Tally()
-        self._routed: dict[str, str] = {}  # internal request id -> replica
-        self._reasons: dict[str, str] = {}  # internal request id -> why, until it is routed
+        self._assigned: dict[str, str] = {}  # internal request id -> replica (chosen or routed to)
+        self._unrouted: dict[str, tuple[float, str]] = {}  # chosen, not yet routed: id -> (when, reason)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -55,6 +56,9 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """The policy's ranking, one replica per rank. The first is assigned the request
+        at once (its load and blocks), not when Ray confirms it: requests chosen
+        meanwhile (a burst) already see it."""
         if not candidate_replicas:
             return []
         key = _key(pending_request)
@@ -62,31 +66,51 @@ class PrefixAwareRequestRouter(RequestRouter):
         with self._lock:
             decision = self.policy.choose(key.hashes, {r: self._loads[r] for r in by_id}, key.block_aligned)
         if pending_request is not None:
-            self._reasons[pending_request.metadata.internal_request_id] = decision.reason
-            while len(self._reasons) > _MAX_UNROUTED:  # requests cancelled before they were routed
-                del self._reasons[next(iter(self._reasons))]
+            request = pending_request.metadata.internal_request_id
+            self._forget_stale_choices()
+            self._unrouted[request] = (time.monotonic(), decision.reason)
+            self._assign(request, decision.ranking[0], key.hashes)
         return [[by_id[r]] for r in decision.ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         replica, request = replica_id.unique_id, pending_request.metadata.internal_request_id
         key = _key(pending_request)
-        self._loads[replica] += 1
-        self._routed[request] = replica
         with self._lock:
             matched = self.policy.replica(replica).index.cached_blocks(key.hashes)
-            self.policy.routed(replica, request, key.hashes)
-        reason = self._reasons.pop(request, "least-loaded")
+        self._assign(request, replica, key.hashes)
+        _, reason = self._unrouted.pop(request, (0.0, "least-loaded"))
         if ROUTING_KWARG in pending_request.kwargs:  # a generation call, not a control one (describe)
             metrics.ROUTER_METRICS.requests.labels(reason, replica).inc()
             metrics.ROUTER_METRICS.matched_blocks.labels(replica).inc(matched)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replica = self._routed.pop(internal_request_id, None)
+        self._unassign(internal_request_id)
+
+    def _assign(self, request: str, replica: str, hashes: tuple[bytes, ...]) -> None:
+        if self._assigned.get(request) == replica:
+            return
+        self._unassign(request)
+        self._assigned[request] = replica
+        self._loads[replica] += 1
+        with self._lock:
+            self.policy.routed(replica, request, hashes)
+
+    def _unassign(self, request: str) -> None:
+        replica = self._assigned.pop(request, None)
         if replica is None:
             return
         self._loads[replica] -= 1
         with self._lock:
-            self.policy.finished(replica, internal_request_id)
+            self.policy.finished(replica, request)
+
+    def _forget_stale_choices(self) -> None:
+        """Requests chosen long ago and never routed were cancelled while queued."""
+        cutoff = time.monotonic() - _UNROUTED_TTL_S
+        for request, (when, _) in list(self._unrouted.items()):
+            if when >= cutoff:
+                break
+            del self._unrouted[request]
+            self._unassign(request)
 
 
 def _key(pending_request: PendingRequest | None) -> RoutingKey:
