@@ -82,12 +82,13 @@ class ModelRunner:
                 layer.restore(src, dst)
 
     def warmup(self) -> bool:
-        """Run one throwaway step big enough for the compiled kernels, so they compile
-        now rather than inside the first large request (which would hold every client).
+        """Run one throwaway step big enough for the compiled kernels, then one decode
+        step (the compiled decode graph), so they compile now rather than inside the first
+        request (which would hold every client).
         It writes K/V into the first blocks and live state slot 0, which nothing reads
         before its owner writes them. Returns whether it ran."""
         tokens = COMPILE_MIN_TOKENS
-        num_blocks = -(-tokens // self.block_size)
+        num_blocks = -(-(tokens + 1) // self.block_size)  # room for one decode token after the prompt
         if not self.kernels.compile_enabled or any(k.shape[0] < num_blocks for k, _ in self.kv_caches):
             return False
         live = bool(self.recurrent_states) and self.recurrent_states[0].conv.shape[0] > 0
@@ -97,6 +98,10 @@ class ModelRunner:
                            params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1,
                            window_blocks=list(range(num_blocks)) if self.has_window_pool else None)
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
+        if self.decode_graphs is not None and not self.has_window_pool:
+            # and the compiled batch-1 decode step, which the first request's decode would compile
+            step = ScheduledSeq("warmup", [0], tokens, list(range(num_blocks)), sample=True, params=seq.params)
+            self.execute(SchedulerOutput([step], 1))
         self.sampler.forget(["warmup"])
         return True
 
