@@ -82,7 +82,7 @@ def run_server(name: str, serve_args: list[str], args: argparse.Namespace, out: 
         lat = tiny_latencies(url, args.tiny_requests)
         result["tiny_request_ms"] = {"median": 1e3 * statistics.median(lat),
                                      "p90": 1e3 * statistics.quantiles(lat, n=10)[-1]}
-        for workload in WORKLOADS:
+        for workload in args.workloads:
             before = replica_prompt_tokens(url)
             path = out / f"{workload}-{name}.json"
             with open(out / f"{workload}-{name}.log", "w") as bench_log:
@@ -111,6 +111,8 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="bench workloads to run on each server (none: start-up and overhead only)")
     parser.add_argument("--tiny-requests", type=int, default=40)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default="bench-out/replicas")
@@ -130,11 +132,11 @@ def main() -> int:
         print(json.dumps(results[name], indent=1), flush=True)
     (out / "summary.json").write_text(json.dumps(results, indent=1))
     single = results["single"]
-    print(f"\n{'server':18} {'start-up':>9} {'tiny req':>9} " + " ".join(f"{w + ' hit':>22}" for w in WORKLOADS))
+    print(f"\n{'server':18} {'start-up':>9} {'tiny req':>9} " + " ".join(f"{w + ' hit':>22}" for w in args.workloads))
     for name in servers:
         r = results[name]
         hits = " ".join(f"{r[w]['hit_rate']:>7.3f} ({r[w]['hit_rate'] / max(single[w]['hit_rate'], 1e-9):.2f}x single)"
-                        for w in WORKLOADS)
+                        for w in args.workloads)
         print(f"{name:18} {r['startup_s']:>8.1f}s {r['tiny_request_ms']['median']:>7.1f}ms {hits}")
     return 0
 
