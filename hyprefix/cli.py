@@ -98,7 +98,7 @@ def _serve_replicas(ns: argparse.Namespace, api_keys: list[str] | None, limits: 
     config = ReplicasConfig(engine=engine_args(ns), num_replicas=ns.replicas, router=ns.replica_router,
                             rule=RoutingRule(ns.routing_balance_abs, ns.routing_balance_rel, ns.routing_min_match),
                             replica_cpus=ns.replica_cpus, model_names=ns.served_model_name, api_key=api_keys,
-                            cache_per_key=ns.cache_per_key, limits=limits)
+                            cache_per_key=ns.cache_per_key, limits=limits, access_log=ns.access_log)
     run_replicas(config, host=ns.host, port=ns.port, address=ns.ray_address)
     return 0
 

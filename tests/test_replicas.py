@@ -166,21 +166,24 @@ def test_errors_are_the_single_server_errors(cluster):
 
 def test_a_client_that_leaves_aborts_its_request_on_the_replica(cluster):
     client, _ = cluster
-    aborted = sum(per_replica(samples(client), "hyprefix:request_success_total", finished_reason="abort").values())
+
+    def aborted_and_running() -> tuple[float, float]:
+        metrics = samples(client)
+        return (sum(per_replica(metrics, "hyprefix:request_success_total", finished_reason="abort").values()),
+                sum(per_replica(metrics, "hyprefix:num_requests_running").values()))
+
+    aborted, _ = aborted_and_running()
     body = {"model": MODEL_NAME, "prompt": prompt(7, 20), "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it is generating
+    with pytest.raises(httpx.TimeoutException):  # and one without stream, left while it runs
+        client.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        metrics = samples(client)
-        now = sum(per_replica(metrics, "hyprefix:request_success_total", finished_reason="abort").values())
-        running = sum(per_replica(metrics, "hyprefix:num_requests_running").values())
-        if now == aborted + 1 and running == 0:
-            break
+    while aborted_and_running() != (aborted + 2, 0) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert now == aborted + 1 and running == 0
+    assert aborted_and_running() == (aborted + 2, 0)
 
 
 def test_reset_reaches_every_replica_and_the_router(cluster):

@@ -2,10 +2,11 @@
 OpenAI-compatible FastAPI app of the single-process server, over ``ReplicaSetBackend``).
 
 A generation call goes ingress -> (this process's ``PrefixAwareRequestRouter``) ->
-replica as one streaming call: its first item says what follows (an error, a whole
-JSON answer, or a stream of SSE events), so errors keep their status and a stream
-starts only once the request is accepted. Cancelling the call (the client left)
-cancels the replica's handler, which aborts its engine requests.
+replica: a unary call answering the whole JSON answer or its error, or for a stream
+a streaming call whose first item is ``{"kind": "stream"}`` or the error, so errors
+keep their status and a stream starts only once the request is accepted. Cancelling
+the call (the client left) cancels the replica's handler, which aborts its engine
+requests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class ReplicasConfig:
     api_key: str | list[str] | None = None
     cache_per_key: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
+    access_log: bool = True  # Serve's line per request (proxy, ingress, replica)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -117,24 +119,32 @@ class EngineReplica:
                 "model_identity": engine.model_identity, "block_size": engine.args.block_size,
                 "tokenizer": engine.tokenizer}
 
+    async def answer(self, kind: str, body: CompletionRequest | ChatCompletionRequest, tenant: str | None,
+                     routing: RoutingKey | None = None) -> dict[str, Any]:
+        """A request without ``stream``: its whole answer, or its error."""
+        try:
+            return {"kind": "json", "body": (await self._serve(kind, body, tenant)).model_dump()}
+        except Exception as exc:
+            return _error_item(as_api_error(exc))
+
     async def generate(self, kind: str, body: CompletionRequest | ChatCompletionRequest, tenant: str | None,
                        routing: RoutingKey | None = None) -> AsyncIterator[Any]:
-        del routing  # the router's; the engine hashes the prompt itself
-        self._start()
+        """A request with ``stream``: first ``{"kind": "stream"}`` (or its error), then its SSE events."""
         try:
-            answer = await (self.backend.completions if kind == "completions" else self.backend.chat)(body, tenant)
+            events = await self._serve(kind, body, tenant)
         except Exception as exc:
             yield _error_item(as_api_error(exc))
             return
-        if hasattr(answer, "model_dump"):
-            yield {"kind": "json", "body": answer.model_dump()}
-            return
         yield {"kind": "stream"}
         try:
-            async for event in answer:
+            async for event in events:
                 yield event
         finally:
-            await answer.aclose()  # a cancelled call: the stream's finally aborts its requests
+            await events.aclose()  # a cancelled call: the stream's finally aborts its requests
+
+    async def _serve(self, kind: str, body: Any, tenant: str | None) -> Any:
+        self._start()
+        return await (self.backend.completions if kind == "completions" else self.backend.chat)(body, tenant)
 
     async def health(self) -> str:
         self._start()
@@ -222,20 +232,31 @@ class ReplicaSetBackend:
             routing = key()
         except (RequestError, ValueError, TypeError):
             routing = RoutingKey()  # bad input: the replica answers the error
-        call = self.engines.options(stream=True).generate.remote(kind, body, tenant, **{ROUTING_KWARG: routing})
-        try:
-            first = await call.__anext__()
-        except BaseException as exc:
-            call.cancel()
-            if isinstance(exc, Exception):
-                raise APIError(503, f"no engine replica answered: {type(exc).__name__}: {exc}",
-                               type="service_unavailable") from exc
-            raise
+        kwargs = {ROUTING_KWARG: routing}
+        if body.stream:
+            call = self.engines.options(stream=True).generate.remote(kind, body, tenant, **kwargs)
+            first = await _first(call, call.__anext__())
+        else:  # one unary call: cheaper than a stream
+            call = self.engines.answer.remote(kind, body, tenant, **kwargs)
+            first = await _first(call, call)
         if first["kind"] == "error":
             raise APIError(**first["error"])
         if first["kind"] == "json":
             return first["body"]
         return finalize_on_gc(_relay(call), call.cancel)
+
+
+async def _first(call: Any, first: Awaitable[Any]) -> Any:
+    """The call's answer (or a stream's first item); a cancelled wait (the client left)
+    cancels the call on its replica, which aborts its engine requests."""
+    try:
+        return await first
+    except BaseException as exc:
+        call.cancel()
+        if isinstance(exc, Exception):
+            raise APIError(503, f"no engine replica answered: {type(exc).__name__}: {exc}",
+                           type="service_unavailable") from exc
+        raise
 
 
 async def _relay(call: DeploymentResponseGenerator) -> AsyncIterator[str]:
@@ -279,12 +300,13 @@ def build_replicas_app(config: ReplicasConfig) -> Any:
             request_router_kwargs={"balance_abs": rule.balance_abs, "balance_rel": rule.balance_rel,
                                    "min_match": rule.min_match})
     options: dict[str, Any] = {"request_router_config": router} if router is not None else {}
+    logging = {"enable_access_log": config.access_log}
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=config.num_replicas, max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.replica_cpus}, **options)
+        ray_actor_options={"num_cpus": config.replica_cpus}, logging_config=logging, **options)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
         num_replicas=1, max_ongoing_requests=4 * config.num_replicas * config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0})
+        ray_actor_options={"num_cpus": 0}, logging_config=logging)
     return ingress.bind(engines.bind(config), config)
 
 
@@ -309,7 +331,8 @@ def run_replicas(config: ReplicasConfig, host: str = "127.0.0.1", port: int = 80
     t0 = time.perf_counter()
     ray.init(address=address, include_dashboard=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port},
+                    logging_config={"enable_access_log": config.access_log})
         serve.run(build_replicas_app(config), name="hyprefix", route_prefix="/")
         log.info("serving %s on http://%s:%d with %d engine replicas (%s router), ready in %.1fs",
                  ", ".join(config.names), host, port, config.num_replicas, config.router, time.perf_counter() - t0)
