@@ -92,7 +92,11 @@ def _serve_replicas(ns: argparse.Namespace, api_keys: list[str] | None, limits: 
     from hyprefix.replicas import require_ray
     from hyprefix.routing.policy import RoutingRule
 
-    require_ray()
+    try:
+        require_ray()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from hyprefix.replicas.app import ReplicasConfig, run_replicas
 
     config = ReplicasConfig(engine=engine_args(ns), num_replicas=ns.replicas, router=ns.replica_router,
