@@ -77,7 +77,6 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], Mapping[str, int | float]], model_name: str,
                  replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.model_name = model_name
         const = {"model_name": model_name, **({"replica": replica} if replica is not None else {})}
         labels = list(const)
         self._values = tuple(const.values())

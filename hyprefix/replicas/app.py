@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +227,7 @@ class ReplicaSetBackend:
 
         return await self._call("chat", body, tenant, key)
 
-    async def _call(self, kind: str, body: Any, tenant: str | None, key: Any) -> Answer:
+    async def _call(self, kind: str, body: Any, tenant: str | None, key: Callable[[], RoutingKey]) -> Answer:
         try:
             routing = key()
         except (RequestError, ValueError, TypeError):

@@ -26,8 +26,9 @@ from hyprefix.routing.request_key import RoutingKey
 from hyprefix.routing.subscriber import EventSubscriber, ReplicaEndpoints
 
 ROUTING_KWARG = "routing"  # the deployment call's keyword argument holding the RoutingKey
-METADATA_KEY = "kv_events"
-_UNROUTED_TTL_S = 600.0  # the replica metadata entry holding its ReplicaEndpoints fields
+METADATA_KEY = "kv_events"  # the replica metadata entry holding its ReplicaEndpoints fields
+_UNROUTED_TTL_S = 600.0  # a request chosen and not routed for this long was cancelled while queued
+
 
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, balance_abs: int = 8, balance_rel: float = 1.5, min_match: float = 0.1,
