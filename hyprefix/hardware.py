@@ -17,6 +17,9 @@ Rules that follow from it (see ``DeviceCaps``):
 * ``prepack(dtype)``: weights of this dtype go to oneDNN's blocked layout (CPU only,
   and only for a dtype oneDNN runs there: packing bf16 on a CPU without AVX-512 or
   AVX-NE-CONVERT raises inside oneDNN, which is the crash this module exists to stop).
+* ``int8_vnni``: int8 weights multiply through ``kernels/int8_linear.cpp`` (AVX512-VNNI
+  dot products, activations quantized per 32) where the silicon has VNNI and ATen's ISA is
+  AVX-512; elsewhere they are dequantized inside the compiled step.
 * ``auto_dtype(checkpoint_dtype)``: the checkpoint's dtype where it is native, else the
   fastest correct substitute (bf16 for an fp16 checkpoint where bf16 is native, else
   float32), with the reason.
@@ -49,6 +52,7 @@ class DeviceCaps:
     native_bf16: bool  # the hardware multiplies bf16 and the matmul library may use it
     native_fp16: bool
     amx: bool
+    int8_vnni: bool = False  # AVX512-VNNI int8 dot products that ATen's ISA allows (kernels/int8_linear.cpp)
 
     def native(self, dtype: torch.dtype) -> bool:
         if dtype == torch.float32:
@@ -114,8 +118,9 @@ def _cpu_caps() -> DeviceCaps:
     avx512 = isa.startswith("AVX512")
     native_bf16 = onednn_bf16 and avx512 and (bool(hw.get("avx512_bf16")) or amx_bf16)
     native_fp16 = onednn_fp16 and avx512 and (bool(hw.get("avx512_fp16")) or bool(hw.get("amx_fp16")))
+    int8_vnni = avx512 and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl"))
     return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
-                      amx_bf16 and native_bf16)
+                      amx_bf16 and native_bf16, int8_vnni)
 
 
 def _cuda_caps(device: torch.device) -> DeviceCaps:

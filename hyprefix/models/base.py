@@ -20,7 +20,7 @@ from hyprefix.models.layers import (
     pack_weight,
     packed_linear,
 )
-from hyprefix.models.quant import Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
+from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -76,7 +76,7 @@ class CausalLM(nn.Module):
     _packed_head: torch.Tensor | None = None
 
     @property
-    def _int8_head(self) -> Int8Weight | None:
+    def _int8_head(self) -> Int8Weight | Int8Tiles | None:
         """A tied LM head's int8 copy (module buffers, like ``Linear.int8``); None if float."""
         return int8_buffers(self, "head_")
 
@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
             self._packed_head = pack_weight(self.embed.weight)
 
     def quantize_weights(self) -> None:
-        """Weight-only int8 for every linear layer and the LM head (a tied head gets an
+        """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
         int8 copy; the embedding lookup keeps the float table)."""
         for module in self.modules():
             if isinstance(module, Linear) and module.int8 is None:

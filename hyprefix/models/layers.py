@@ -11,7 +11,7 @@ from torch import nn
 
 from hyprefix.hardware import device_caps
 from hyprefix.models.fused import Kernels
-from hyprefix.models.quant import Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
+from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +94,7 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
 
     @property
-    def int8(self) -> Int8Weight | None:
+    def int8(self) -> Int8Weight | Int8Tiles | None:
         """The int8 weights (module buffers, ``quant.set_int8_buffers``); None if float."""
         return int8_buffers(self)
 

@@ -1,18 +1,25 @@
-"""Weight-only int8 (``--quantization int8``) and the matmul form of compiled decode steps.
+"""int8 weights (``--quantization int8``) and the matmul form of compiled decode steps.
 
 An ``Int8Weight`` holds int8 values [N, K] and symmetric scales: one per output channel
 ([N], what ``quantize_int8`` makes from a float weight) or one per group of ``group``
 input channels ([N, K / group]: GGUF Q8_0's blocks of 32 with their float16 scales, loaded as
 they are by ``loader.iter_gguf_q8_0``). The value of an element is ``q * scale``.
-Activations stay in the model dtype (W8A16 / W8A32).
 
-``reduction_linear`` is how every matmul is written inside a compiled decode step
+Where K is a multiple of 32 the activations are quantized too, to int8 per group of 32
+(scale max|x| / 127, round to nearest even): llama.cpp's Q8_0 dot product. On a CPU with
+AVX512-VNNI the weights are kept as ``Int8Tiles``, the layout of ``kernels/int8_linear.cpp``,
+which multiplies them in int8 for every batch size (decode and prefill); elsewhere
+(``quantize_activations`` then a float matmul) the same numbers are computed in the model
+dtype. A K that is not a multiple of 32 keeps float activations.
+
+``reduction_linear`` is how every other matmul is written inside a compiled decode step
 (``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row
 outermost, so Inductor turns it into one loop that streams each weight row once for all
 rows of a small batch, with int8 -> float and the scales folded into the loads. On a
 2-core AMD EPYC Zen 4 it read 28-30 GB/s (float32, M = 1..2) where oneDNN's prepacked
-GEMV read 20-28 and MKL's 11; int8 at M = 1 read 27 GB/s of int8 (1.6 ms for what
-takes 6 ms in float32). It is compute-bound sooner than a GEMM (bf16 from M = 4).
+GEMV read 20-28 and MKL's 11; int8 at M = 1 read 17-27 GB/s of int8 where the tiled VNNI
+kernel reads 44 (SmolLM2's 49152 x 576 head). It is compute-bound sooner than a GEMM
+(bf16 from M = 4).
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hyprefix.kernels import int8_linear as vnni
+
+GROUP = 32  # activation quantization group
 
 
 @dataclass
@@ -46,24 +57,84 @@ class Int8Weight:
         return values.to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Eager: torch's int8 GEMV kernel where it is fast (bf16 activations, per-channel
-        scales), else dequantize and multiply (prefill-sized steps amortise it)."""
-        if x.dtype == torch.bfloat16 and self.group is None and x.device.type == "cpu" and x.dim() == 2:
-            out = torch._weight_int8pack_mm(x, self.qweight, self.scales.to(x.dtype))
-            return out if bias is None else out + bias
+        """Eager, any batch size: dequantize and multiply (prefill-sized steps amortise it)."""
+        if self.qweight.shape[1] % GROUP == 0:
+            x = quantize_activations(x)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
+    def plain(self) -> Int8Weight:
+        return self
 
-def int8_buffers(module: torch.nn.Module, prefix: str = "") -> Int8Weight | None:
+
+@dataclass
+class Int8Tiles:
+    """int8 weights in ``kernels/int8_linear.cpp``'s 16-row tiles (``vnni.pack``), used
+    where that kernel runs: the same values as the ``Int8Weight`` they came from."""
+
+    tiles: torch.Tensor  # uint8 [N/16, K/4, 16, 4]
+    scales: torch.Tensor  # float32 [N/16 * 16] or [N/16, K/32, 16]
+    rows: int  # N
+
+    @classmethod
+    def pack(cls, weight: Int8Weight) -> Int8Tiles:
+        return cls(*vnni.pack(weight.qweight, weight.scales), weight.qweight.shape[0])
+
+    def plain(self) -> Int8Weight:
+        return Int8Weight(*vnni.unpack(self.tiles, self.scales, self.rows))
+
+    @property
+    def group(self) -> int | None:
+        return None if self.scales.dim() == 1 else GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.plain().dequantize(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The int8 kernel (eager or inside a compiled step); the plain path for what it does
+        not take (another device or dtype)."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return self.plain().matmul(x, bias)
+        out = vnni.int8_linear(x, self.tiles, self.scales, self.rows)
+        return out if bias is None else out + bias
+
+
+def tiles_fit(weight: Int8Weight) -> bool:
+    """Whether ``weight`` goes to the VNNI kernel's tiles (CPU, K a multiple of 32, the kernel built)."""
+    return weight.qweight.device.type == "cpu" and weight.qweight.shape[1] % GROUP == 0 and vnni.available()
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to int8 per group of 32 along its last dim (the VNNI kernel's
+    quantization), dequantized back to x's dtype."""
+    groups = x.float().unflatten(-1, (-1, GROUP))
+    scale = groups.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inverse) * scale).flatten(-2).to(x.dtype)
+
+
+def int8_buffers(module: torch.nn.Module, prefix: str = "") -> Int8Weight | Int8Tiles | None:
     """The int8 weights ``set_int8_buffers`` gave ``module`` under ``prefix``; None if none."""
-    qweight = module._buffers.get(f"{prefix}qweight")
-    return None if qweight is None else Int8Weight(qweight, module._buffers[f"{prefix}scales"])
+    buffers = module._buffers
+    if f"{prefix}tiles" in buffers:
+        return Int8Tiles(buffers[f"{prefix}tiles"], buffers[f"{prefix}scales"], getattr(module, f"{prefix}int8_rows"))
+    qweight = buffers.get(f"{prefix}qweight")
+    return None if qweight is None else Int8Weight(qweight, buffers[f"{prefix}scales"])
 
 
 def set_int8_buffers(module: torch.nn.Module, weight: Int8Weight, prefix: str = "") -> None:
-    """Keep int8 weights as non-persistent buffers of ``module``: they move with it, and a
-    compiled step guards them like parameters (a dataclass attribute cost ~1 ms of Dynamo
-    guard lookups per SmolLM2 step)."""
+    """Keep int8 weights as non-persistent buffers of ``module`` (as the VNNI kernel's tiles
+    where it runs): they move with it, and a compiled step guards them like parameters (a
+    dataclass attribute cost ~1 ms of Dynamo guard lookups per SmolLM2 step)."""
+    if tiles_fit(weight):
+        tiled = Int8Tiles.pack(weight)
+        module.register_buffer(f"{prefix}tiles", tiled.tiles, persistent=False)
+        module.register_buffer(f"{prefix}scales", tiled.scales, persistent=False)
+        setattr(module, f"{prefix}int8_rows", tiled.rows)
+        return
     module.register_buffer(f"{prefix}qweight", weight.qweight, persistent=False)
     module.register_buffer(f"{prefix}scales", weight.scales, persistent=False)
 
@@ -87,10 +158,16 @@ def stored(x: torch.Tensor) -> torch.Tensor:
     return inductor_prims.force_stride_order(x, x.stride()) if torch.compiler.is_compiling() else x
 
 
-def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) as a reduction per (output, row): see the module doc."""
+def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int8Tiles,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) as a reduction per (output, row): see the module doc.
+    Tiled int8 weights call their kernel instead (an extern call inside the graph)."""
+    if isinstance(weight, Int8Tiles):
+        return weight.matmul(x, bias)
     x = stored(x)
     if isinstance(weight, Int8Weight):
+        if weight.qweight.shape[1] % GROUP == 0:
+            x = stored(quantize_activations(x))
         if weight.group is None:
             out = (weight.qweight[:, None, :] * x[None, :, :]).sum(-1) * weight.scales[:, None].to(x.dtype)
         else:  # [N, 1, groups, group] x [1, M, groups, group]: the scale is one load per group
