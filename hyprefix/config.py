@@ -40,8 +40,9 @@ class EngineArgs:
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
     seed: int = 0
-    # Weight-only quantization of the linear layers and LM head: None or "int8"
-    # (per-channel scales, quantized at load from the float weights; GGUF files too).
+    # Quantization of the linear layers and LM head: None or "int8" (int8 weights: a GGUF's Q8_0
+    # blocks as they are, per-channel scales for float weights; activations quantized per 32
+    # at run time: models/quant.py).
     quantization: str | None = None
     enforce_eager: bool = False
     # Decode attention reads a shared prefix once for its group when that saves at least

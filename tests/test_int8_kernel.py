@@ -65,7 +65,7 @@ def test_kernel_equals_quantized_activations_times_the_weight(n, k, rows, per_gr
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     bias = torch.randn(n)
-    assert torch.allclose(tiled.matmul(x, bias), out + bias)
+    assert torch.allclose(tiled.matmul(x, bias), out + bias, rtol=1e-5, atol=1e-5 * out.abs().max().item())
     bf16 = tiled.matmul(x.bfloat16(), None)
     expected_bf16 = _expected(x.bfloat16(), w)
     assert bf16.dtype == torch.bfloat16

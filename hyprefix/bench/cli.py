@@ -111,7 +111,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no torch.compile (neither the kernels of large steps nor the compiled decode steps)")
     eng.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                     help="weight-only quantization of the hyprefix arms (transformers stays in --dtype)")
+                     help="int8 quantization of the hyprefix arms (transformers stays in --dtype)")
 
     online = bench.add_argument_group(
         "online driver (request workloads against a running OpenAI-compatible server, instead of in-process arms)")

@@ -201,7 +201,7 @@ def _tensors_named_in(path: Path, message: str) -> str:
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
                revision: str | None = None, quantization: str | None = None,
                compiled_decode: bool = False) -> LoadedModel:
-    """``quantization`` "int8": weight-only int8 linears (``quant.py``). ``compiled_decode``:
+    """``quantization`` "int8": int8 linears (``quant.py``). ``compiled_decode``:
     the runner will compile decode steps, which read the plain weights: keep them beside
     the prepacked copies (models without recurrent layers; those decode eagerly)."""
     path = resolve_model_dir(model, revision)

@@ -107,6 +107,11 @@ def tiles_fit(weight: Int8Weight) -> bool:
     return weight.qweight.device.type == "cpu" and weight.qweight.shape[1] % GROUP == 0 and vnni.available()
 
 
+def uses_int8_kernel(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s weights are ``Int8Tiles`` (multiplied by the VNNI kernel)."""
+    return any(name.rsplit(".", 1)[-1].endswith("tiles") for name, _ in model.named_buffers())
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to int8 per group of 32 along its last dim (the VNNI kernel's
     quantization), dequantized back to x's dtype."""
