@@ -19,7 +19,7 @@ Rules that follow from it (see ``DeviceCaps``):
   AVX-NE-CONVERT raises inside oneDNN, which is the crash this module exists to stop).
 * ``int8_vnni``: int8 weights multiply through ``kernels/int8_linear.cpp`` (AVX512-VNNI
   dot products, activations quantized per 32) where the silicon has VNNI and ATen's ISA is
-  AVX-512; elsewhere they are dequantized inside the compiled step.
+  AVX-512; elsewhere the same numbers come from dequantized weights (``models/quant.py``).
 * ``auto_dtype(checkpoint_dtype)``: the checkpoint's dtype where it is native, else the
   fastest correct substitute (bf16 for an fp16 checkpoint where bf16 is native, else
   float32), with the reason.

@@ -1,9 +1,8 @@
 """GGUF Q8_0 weights load straight into int8 linears with ``quantization="int8"``: the
-blocks' int8 values and scales as they are in the file (in the VNNI kernel's tiles where
-it runs, unpacked here to compare) (no float round trip; the float16
-scales widened exactly to float32),
-Llama's q/k row permutation applied to both. The file is a tiny Llama written with the
-``gguf`` library and rewritten as Q8_0 by ``tools/requantize_gguf.py``."""
+blocks' int8 values and scales as they are in the file (no float round trip; the float16
+scales widened exactly to float32; in the VNNI kernel's tiles where it runs, unpacked here
+to compare), Llama's q/k row permutation applied to both. The file is a tiny Llama
+written with the ``gguf`` library and rewritten as Q8_0 by ``tools/requantize_gguf.py``."""
 
 from __future__ import annotations
 
@@ -73,9 +72,10 @@ def test_q8_0_block_values_are_the_files(q8_0_file):
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_models, enforce_eager):
     """Same weights: each int8 linear computes exactly the float weight times its input
-    quantized per 32, and the model's logits stay within 3 % of the float model's, eager
-    and through the compiled decode step. (The tiny file's vocabulary is no real tokenizer:
-    a test checkpoint's serves; the prompts are token ids under 16.)"""
+    quantized per 32, the model's last-token logits stay within 3 % of the float model's, and
+    greedy decoding runs, eager and through the compiled decode step. (The tiny file's
+    vocabulary is no real tokenizer: a test checkpoint's serves; the prompts are token ids
+    under 16.)"""
     common = {"dtype": "float32", "num_kv_blocks": 64, "tokenizer": str(tiny_models["llama"][0])}
     floats = LLM(str(q8_0_file), enforce_eager=True, **common)
     ints = LLM(str(q8_0_file), quantization="int8", enforce_eager=enforce_eager, **common)

@@ -10,8 +10,9 @@
 // into one accumulator, which starts at -128 * sum(x_q) of the group (the + 128 of the weight
 // bytes, taken back exactly); it is then scaled (activation scale times the 16 rows' weight
 // scales) and summed in float. Scales are float16 [N/16, K/32, 16] per group (Q8_0's own
-// precision), or float32 [N/16 * 16] per row (applied at the end). Tiles are split over ATen's intra-op threads; up to 4 activation rows
-// share each weight load, so prefill-sized calls run as an int8 GEMM.
+// precision), or float32 [N/16 * 16] per row (applied at the end). Tiles are split over
+// ATen's intra-op threads; up to 4 activation rows share each weight load, so prefill-sized
+// calls run as an int8 GEMM.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -56,9 +56,14 @@ class Int8Weight:
             values = (self.qweight.view(n, -1, self.group).float() * self.scales[:, :, None]).view(n, k)
         return values.to(dtype)
 
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether its inputs are quantized per 32 (K a multiple of 32); else they stay float."""
+        return self.qweight.shape[1] % GROUP == 0
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Eager, any batch size: dequantize and multiply (prefill-sized steps amortise it)."""
-        if self.qweight.shape[1] % GROUP == 0:
+        if self.quantizes_activations:
             x = quantize_activations(x)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
@@ -104,12 +109,12 @@ class Int8Tiles:
 
 def tiles_fit(weight: Int8Weight) -> bool:
     """Whether ``weight`` goes to the VNNI kernel's tiles (CPU, K a multiple of 32, the kernel built)."""
-    return weight.qweight.device.type == "cpu" and weight.qweight.shape[1] % GROUP == 0 and vnni.available()
+    return weight.qweight.device.type == "cpu" and weight.quantizes_activations and vnni.available()
 
 
 def uses_int8_kernel(model: torch.nn.Module) -> bool:
     """Whether any of ``model``'s weights are ``Int8Tiles`` (multiplied by the VNNI kernel)."""
-    return any(name.rsplit(".", 1)[-1].endswith("tiles") for name, _ in model.named_buffers())
+    return any(name.endswith("tiles") for name, _ in model.named_buffers())  # set_int8_buffers' names
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +176,7 @@ def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int8Ti
         return weight.matmul(x, bias)
     x = stored(x)
     if isinstance(weight, Int8Weight):
-        if weight.qweight.shape[1] % GROUP == 0:
+        if weight.quantizes_activations:
             x = stored(quantize_activations(x))
         if weight.group is None:
             out = (weight.qweight[:, None, :] * x[None, :, :]).sum(-1) * weight.scales[:, None].to(x.dtype)
