@@ -20,6 +20,9 @@ Rules that follow from it (see ``DeviceCaps``):
 * ``int8_vnni``: int8 weights multiply through ``kernels/int8_linear.cpp`` (AVX512-VNNI
   dot products, activations quantized per 32) where the silicon has VNNI and ATen's ISA is
   AVX-512; elsewhere the same numbers come from dequantized weights (``models/quant.py``).
+* ``flash_prefill(dtype)``: prefill attention runs ``kernels/prefill_attention.cpp`` (oneDNN's
+  brgemm micro-kernel) for float32 on an x86 CPU whose ATen ISA is AVX2 or AVX-512, and for
+  bfloat16 where bf16 is native; elsewhere torch's SDPA.
 * ``auto_dtype(checkpoint_dtype)``: the checkpoint's dtype where it is native, else the
   fastest correct substitute (bf16 for an fp16 checkpoint where bf16 is native, else
   float32), with the reason.
@@ -53,6 +56,12 @@ class DeviceCaps:
     native_fp16: bool
     amx: bool
     int8_vnni: bool = False  # AVX512-VNNI int8 dot products that ATen's ISA allows (kernels/int8_linear.cpp)
+    brgemm: bool = False  # x86, ATen ISA AVX2 or AVX-512, oneDNN: its brgemm micro-kernel runs float32
+
+    def flash_prefill(self, dtype: torch.dtype) -> bool:
+        """Whether prefill attention in ``dtype`` runs ``kernels/prefill_attention.cpp``."""
+        return self.device_type == "cpu" and self.brgemm and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and self.native_bf16))
 
     def native(self, dtype: torch.dtype) -> bool:
         if dtype == torch.float32:
@@ -119,8 +128,9 @@ def _cpu_caps() -> DeviceCaps:
     native_bf16 = onednn_bf16 and avx512 and (bool(hw.get("avx512_bf16")) or amx_bf16)
     native_fp16 = onednn_fp16 and avx512 and (bool(hw.get("avx512_fp16")) or bool(hw.get("amx_fp16")))
     int8_vnni = avx512 and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl"))
+    brgemm = onednn and (avx512 or isa == "AVX2")
     return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
-                      amx_bf16 and native_bf16, int8_vnni)
+                      amx_bf16 and native_bf16, int8_vnni, brgemm)
 
 
 def _cuda_caps(device: torch.device) -> DeviceCaps:

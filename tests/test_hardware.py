@@ -119,6 +119,8 @@ for dtype in ("auto", "bfloat16", "float32"):
     report[dtype] = {"dtype": str(llm.engine.dtype), "mlp_packed": model.layers[0].mlp._packed is not None,
                      "tokens": [o.outputs[0].token_ids for o in outs]}
 import os
+from hyprefix.kernels import prefill_attention
+report["flash_prefill"] = {str(d): prefill_attention.available(d) for d in (torch.float32, torch.bfloat16)}
 report["compile_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 print("REPORT " + json.dumps(report))
 """
@@ -127,7 +129,8 @@ print("REPORT " + json.dumps(report))
 def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     """Under oneDNN's and ATen's AVX2 limits (a Zen 3 without AVX-512), a bf16
     checkpoint loads with "auto" (-> float32, prepacked) and with an explicit
-    "bfloat16" (plain path, a warning), and both generate."""
+    "bfloat16" (plain path, a warning), and both generate; float32 prefill attention runs
+    the AVX2 build of the brgemm kernel, bfloat16 stays on SDPA."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the engine must keep the emulated ISA's kernels apart
     proc = subprocess.run([sys.executable, "-c", EMULATED, str(bf16_checkpoint)], env=env, capture_output=True,
@@ -141,5 +144,8 @@ def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     assert report["auto"]["tokens"] == report["float32"]["tokens"]
     assert all(len(t) == 5 for t in report["bfloat16"]["tokens"])
     assert report["compile_cache"].endswith("aten-avx2")
+    # Prefill attention: the brgemm kernel in float32 (AVX2 build), torch's SDPA in bfloat16.
+    assert report["flash_prefill"] == {"torch.float32": caps["brgemm"], "torch.bfloat16": False}
+    assert caps["brgemm"] is caps["onednn"]
     assert "dtype auto -> float32" in proc.stderr
     assert "dtype bfloat16 is not native" in proc.stderr and "'auto' would pick float32" in proc.stderr

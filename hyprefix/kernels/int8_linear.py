@@ -2,28 +2,23 @@
 quantized to int8 per 32, on AVX512-VNNI (``int8_linear.cpp`` has the arithmetic and the
 layout).
 
-Built on first use with torch's C++ extension builder (the compiler Inductor uses; under a
-minute on 2 cores) into torch's extension cache, so later processes load it in
-milliseconds. ``available()`` says whether it runs here: the CPU has AVX512-VNNI and ATen
-may use AVX-512 (``hardware.DeviceCaps.int8_vnni``) and the build worked; a failed build
-logs one warning and int8 weights take the portable path (``models/quant.py``).
+Built on first use (``build.load_kernel``). ``available()`` says whether it runs here: the
+CPU has AVX512-VNNI and ATen may use AVX-512 (``hardware.DeviceCaps.int8_vnni``) and the
+build worked; a failed build logs one warning and int8 weights take the portable path
+(``models/quant.py``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
 
 from hyprefix.hardware import device_caps
-
-log = logging.getLogger("hyprefix")
+from hyprefix.kernels.build import load_kernel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-fopenmp"]
+FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
 TILE = 16  # weight rows per tile
 
 _available: bool | None = None
@@ -39,20 +34,7 @@ def available() -> bool:
 
 
 def _build() -> bool:
-    from torch.utils import cpp_extension
-
-    # ninja (a dependency) sits in the environment's bin directory, which may not be on PATH.
-    bin_dir = str(Path(sys.executable).parent)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-    try:
-        cpp_extension.load(name="hyprefix_int8_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as exc:
-        lines = str(exc).strip().splitlines()
-        detail = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
-        log.warning("the AVX512-VNNI int8 kernel did not build (%s: %s); int8 weights take the portable path",
-                    type(exc).__name__, detail.strip())
+    if not load_kernel("hyprefix_int8_linear", SOURCE, FLAGS, "int8 weights take the portable path"):
         return False
     torch.library.register_fake("hyprefix::int8_linear")(_fake)
     return True

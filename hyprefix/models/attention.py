@@ -8,7 +8,9 @@ group, a row's long private part in one call of its own, and only the short rest
 every row goes through a padded batch; the partial results merge through their
 log-sum-exp. Without one (or on sliding-window layers) each row's blocks are
 gathered into a padded batch. Prefill chunks attend over their own tokens (plain
-causal) or over their gathered context with an explicit mask.
+causal) or over their gathered context with an explicit mask: through
+``kernels/prefill_attention.cpp`` where it runs (``hardware.DeviceCaps.flash_prefill``),
+else torch's SDPA.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hyprefix.forward import DecodeCascade, ForwardBatch
+from hyprefix.kernels import prefill_attention as prefill_kernel
 
 
 def paged_attention(
@@ -64,20 +67,25 @@ def paged_attention(
             else:
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
         outs.append(od.reshape(n, -1, head_dim))
+    flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
     for i, span in enumerate(batch.prefills):
-        qs = q[span.token_slice].transpose(0, 1).unsqueeze(0)
-        mask = batch.prefill_mask(i, window)
         if span.start_pos == 0:
-            ks, vs = k[span.token_slice], v[span.token_slice]
+            ks, vs, first_pos = k[span.token_slice], v[span.token_slice], 0
         else:
             table = view.prefill_block_tables[i] if view is not None else span.block_table
-            keys = span.context_len - batch.prefill_first_pos(i, window)
+            first_pos = batch.prefill_first_pos(i, window)
+            keys = span.context_len - first_pos
             ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
             vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
-        ks = ks.transpose(0, 1).unsqueeze(0)
-        vs = vs.transpose(0, 1).unsqueeze(0)
+        if flash:
+            outs.append(prefill_kernel.prefill_attention(q[span.token_slice], ks, vs, scale, span.start_pos,
+                                                         first_pos, window))
+            continue
+        mask = batch.prefill_mask(i, window)
         os_ = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1)
+            q[span.token_slice].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=group > 1)
         outs.append(os_[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 

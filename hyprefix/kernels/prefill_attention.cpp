@@ -1,0 +1,205 @@
+// hyprefix::prefill_attention: causal (optionally sliding-window) softmax attention of a
+// prefill chunk, q [T, H, D] over k, v [S, KVH, D], out [T, H, D] in q's dtype.
+//
+// Query t sits at position q_pos0 + t and key j at k_pos0 + j; key j is visible to query t
+// when its position is <= the query's and, with window > 0, > the query's minus window.
+//
+// Flash attention on oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm:
+// bfloat16 x bfloat16 -> float32 on AVX512-BF16 or AMX, float32 on AVX2 / AVX-512):
+// - K^T and V of each KV head are packed once per call (bfloat16: VNNI pairs; float32: K^T
+//   only, V is read in place).
+// - A task is one KV head and one block of query tokens; the group's query heads are stacked
+//   into the GEMM's rows (GQA), so every packed K/V block is used by all of them at once.
+// - Key blocks run from the block's first visible key to its last; only the diagonal block
+//   holds masked entries, which get probability 0. The running max / sum (float32) rescale the
+//   float32 output accumulator, which P x V adds into.
+// - Tasks are taken heaviest first from a shared counter by ATen's intra-op threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using at::native::cpublas::brgemm;
+
+constexpr int64_t kKeyBlock = 256;
+
+struct Shape {
+  int64_t tokens, heads, dim, keys, kv_heads, group;
+  int64_t q_t, q_h, k_t, k_h, v_t, v_h;  // strides (elements); the last dim is contiguous
+  int64_t q_pos0, k_pos0, window;
+  float scale;
+};
+
+// Visible key columns [lo, hi) of the query at token index t.
+inline void visible(const Shape& s, int64_t t, int64_t& lo, int64_t& hi) {
+  const int64_t qp = s.q_pos0 + t;
+  hi = std::min(s.keys, qp - s.k_pos0 + 1);
+  lo = s.window > 0 ? std::max<int64_t>(0, qp - s.window + 1 - s.k_pos0) : 0;
+}
+
+// Leading dims get 16 spare elements, so rows are not 4 KiB apart (L1 set aliasing).
+constexpr int64_t kPad = 16;
+constexpr int64_t kKeyLd = kKeyBlock + kPad;
+
+// Per KV head, key block by key block (zero padded), the layouts brgemm's B operand takes:
+// bfloat16 K^T [D/2, kKeyLd, 2] and V [kKeyBlock/2, D + kPad, 2] (VNNI pairs along the
+// reduction); float32 K^T [D, kKeyLd] and V [kKeyBlock, D + kPad].
+template <typename T>
+struct Packed {
+  std::vector<T> k, v;
+};
+
+template <typename T>
+void pack_head(const Shape& s, const T* k, const T* v, Packed<T>& p) {
+  constexpr int64_t pair = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
+  const int64_t d = s.dim, ldv = d + kPad, blocks = (s.keys + kKeyBlock - 1) / kKeyBlock;
+  p.k.assign(blocks * d * kKeyLd, T(0.0f));
+  p.v.assign(blocks * kKeyBlock * ldv, T(0.0f));
+  for (int64_t j = 0; j < s.keys; ++j) {
+    const int64_t b = j / kKeyBlock, c = j % kKeyBlock;
+    T* kb = p.k.data() + b * d * kKeyLd;
+    T* vb = p.v.data() + b * kKeyBlock * ldv + (c / pair) * ldv * pair + c % pair;
+    const T* kr = k + j * s.k_t;
+    const T* vr = v + j * s.v_t;
+    for (int64_t i = 0; i < d; ++i) {
+      kb[((i / pair) * kKeyLd + c) * pair + i % pair] = kr[i];
+      vb[i * pair] = vr[i];
+    }
+  }
+}
+
+template <typename T>
+void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
+  constexpr bool kVnni = std::is_same_v<T, c10::BFloat16>;
+  const int64_t d = s.dim, g = s.group;
+  const int64_t threads = at::get_num_threads();
+
+  std::vector<Packed<T>> packed(s.kv_heads);
+  at::parallel_for(0, s.kv_heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) pack_head(s, k + h * s.k_h, v + h * s.v_h, packed[h]);
+  });
+
+  // Query blocks: about 256 GEMM rows, small enough that every thread gets several tasks.
+  int64_t block = std::max<int64_t>(1, 256 / g);
+  const int64_t want = 4 * threads;
+  while (block > 16 && s.kv_heads * ((s.tokens + block - 1) / block) < want) block /= 2;
+  const int64_t blocks = (s.tokens + block - 1) / block;
+  std::vector<int64_t> order(s.kv_heads * blocks);
+  for (int64_t i = 0; i < (int64_t)order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return a % blocks > b % blocks;  // later query blocks see more keys (windows aside)
+  });
+  std::atomic<int64_t> next{0};
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t rows_max = g * block;
+    const int64_t ld = d + kPad;  // rows of Q and of the output accumulator
+    std::vector<T> qbuf(rows_max * ld), pbuf(rows_max * kKeyLd);
+    std::vector<float> sbuf(rows_max * kKeyLd), obuf(rows_max * ld), run_max(rows_max), run_sum(rows_max);
+    for (int64_t n = next.fetch_add(1); n < (int64_t)order.size(); n = next.fetch_add(1)) {
+      const int64_t h = order[n] / blocks, t0 = (order[n] % blocks) * block;
+      const int64_t qn = std::min(block, s.tokens - t0), rows = g * qn;
+      for (int64_t gi = 0; gi < g; ++gi)
+        for (int64_t r = 0; r < qn; ++r)
+          std::copy_n(q + (t0 + r) * s.q_t + (h * g + gi) * s.q_h, d, qbuf.data() + (gi * qn + r) * ld);
+      std::fill_n(obuf.data(), rows * ld, 0.0f);
+      std::fill_n(run_max.data(), rows, -std::numeric_limits<float>::infinity());
+      std::fill_n(run_sum.data(), rows, 0.0f);
+      int64_t first_lo, first_hi, last_lo, last_hi;
+      visible(s, t0, first_lo, first_hi);
+      visible(s, t0 + qn - 1, last_lo, last_hi);
+      const Packed<T>& p = packed[h];
+      for (int64_t j0 = first_lo / kKeyBlock * kKeyBlock; j0 < last_hi; j0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, last_hi - j0);
+        const int64_t depth = kVnni ? (cols + 1) / 2 * 2 : cols;  // P x V's reduction length
+        const int64_t kb = j0 / kKeyBlock;
+        brgemm(rows, cols, d, ld, kKeyLd, kKeyLd, false, qbuf.data(), p.k.data() + kb * d * kKeyLd, sbuf.data());
+        for (int64_t m = 0; m < rows; ++m) {
+          int64_t lo, hi;
+          visible(s, t0 + m % qn, lo, hi);
+          lo = std::max<int64_t>(lo - j0, 0);
+          hi = std::min<int64_t>(hi - j0, cols);
+          T* prow = pbuf.data() + m * kKeyLd;
+          if (hi <= lo) {
+            std::fill_n(prow, depth, T(0.0f));
+            continue;
+          }
+          float* srow = sbuf.data() + m * kKeyLd;
+          const float top = s.scale * at::vec::reduce_all<float>(
+              [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, srow + lo, hi - lo);
+          const float new_max = std::max(run_max[m], top);
+          const Vec scale(s.scale), shift(new_max);
+          at::vec::map([&](Vec x) { return (x * scale - shift).exp_u20(); }, srow + lo, srow + lo, hi - lo);
+          const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, srow + lo, hi - lo);
+          const float rescale = std::exp(run_max[m] - new_max);  // 0 for the first visible block
+          if (rescale != 1.0f) {
+            float* orow = obuf.data() + m * ld;
+            const Vec by(rescale);
+            at::vec::map([&](Vec x) { return x * by; }, orow, orow, d);
+          }
+          run_sum[m] = run_sum[m] * rescale + sum;
+          run_max[m] = new_max;
+          std::fill_n(prow, lo, T(0.0f));
+          at::vec::convert(srow + lo, prow + lo, hi - lo);
+          std::fill_n(prow + hi, depth - hi, T(0.0f));
+        }
+        brgemm(rows, d, depth, kKeyLd, ld, ld, true, pbuf.data(), p.v.data() + kb * kKeyBlock * ld, obuf.data());
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t gi = m / qn, r = m % qn;
+        T* dst = out + ((t0 + r) * s.heads + h * g + gi) * d;
+        const float inv = run_sum[m] > 0.0f ? 1.0f / run_sum[m] : 0.0f;
+        const Vec by(inv);
+        float* orow = obuf.data() + m * ld;
+        at::vec::map([&](Vec x) { return x * by; }, orow, orow, d);
+        at::vec::convert(orow, dst, d);
+      }
+    }
+    at::native::cpublas::brgemm_release(kVnni);
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             int64_t q_pos0, int64_t k_pos0, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q, k, v must be [tokens, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "prefill_attention: q, k, v must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "prefill_attention: the head dim must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              "prefill_attention: shapes do not match");
+  Shape s{q.size(0), q.size(1), q.size(2), k.size(0), k.size(1), q.size(1) / k.size(1),
+          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+          q_pos0, k_pos0, window, static_cast<float>(scale)};
+  at::Tensor out = at::empty({s.tokens, s.heads, s.dim}, q.options());
+  if (s.tokens == 0) return out;
+  if (q.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(s.dim % 2 == 0, "prefill_attention: bfloat16 needs an even head dim");
+    attend(s, q.const_data_ptr<c10::BFloat16>(), k.const_data_ptr<c10::BFloat16>(),
+           v.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "prefill_attention: float32 or bfloat16 only");
+    attend(s, q.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(),
+           out.mutable_data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int q_pos0, int k_pos0, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
