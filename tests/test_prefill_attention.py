@@ -18,13 +18,19 @@ from hyprefix.kernels import prefill_attention as kernel
 CAPS = device_caps("cpu")
 
 
-def _reference(q, k, v, scale, q_pos0, k_pos0, window):
-    """float64 softmax attention with the kernel's visibility rule."""
+def _visible(q, k, q_pos0, k_pos0, window):
+    """The kernel's visibility rule as a bool [T, S] mask."""
     qp = torch.arange(q_pos0, q_pos0 + q.shape[0])[:, None]
     kp = torch.arange(k_pos0, k_pos0 + k.shape[0])[None, :]
     mask = kp <= qp
     if window:
         mask &= kp > qp - window
+    return mask
+
+
+def _reference(q, k, v, scale, q_pos0, k_pos0, window):
+    """float64 softmax attention with the kernel's visibility rule."""
+    mask = _visible(q, k, q_pos0, k_pos0, window)
     group = q.shape[1] // k.shape[1]
     kk = k.double().transpose(0, 1).repeat_interleave(group, 0)
     vv = v.double().transpose(0, 1).repeat_interleave(group, 0)
@@ -34,11 +40,9 @@ def _reference(q, k, v, scale, q_pos0, k_pos0, window):
 
 def _sdpa(q, k, v, scale, q_pos0, k_pos0, window):
     """The model's fallback: torch's SDPA in q's dtype, as models/attention.py calls it."""
-    qp = torch.arange(q_pos0, q_pos0 + q.shape[0])[:, None]
-    kp = torch.arange(k_pos0, k_pos0 + k.shape[0])[None, :]
-    mask = (kp <= qp) & ((kp > qp - window) if window else True)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+                                         attn_mask=_visible(q, k, q_pos0, k_pos0, window), scale=scale,
+                                         enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -6,13 +6,13 @@
 //
 // Flash attention on oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm:
 // bfloat16 x bfloat16 -> float32 on AVX512-BF16 or AMX, float32 on AVX2 / AVX-512):
-// - K^T and V of each KV head are packed once per call, in blocks of 128 keys (bfloat16: VNNI pairs; float32: K^T
-//   only, V is read in place).
+// - K^T and V of each KV head are packed once per call, in blocks of 128 keys (bfloat16: VNNI
+//   pairs along the reduction; float32: plain rows).
 // - A task is one KV head and one block of query tokens; the group's query heads are stacked
 //   into the GEMM's rows (GQA), so every packed K/V block is used by all of them at once.
-// - Key blocks run from the block's first visible key to its last; only the diagonal block
-//   holds masked entries, which get probability 0. The running max / sum (float32) rescale the
-//   float32 output accumulator, which P x V adds into.
+// - Key blocks run from the block's first visible key to its last; masked entries (the
+//   diagonal block, and a window's first block) get probability 0. The running max / sum
+//   (float32) rescale the float32 output accumulator, which P x V adds into.
 // - Tasks are taken heaviest first from a shared counter by ATen's intra-op threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,11 +53,14 @@ inline void visible(const Shape& s, int64_t t, int64_t& lo, int64_t& hi) {
 
 // Leading dims get 16 spare elements, so rows are not 4 KiB apart (L1 set aliasing).
 constexpr int64_t kPad = 16;
-constexpr int64_t kKeyLd = kKeyBlock + kPad;
+constexpr int64_t kKeyLd = kKeyBlock + kPad;  // rows of packed K^T, of the scores and of P
+
+// Rows of packed V, of the gathered Q and of the output accumulator.
+constexpr int64_t head_ld(int64_t dim) { return dim + kPad; }
 
 // Per KV head, key block by key block (zero padded), the layouts brgemm's B operand takes:
-// bfloat16 K^T [D/2, kKeyLd, 2] and V [kKeyBlock/2, D + kPad, 2] (VNNI pairs along the
-// reduction); float32 K^T [D, kKeyLd] and V [kKeyBlock, D + kPad].
+// bfloat16 K^T [D/2, kKeyLd, 2] and V [kKeyBlock/2, head_ld(D), 2] (VNNI pairs along the
+// reduction); float32 K^T [D, kKeyLd] and V [kKeyBlock, head_ld(D)].
 template <typename T>
 struct Packed {
   std::vector<T> k, v;
@@ -66,7 +69,7 @@ struct Packed {
 template <typename T>
 void pack_head(const Shape& s, const T* k, const T* v, Packed<T>& p) {
   constexpr int64_t pair = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
-  const int64_t d = s.dim, ldv = d + kPad, blocks = (s.keys + kKeyBlock - 1) / kKeyBlock;
+  const int64_t d = s.dim, ldv = head_ld(d), blocks = (s.keys + kKeyBlock - 1) / kKeyBlock;
   p.k.assign(blocks * d * kKeyLd, T(0.0f));
   p.v.assign(blocks * kKeyBlock * ldv, T(0.0f));
   for (int64_t j = 0; j < s.keys; ++j) {
@@ -107,7 +110,7 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * block;
-    const int64_t ld = d + kPad;  // rows of Q and of the output accumulator
+    const int64_t ld = head_ld(d);
     std::vector<T> qbuf(rows_max * ld), pbuf(rows_max * kKeyLd);
     std::vector<float> sbuf(rows_max * kKeyLd), obuf(rows_max * ld), run_max(rows_max), run_sum(rows_max);
     for (int64_t n = next.fetch_add(1); n < (int64_t)order.size(); n = next.fetch_add(1)) {
