@@ -4,6 +4,7 @@ on tiny float32 models, against transformers and against our own eager path."""
 from __future__ import annotations
 
 import logging
+from types import FunctionType
 
 import pytest
 import torch
@@ -56,9 +57,43 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
         assert one.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batch 1)"
         assert batched.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batched)"
     assert set(ran) == {1} and len(ran) >= len(prompts) * (GREEDY.max_tokens - 1)  # every batch-1 decode step
-    assert graphs.enabled and graphs._seen == {1}
+    assert graphs.enabled and graphs.compiled_sizes == {1}
     assert _graph_count() - before <= 1  # one graph for every context length (none if an earlier test made it)
     llm.check_invariants()
+
+
+def _compiled_and_eager_logits(llm, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    runner = llm.engine.runner
+    batch = _decode_batch(llm, prompts)
+    assert runner.decode_graphs.eligible(batch)
+    with torch.inference_mode():
+        compiled = runner.decode_graphs.logits(batch, runner.kv_caches)
+        eager = runner.model.compute_logits(runner.model(batch, runner.kv_caches, None)[batch.logits_indices])
+    assert compiled is not None
+    return compiled, eager
+
+
+def test_compiled_step_is_called_without_dynamo(tiny_models):
+    """An engine's step is the bytecode Dynamo made for it, called directly: once made, it
+    never enters Dynamo again (with Dynamo's caches cleared nothing recompiles). Two engines
+    of different shapes in one process keep their own steps; a third whose shapes match an
+    earlier one's makes no bytecode of its own and goes through Dynamo. Each step equals its eager forward."""
+    path, _ = tiny_models["llama"]
+    engines = [LLM(str(path), dtype="float32", num_kv_blocks=n, block_size=16) for n in (96, 112, 96)]
+    prompts = random_prompts((20, 37), seed=9)
+    firsts = {tuple(llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) for llm in engines}
+    assert len(firsts) == 1
+    steps = [llm.engine.runner.decode_graphs._steps[1] for llm in engines]
+    for step in steps[:2]:
+        assert isinstance(step, FunctionType) and step.__code__ is not DecodeGraphs._step.__code__
+    assert steps[2].__name__ == "through_dynamo"
+    compiled, eager = _compiled_and_eager_logits(engines[2], prompts[1:])
+    assert (compiled - eager).abs().max().item() < 1e-4
+    torch._dynamo.reset()
+    for llm in engines[:2]:
+        compiled, eager = _compiled_and_eager_logits(llm, prompts[1:])
+        assert (compiled - eager).abs().max().item() < 1e-4
+    assert _graph_count() == 0
 
 
 def test_compiled_step_logits_equal_eager(tiny_models):
@@ -69,14 +104,9 @@ def test_compiled_step_logits_equal_eager(tiny_models):
     runner = llm.engine.runner
     prompts = random_prompts((33,), seed=5)
     our_last_logits(llm, [p[:-1] for p in prompts])  # fills their K/V (freed blocks keep it)
-    batch = _decode_batch(llm, prompts)
-    assert runner.decode_graphs.eligible(batch)
-    assert not runner.decode_graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
-    with torch.inference_mode():
-        compiled = runner.decode_graphs.logits(batch, runner.kv_caches)
-        eager = runner.model.compute_logits(runner.model(batch, runner.kv_caches, None)[batch.logits_indices])
-    assert compiled is not None
+    compiled, eager = _compiled_and_eager_logits(llm, prompts)
     assert (compiled - eager).abs().max().item() < 1e-4
+    assert not runner.decode_graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
 
 
 def test_gemma3_decodes_through_compiled_steps(gemma3_model):
@@ -89,7 +119,7 @@ def test_gemma3_decodes_through_compiled_steps(gemma3_model):
     outs = [llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0], llm.generate(prompts, GREEDY, use_tqdm=False)[1]]
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens), f"len {len(p)}"
-    assert graphs.enabled and graphs._seen == {1}
+    assert graphs.enabled and graphs.compiled_sizes == {1}
 
 
 def test_steps_outside_the_graphs_run_eagerly(tiny_models):
@@ -115,7 +145,7 @@ def test_compile_failure_falls_back_to_eager(tiny_models, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    graphs._compiled = broken
+    graphs._compile = broken
     prompt = random_prompts((10,), seed=8)[0]
     with caplog.at_level(logging.WARNING, logger="hyprefix.runner"):
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -174,13 +204,8 @@ def test_int8_close_to_float32(tiny_models, enforce_eager):
     int8_bytes = model.decode_weight_bytes()
     assert int8_bytes < 0.3 * ref.engine.runner.model.decode_weight_bytes()
     if not enforce_eager:
-        runner = llm.engine.runner
-        batch = _decode_batch(llm, random_prompts((33,), seed=5))
-        assert runner.decode_graphs.eligible(batch)
-        with torch.inference_mode():
-            compiled = runner.decode_graphs.logits(batch, runner.kv_caches)
-            eager = runner.model.compute_logits(runner.model(batch, runner.kv_caches, None)[batch.logits_indices])
-        assert compiled is not None and runner.decode_graphs._seen == {1}
+        compiled, eager = _compiled_and_eager_logits(llm, random_prompts((33,), seed=5))
+        assert llm.engine.runner.decode_graphs.compiled_sizes == {1}
         gap = (compiled - eager).abs().max().item()
         assert gap < 0.01 * eager.abs().max().item(), f"compiled vs eager int8 logits differ by {gap:.3g}"
 

@@ -337,6 +337,6 @@ def test_warmup_compiles_ahead_and_changes_nothing(tiny_models, hybrid_models, a
     if arch == "qwen3":  # and the compiled batch-1 decode step (where no cascade plan takes the step)
         served = make_llm(path, cascade_min_saved_tokens=256, cascade_min_solo_run_tokens=256)
         served.engine.warmup()
-        assert served.engine.runner.decode_graphs._seen == {1}
+        assert served.engine.runner.decode_graphs.compiled_sizes == {1}
         stats = served.get_stats()
         assert stats["prefill_computed_tokens"] == stats["kv_blocks_used"] == stats["kv_blocks_cached"] == 0

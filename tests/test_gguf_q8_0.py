@@ -92,4 +92,4 @@ def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_model
         out = ints.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == 8
     graphs = ints.engine.runner.decode_graphs
-    assert (graphs is None) == enforce_eager and (enforce_eager or graphs._seen == {1})
+    assert (graphs is None) == enforce_eager and (enforce_eager or graphs.compiled_sizes == {1})

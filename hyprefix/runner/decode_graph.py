@@ -8,7 +8,8 @@ loops (``quant.reduction_linear``) and the step runs as a handful of C++ kernels
 
 One graph per batch size up to ``max_batch`` (today 1: the one-stream, most
 latency-bound case), compiled on first use, with the context length (block-table
-width) a symbolic size so a growing context never recompiles. A step qualifies when it
+width) a symbolic size so a growing context never recompiles. Once compiled, a step is
+called without Dynamo (``DecodeGraphs._compile``). A step qualifies when it
 is decode only, has no cascade plan (shared prefixes read once per group stay eager,
 ``runner/cascade.py``), no sliding-window pool and no recurrent state (hybrids stay
 eager), and at most ``max_batch`` rows; any other step runs eagerly. If compiling fails
@@ -24,7 +25,10 @@ GEMMs, which are near their roofline there.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
+from types import CodeType, FunctionType
 
 import torch
 
@@ -42,15 +46,15 @@ class DecodeGraphs:
         self.model = model
         self.max_batch = max_batch
         self.enabled = max_batch > 0
-        # Dynamo keeps the compiled steps of every engine in this process on one code
-        # object (two per model shape); past its limit it would run them eagerly unsaid.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # With the int8 kernel each matmul is an extern call (four per layer): a C++ wrapper
         # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
         # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
-        options = {"cpp_wrapper": True} if uses_int8_kernel(model) else None
-        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
-        self._seen: set[int] = set()  # batch sizes whose graph ran already
+        self._options = {"cpp_wrapper": True} if uses_int8_kernel(model) else None
+        self._steps: dict[int, Callable[..., torch.Tensor]] = {}  # batch size -> its compiled step
+
+    @property
+    def compiled_sizes(self) -> set[int]:
+        return set(self._steps)
 
     def eligible(self, batch: ForwardBatch) -> bool:
         return (self.enabled and not batch.prefills and 0 < batch.num_decode <= self.max_batch
@@ -64,28 +68,53 @@ class DecodeGraphs:
         assert tables is not None and batch.decode_context_lens is not None
         if tables.shape[1] < 2:  # a width of 1 would be specialised: pad (the mask hides it)
             tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
-        args = [batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens]
-        torch._dynamo.mark_dynamic(tables, 1)
-        size = batch.num_decode
-        first = size not in self._seen
+        args = (batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens,
+                kv_caches, batch.block_size)
+        step = self._steps.get(batch.num_decode)
+        if step is not None:
+            return step(self, *args)
         t0 = time.perf_counter()
         try:
-            if first:
-                logits = self._compiled(*args, kv_caches, batch.block_size)
-            else:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    logits = self._compiled(*args, kv_caches, batch.block_size)
+            torch._dynamo.mark_dynamic(tables, 1)
+            step, logits = self._compile(args)
         except Exception as exc:
-            if not first:
-                raise
             self.enabled = False
             log.warning("compiled decode steps are off (compiling failed: %s: %s); decode runs eagerly",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
-        if first:
-            self._seen.add(size)
-            log.info("compiled the decode step for batch %d in %.1fs", size, time.perf_counter() - t0)
+        self._steps[batch.num_decode] = step
+        log.info("compiled the decode step for batch %d in %.1fs", batch.num_decode, time.perf_counter() - t0)
         return logits
+
+    def _compile(self, args: tuple) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
+        """Compile the step for these arguments' shapes (the table width symbolic) and run it
+        once. Returns the step to call as ``step(self, *args)`` from then on: the bytecode
+        Dynamo made for it, called directly, as vLLM dispatches to its compiled code, which
+        skips Dynamo's frame evaluation and guards (~1 ms a step for SmolLM2 Q8_0 on a 2-core
+        Zen 4). That is sound because nothing a guard checks changes between this engine's
+        calls: the model, its K/V tensors and every shape but the table width are fixed per
+        batch size. Where no bytecode was made in this call (another engine of the same
+        shapes compiled it earlier in this process), the step goes through Dynamo."""
+        captured: list[CodeType] = []
+        thread = threading.get_ident()
+
+        def keep(code: CodeType, new_code: CodeType) -> None:
+            if code is _STEP_CODE and threading.get_ident() == thread:
+                captured.append(new_code)
+
+        compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, options=self._options)
+        hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
+        try:
+            logits = compiled(self, *args)
+        finally:
+            hook.remove()
+        if captured:
+            return FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step"), logits
+
+        def through_dynamo(graphs: DecodeGraphs, *step_args) -> torch.Tensor:
+            torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
+            return compiled(graphs, *step_args)
+        return through_dynamo, logits
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -97,3 +126,6 @@ class DecodeGraphs:
             decode_cascade=None, decode_state_slots=None, decode_state_taps=[], prefills=[],
             logits_indices=torch.arange(n, device=input_ids.device), sample_seqs=[])
         return self.model.compute_logits(self.model(batch, kv_caches, None))
+
+
+_STEP_CODE = DecodeGraphs._step.__code__
