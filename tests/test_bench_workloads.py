@@ -287,6 +287,45 @@ def test_batch1_tpot_against_each_arms_own_weight_bytes() -> None:
         {"tpot_seconds": 0.025, "weight_bytes": 5 * 10**8, "tpot_over_roofline": 2.0})
 
 
+def test_batch1_roofline_pairs_each_decode_run_with_its_own_read_rate() -> None:
+    """Where each decode run recorded the read rate of its moment, the ratio is the median
+    over repeats of TPOT over that moment's roofline; the rate around the arms is kept."""
+    w = ThroughputWorkload(prompt_len=1000, decode_prompt_len=8, decode_tokens=11, batch_sizes=(1,))
+    runs = {"hyprefix": _throughput_runs("hyprefix", 120.0, {1: 50.0}),
+            "llama.cpp": _throughput_runs("llama.cpp", 100.0, {1: 40.0})}
+    for name, extra in (("hyprefix", [25.0, 100.0]), ("llama.cpp", [20.0, 50.0])):
+        more = _throughput_runs(name, 100.0, {1: extra[0]})["decode@1"] + \
+            _throughput_runs(name, 100.0, {1: extra[1]})["decode@1"]
+        runs[name]["decode@1"] += more
+    rates = {"hyprefix": [40.0, 20.0, 80.0], "llama.cpp": [40.0, 30.0, 30.0]}
+    for name, by_case in runs.items():
+        for run, rate in zip(by_case["decode@1"], rates[name], strict=True):
+            run.read_gb_per_s = rate
+    facts = SimpleNamespace(matmul_params=100, lm_head_params=10, attention_layers=2, attention_width=8,
+                            decode_weight_bytes=10**9, quantization=None)
+    roof = summarise(runs, w, {}, facts=facts, bandwidth={"median_gb_per_s": 60.0, "gb_per_s": 70.0})[
+        "decode_roofline"]
+    assert roof["read_gb_per_s"] == 40.0 and roof["read_gb_per_s_around_arms"] == 60.0
+    assert roof["roofline_seconds"] == pytest.approx(1 / 40)
+    # hyprefix: TPOT 20, 40, 10 ms against rooflines 25, 50, 12.5 ms -> 0.8 each
+    assert roof["arms"]["hyprefix"]["tpot_over_roofline_per_repeat"] == pytest.approx([0.8, 0.8, 0.8])
+    assert roof["arms"]["hyprefix"]["tpot_over_roofline"] == pytest.approx(0.8)
+    # llama.cpp: TPOT 25, 50, 20 ms against 25, 33.3, 33.3 ms -> 1.0, 1.5, 0.6: median 1.0
+    assert roof["arms"]["llama.cpp"]["tpot_over_roofline"] == pytest.approx(1.0)
+    assert roof["arms"]["llama.cpp"]["tpot_seconds"] == pytest.approx(0.025)
+
+
+def test_run_arms_measures_the_read_rate_before_each_batch1_decode_run(tiny_models) -> None:
+    from hyprefix.bench.arms import load_arm, run_arms
+
+    w = ThroughputWorkload(prompt_len=20, decode_prompt_len=8, decode_tokens=3, batch_sizes=(1, 2), vocab_size=512)
+    arm = load_arm("hyprefix", str(tiny_models["qwen3"][0]), w, dtype="float32", engine_kwargs={"num_kv_blocks": 64})
+    calls = []
+    runs, _ = run_arms({"hyprefix": arm}, w, repeats=2, read_rate=lambda: calls.append(1) or 30.0 + len(calls))
+    assert [r.read_gb_per_s for r in runs["hyprefix"]["decode@1"]] == [31.0, 32.0]
+    assert all(r.read_gb_per_s is None for case in ("prefill", "decode@2") for r in runs["hyprefix"][case])
+
+
 def test_gguf_decode_bytes_count_the_embedding_only_as_a_tied_head(tmp_path) -> None:
     from test_gguf_errors import TENSORS, write_gguf
 

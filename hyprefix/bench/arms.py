@@ -94,6 +94,7 @@ class WorkloadRun:
     other_cores_avg: float | None = None
     rss_start_gib: float | None = None  # this process (every in-process arm), at the start of the run
     rss_peak_gib: float | None = None  # ... and its peak during the run
+    read_gb_per_s: float | None = None  # memory read rate measured right before it (batch-1 decode runs)
 
     @property
     def seconds(self) -> float:
@@ -120,7 +121,8 @@ class WorkloadRun:
                 "round_seconds": self.round_seconds, "num_requests": len(self.requests),
                 "output_tokens": self.output_tokens, "decode_tokens_per_s": self.decode_tokens_per_s(),
                 "stats": self.stats, "other_cores_avg": self.other_cores_avg, "rss_start_gib": self.rss_start_gib,
-                "rss_peak_gib": self.rss_peak_gib, "requests": [r.to_dict() for r in self.requests]}
+                "rss_peak_gib": self.rss_peak_gib, "read_gb_per_s": self.read_gb_per_s,
+                "requests": [r.to_dict() for r in self.requests]}
 
 
 class Arm(Protocol):
@@ -425,9 +427,13 @@ def warm_up(arm: Arm, workload: Workload, case: str) -> None:
 
 
 def run_arms(arms: dict[str, Arm], workload: Workload, repeats: int, progress: Callable[[str], None] = lambda _: None,
+             read_rate: Callable[[], float] | None = None,
              ) -> tuple[dict[str, dict[str, list[WorkloadRun]]], dict[str, str]]:
     """Warm every arm up on every case, then run the interleaved repeats. Returns the runs
-    (arm -> case -> repeats) and the arms skipped (transformers failing) with the reason."""
+    (arm -> case -> repeats) and the arms skipped (transformers failing) with the reason.
+    With ``read_rate`` (GB/s), each batch-1 decode run records the rate measured right
+    before it: a shared machine's read rate swings (30 to 58 GB/s within one run on a
+    2-core Zen 4), so a decode step is set against the rate of its own moment."""
     cases = workload.cases()
     skipped: dict[str, str] = {}
     for name in list(arms):
@@ -446,5 +452,7 @@ def run_arms(arms: dict[str, Arm], workload: Workload, repeats: int, progress: C
         for case_name, case in cases.items():
             for name, arm in arms.items():
                 progress(f"repeat {repeat + 1}/{repeats} {name} {case_name}")
+                rate = read_rate() if read_rate is not None and case_name == "decode@1" else None
                 runs[name][case_name].append(run_workload(arm, case.for_repeat(repeat), case_name, repeat))
+                runs[name][case_name][-1].read_gb_per_s = rate
     return runs, skipped

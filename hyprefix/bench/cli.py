@@ -186,6 +186,7 @@ def run_bench(ns: argparse.Namespace) -> int:
         measure_matmul_peak,
         measure_read_rates,
         read_bandwidth,
+        read_rate_now,
         usable_cores,
     )
     from hyprefix.bench.report import format_result, write_json
@@ -251,7 +252,8 @@ def run_bench(ns: argparse.Namespace) -> int:
             progress(f"{dtype} matmul peak")
             peak = measure_matmul_peak(TORCH_DTYPES[dtype])
             rates = measure_read_rates()
-        runs, failed = run_arms(arms, workload, ns.repeats, progress=progress)
+        runs, failed = run_arms(arms, workload, ns.repeats, progress=progress,
+                                read_rate=read_rate_now if throughput else None)
         if throughput:  # read rates before and after the arms
             bandwidth = read_bandwidth(rates + measure_read_rates())
         skipped.update(failed)

@@ -144,6 +144,12 @@ def measure_read_rates(runs: int = 12, warmup: int = 2, nbytes: int = READ_BYTES
     return rates
 
 
+def read_rate_now(runs: int = 5) -> float:
+    """The median of a few ``measure_read_rates`` samples (~0.1 s): the rate of this moment."""
+    rates = sorted(measure_read_rates(runs=runs, warmup=1))
+    return rates[len(rates) // 2]
+
+
 def read_bandwidth(rates: list[float]) -> dict[str, Any]:
     """Best and median of ``measure_read_rates`` samples (several calls' worth may be pooled)."""
     import torch

@@ -56,7 +56,8 @@ def _throughput_rows(result: dict[str, Any], names: list[str]) -> list[list[str]
                      *[_fmt(1e3 * arms_roof[n]["tpot_seconds"]) if n in arms_roof else "-" for n in names]])
         rows.append(["batch-1 decode reads MB (its weights)",
                      *[_fmt(arms_roof[n]["weight_bytes"] / 1e6) if n in arms_roof else "-" for n in names]])
-        rows.append(["batch-1 TPOT / memory roofline (its bytes)",
+        paired = any("tpot_over_roofline_per_repeat" in a for a in arms_roof.values())
+        rows.append([f"batch-1 TPOT / memory roofline (its bytes{'; each run at its own read rate' if paired else ''})",
                      *[f"{arms_roof[n]['tpot_over_roofline']:.2f}x" if n in arms_roof else "-" for n in names]])
     return rows
 

@@ -168,10 +168,8 @@ def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: d
     """Per-arm, per-case summaries, ratios between arms, agreement and contention. ``models``
     maps each arm to its model label; ``facts`` (``ModelFacts``) and ``peak`` (``measure_matmul_peak``)
     give the throughput workload's prefill FLOP rate; with ``bandwidth`` (``env.read_bandwidth``)
-    the hyprefix and llama.cpp arms' batch-1 time per output token (median over repeats) is set
-    against the memory roofline: the weight bytes a decode step reads (``facts``, or the arm's
-    own in ``decode_bytes``) over the median read rate measured before and after the arms (a
-    shared machine's rate swings; the best is in the JSON too)."""
+    the hyprefix and llama.cpp arms' batch-1 time per output token is set against the memory
+    roofline (``_decode_roofline``)."""
     cases = workload.cases()
     arms = {name: {c: {**summarise_case(rs, cases[c]), "model": models.get(name)} for c, rs in by_case.items() if rs}
             for name, by_case in runs.items()}
@@ -194,15 +192,38 @@ def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: d
             name: {"prefill_gflops": g, "fraction_of_peak": g / peak["gflops"] if peak else None}
             for name, g in gflops.items()})
     if facts is not None and bandwidth and "decode@1" in cases and facts.decode_weight_bytes:
-        rate = bandwidth["median_gb_per_s"] * 1e9
-        weight_bytes = {name: (decode_bytes or {}).get(name, facts.decode_weight_bytes) for name in arms}
-        tpot = {name: 1.0 / by_case["decode@1"]["decode_tokens_per_s"]["median"]
-                for name, by_case in arms.items() if split_arm(name)[0] in ("hyprefix", "llama.cpp")
-                and "decode@1" in by_case and by_case["decode@1"].get("decode_tokens_per_s")}
-        result["decode_roofline"] = {
-            "weight_bytes": facts.decode_weight_bytes, "quantization": facts.quantization,
-            "read_gb_per_s": bandwidth["median_gb_per_s"], "best_read_gb_per_s": bandwidth["gb_per_s"],
-            "roofline_seconds": facts.decode_weight_bytes / rate,
-            "arms": {name: {"tpot_seconds": t, "weight_bytes": weight_bytes[name],
-                            "tpot_over_roofline": t / (weight_bytes[name] / rate)} for name, t in tpot.items()}}
+        result["decode_roofline"] = _decode_roofline(runs, arms, facts, bandwidth, decode_bytes or {})
     return result
+
+
+def _decode_roofline(runs: Runs, arms: dict[str, Any], facts: Any, bandwidth: dict[str, Any],
+                     decode_bytes: dict[str, int]) -> dict[str, Any]:
+    """Batch-1 time per output token over the memory roofline: the weight bytes a decode step
+    reads (``facts``, or the arm's own in ``decode_bytes``) over the read rate. Where every
+    decode run recorded the rate measured right before it (``run_arms``' ``read_rate``), the
+    ratio is the median over repeats of each run's TPOT over its own moment's roofline (a
+    shared machine's rate swings between runs); else the median TPOT over the median rate
+    measured before and after the arms. Both rates are in the JSON."""
+    paired = [r.read_gb_per_s for by_case in runs.values() for r in by_case.get("decode@1", [])]
+    rate_gb = (sorted(paired)[len(paired) // 2] if paired and None not in paired
+               else bandwidth["median_gb_per_s"])
+    out: dict[str, Any] = {
+        "weight_bytes": facts.decode_weight_bytes, "quantization": facts.quantization,
+        "read_gb_per_s": rate_gb, "read_gb_per_s_around_arms": bandwidth["median_gb_per_s"],
+        "best_read_gb_per_s": bandwidth["gb_per_s"], "roofline_seconds": facts.decode_weight_bytes / (rate_gb * 1e9),
+        "arms": {}}
+    for name, by_case in arms.items():
+        decode = by_case.get("decode@1")
+        if split_arm(name)[0] not in ("hyprefix", "llama.cpp") or not decode or not decode.get("decode_tokens_per_s"):
+            continue
+        nbytes = decode_bytes.get(name, facts.decode_weight_bytes)
+        tpot = 1.0 / decode["decode_tokens_per_s"]["median"]
+        entry = {"tpot_seconds": tpot, "weight_bytes": nbytes,
+                 "tpot_over_roofline": tpot / (nbytes / (bandwidth["median_gb_per_s"] * 1e9))}
+        each = [(1.0 / r.decode_tokens_per_s()) / (nbytes / (r.read_gb_per_s * 1e9))
+                for r in runs[name]["decode@1"] if r.read_gb_per_s and r.decode_tokens_per_s()]
+        if each and len(each) == len(runs[name]["decode@1"]):
+            entry.update(tpot_over_roofline=sorted(each)[len(each) // 2], tpot_over_roofline_per_repeat=each,
+                         read_gb_per_s_per_repeat=[r.read_gb_per_s for r in runs[name]["decode@1"]])
+        out["arms"][name] = entry
+    return out
