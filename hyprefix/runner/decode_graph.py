@@ -46,6 +46,9 @@ class DecodeGraphs:
         self.model = model
         self.max_batch = max_batch
         self.enabled = max_batch > 0
+        # Dynamo keeps the compiled steps of every engine in this process on one code
+        # object (one per model and cache shape); past its limit compiling would fail.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # With the int8 kernel each matmul is an extern call (four per layer): a C++ wrapper
         # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
         # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
