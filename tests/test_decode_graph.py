@@ -62,9 +62,9 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
     llm.check_invariants()
 
 
-def _compiled_and_eager_logits(llm, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None) -> tuple[torch.Tensor, torch.Tensor]:
     runner = llm.engine.runner
-    batch = _decode_batch(llm, prompts)
+    batch = batch if batch is not None else _decode_batch(llm, prompts)
     assert runner.decode_graphs.eligible(batch)
     with torch.inference_mode():
         compiled = runner.decode_graphs.logits(batch, runner.kv_caches)
@@ -107,6 +107,20 @@ def test_compiled_step_logits_equal_eager(tiny_models):
     compiled, eager = _compiled_and_eager_logits(llm, prompts)
     assert (compiled - eager).abs().max().item() < 1e-4
     assert not runner.decode_graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
+
+
+def test_a_long_context_of_one_row_stays_on_the_compiled_step(tiny_models):
+    """One row whose private blocks are long enough for a cascade segment of their own
+    (the production threshold is 256 tokens) still decodes through the graph, which reads
+    its whole block table: the same logits as the eager cascade path."""
+    path, _ = tiny_models["qwen3"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16, cascade_min_solo_run_tokens=32)
+    prompts = random_prompts((70,), seed=11)
+    our_last_logits(llm, [p[:-1] for p in prompts])
+    batch = _decode_batch(llm, prompts)
+    assert batch.decode_cascade is not None and [s.rows.tolist() for s in batch.decode_cascade.segments] == [[0]]
+    compiled, eager = _compiled_and_eager_logits(llm, prompts, batch)
+    assert (compiled - eager).abs().max().item() < 1e-4
 
 
 def test_gemma3_decodes_through_compiled_steps(gemma3_model):

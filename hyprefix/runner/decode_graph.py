@@ -10,8 +10,9 @@ One graph per batch size up to ``max_batch`` (today 1: the one-stream, most
 latency-bound case), compiled on first use, with the context length (block-table
 width) a symbolic size so a growing context never recompiles. Once compiled, a step is
 called without Dynamo (``DecodeGraphs._compile``). A step qualifies when it
-is decode only, has no cascade plan (shared prefixes read once per group stay eager,
-``runner/cascade.py``), no sliding-window pool and no recurrent state (hybrids stay
+is decode only, reads no prefix shared by several rows through a cascade plan (those
+stay eager, ``runner/cascade.py``; a long context's single-row segment is ignored),
+no sliding-window pool and no recurrent state (hybrids stay
 eager), and at most ``max_batch`` rows; any other step runs eagerly. If compiling fails
 (no C++ compiler, an unsupported op) the graphs are switched off with a warning and
 every step runs eagerly.
@@ -60,8 +61,13 @@ class DecodeGraphs:
         return set(self._steps)
 
     def eligible(self, batch: ForwardBatch) -> bool:
+        """A decode-only step of at most ``max_batch`` rows that reads no prefix shared by
+        several rows once (a cascade plan of only single-row segments, a long context's own
+        run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
+        cascade = batch.decode_cascade
         return (self.enabled and not batch.prefills and 0 < batch.num_decode <= self.max_batch
-                and batch.decode_cascade is None and batch.window_kv is None and batch.decode_state_slots is None
+                and (cascade is None or all(seg.rows.numel() == 1 for seg in cascade.segments))
+                and batch.window_kv is None and batch.decode_state_slots is None
                 and batch.write_index is None and len(batch.sample_seqs) == batch.num_decode)
 
     def logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
