@@ -81,7 +81,8 @@ class DecodeGraphs:
                 kv_caches, batch.block_size)
         step = self._steps.get(batch.num_decode)
         if step is not None:
-            return step(self, *args)
+            with torch.inference_mode():  # as when compiled: no guard would catch a grad-mode call
+                return step(self, *args)
         t0 = time.perf_counter()
         try:
             torch._dynamo.mark_dynamic(tables, 1)
