@@ -218,12 +218,14 @@ def _decode_roofline(runs: Runs, arms: dict[str, Any], facts: Any, bandwidth: di
             continue
         nbytes = decode_bytes.get(name, facts.decode_weight_bytes)
         tpot = 1.0 / decode["decode_tokens_per_s"]["median"]
-        entry = {"tpot_seconds": tpot, "weight_bytes": nbytes,
-                 "tpot_over_roofline": tpot / (nbytes / (bandwidth["median_gb_per_s"] * 1e9))}
+        entry: dict[str, Any] = {"tpot_seconds": tpot, "weight_bytes": nbytes}
+        decode_runs = runs[name]["decode@1"]
         each = [(1.0 / r.decode_tokens_per_s()) / (nbytes / (r.read_gb_per_s * 1e9))
-                for r in runs[name]["decode@1"] if r.read_gb_per_s and r.decode_tokens_per_s()]
-        if each and len(each) == len(runs[name]["decode@1"]):
+                for r in decode_runs if r.read_gb_per_s and r.decode_tokens_per_s()]
+        if each and len(each) == len(decode_runs):
             entry.update(tpot_over_roofline=sorted(each)[len(each) // 2], tpot_over_roofline_per_repeat=each,
-                         read_gb_per_s_per_repeat=[r.read_gb_per_s for r in runs[name]["decode@1"]])
+                         read_gb_per_s_per_repeat=[r.read_gb_per_s for r in decode_runs])
+        else:
+            entry["tpot_over_roofline"] = tpot / (nbytes / (bandwidth["median_gb_per_s"] * 1e9))
         out["arms"][name] = entry
     return out
