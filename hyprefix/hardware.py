@@ -23,6 +23,9 @@ Rules that follow from it (see ``DeviceCaps``):
 * ``flash_prefill(dtype)``: prefill attention runs ``kernels/prefill_attention.cpp`` (oneDNN's
   brgemm micro-kernel) for float32 on an x86 CPU whose ATen ISA is AVX2 or AVX-512, and for
   bfloat16 where bf16 is native; elsewhere torch's SDPA.
+* ``paged_decode(dtype)``: decode attention reads the paged K/V in place through
+  ``kernels/decode_attention.cpp`` (float32, bfloat16 or float16) on an x86 CPU whose ATen ISA
+  is AVX2 or AVX-512; elsewhere the blocks are gathered for torch's SDPA.
 * ``auto_dtype(checkpoint_dtype)``: the checkpoint's dtype where it is native, else the
   fastest correct substitute (bf16 for an fp16 checkpoint where bf16 is native, else
   float32), with the reason.
@@ -57,11 +60,16 @@ class DeviceCaps:
     amx: bool
     int8_vnni: bool = False  # AVX512-VNNI int8 dot products that ATen's ISA allows (kernels/int8_linear.cpp)
     brgemm: bool = False  # x86, ATen ISA AVX2 or AVX-512, oneDNN: its brgemm micro-kernel runs float32
+    vector_kernels: bool = False  # x86, ATen ISA AVX2 or AVX-512: our at::vec kernels build for it
 
     def flash_prefill(self, dtype: torch.dtype) -> bool:
         """Whether prefill attention in ``dtype`` runs ``kernels/prefill_attention.cpp``."""
         return self.device_type == "cpu" and self.brgemm and (
             dtype == torch.float32 or (dtype == torch.bfloat16 and self.native_bf16))
+
+    def paged_decode(self, dtype: torch.dtype) -> bool:
+        """Whether decode attention in ``dtype`` runs ``kernels/decode_attention.cpp``."""
+        return self.device_type == "cpu" and self.vector_kernels and dtype in DTYPE_NAMES
 
     def native(self, dtype: torch.dtype) -> bool:
         if dtype == torch.float32:
@@ -128,9 +136,10 @@ def _cpu_caps() -> DeviceCaps:
     native_bf16 = onednn_bf16 and avx512 and (bool(hw.get("avx512_bf16")) or amx_bf16)
     native_fp16 = onednn_fp16 and avx512 and (bool(hw.get("avx512_fp16")) or bool(hw.get("amx_fp16")))
     int8_vnni = avx512 and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl"))
-    brgemm = onednn and (avx512 or isa == "AVX2")
+    vector_kernels = platform.machine().lower() in ("x86_64", "amd64") and (avx512 or isa == "AVX2")
+    brgemm = onednn and vector_kernels
     return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
-                      amx_bf16 and native_bf16, int8_vnni, brgemm)
+                      amx_bf16 and native_bf16, int8_vnni, brgemm, vector_kernels)
 
 
 def _cuda_caps(device: torch.device) -> DeviceCaps:

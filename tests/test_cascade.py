@@ -98,7 +98,11 @@ def test_contiguous_blocks_are_detected_in_any_order():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous, in_place, monkeypatch):
+    """The segment plan (its tails read in place by kernels/decode_attention.cpp, or gathered
+    and padded) against plain gathered SDPA without a plan."""
+    from hyprefix.kernels import decode_attention as decode_kernel
     from hyprefix.models.attention import paged_attention
     from hyprefix.outputs import ScheduledSeq
     from hyprefix.runner.batch import build_batch
@@ -128,8 +132,12 @@ def test_cascade_decode_matches_gathered_decode(dtype, tol, contiguous):
     q = torch.randn(len(seqs), heads, dim, generator=gen).to(dtype)
     k = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)
     v = torch.randn(len(seqs), kvh, dim, generator=gen).to(dtype)
+    if in_place and not decode_kernel.available(dtype):
+        pytest.skip("kernels/decode_attention.cpp does not run here")
+    monkeypatch.setitem(decode_kernel._runs, dtype, in_place)
     out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), batch, dim**-0.5, None)
     batch.decode_cascade = None
+    monkeypatch.setitem(decode_kernel._runs, dtype, False)
     ref = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), batch, dim**-0.5, None)
     assert (out.float() - ref.float()).abs().max().item() < tol
 

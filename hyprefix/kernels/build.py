@@ -12,6 +12,19 @@ from pathlib import Path
 
 log = logging.getLogger("hyprefix")
 
+# Flags of a kernel written on ATen's vector types, which pick their width from CPU_CAPABILITY
+# as in ATen's own kernels: one build per ISA (``vector_isa``).
+VECTOR_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
+def vector_isa(isa: str) -> str:
+    """The ``VECTOR_FLAGS`` build for ATen's CPU capability ``isa`` ("AVX512_BF16" -> "AVX512")."""
+    return "AVX512" if isa.startswith("AVX512") else "AVX2"
+
 
 def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:
     """Compile (or load from the cache) ``source`` as extension ``name``, registering its ops.

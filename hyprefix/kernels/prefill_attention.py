@@ -18,17 +18,11 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import device_caps
-from hyprefix.kernels.build import load_kernel
+from hyprefix.kernels.build import VECTOR_FLAGS, load_kernel, vector_isa
 
 log = logging.getLogger("hyprefix")
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# ATen's vector types pick their width from CPU_CAPABILITY, as in ATen's own kernels.
-FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-}
 
 _built: bool | None = None
 _runs: dict[torch.dtype, bool] = {}
@@ -46,8 +40,7 @@ def available(dtype: torch.dtype) -> bool:
 def _build(isa: str) -> bool:
     global _built
     if _built is None:
-        flags = FLAGS["AVX512" if isa.startswith("AVX512") else "AVX2"]
-        _built = load_kernel(f"hyprefix_prefill_attention_{isa.lower()}", SOURCE, flags,
+        _built = load_kernel(f"hyprefix_prefill_attention_{isa.lower()}", SOURCE, VECTOR_FLAGS[vector_isa(isa)],
                              "prefill attention stays on torch's SDPA")
         if _built:
             torch.library.register_fake("hyprefix::prefill_attention")(_fake)

@@ -1,16 +1,18 @@
 """Paged attention over the block-table KV cache.
 
-Decode tokens attend through their block tables. Sliding-window layers with a
-block pool of their own read it through ``ForwardBatch.window_kv``: only the
-blocks from the first one their window can see. With a segment plan
-(``runner/cascade.py``), a prefix shared by several decodes is read once for the
-group, a row's long private part in one call of its own, and only the short rest of
-every row goes through a padded batch; the partial results merge through their
-log-sum-exp. Without one (or on sliding-window layers) each row's blocks are
-gathered into a padded batch. Prefill chunks attend over their own tokens (plain
-causal) or over their gathered context with an explicit mask: through
-``kernels/prefill_attention.cpp`` where it runs (``hardware.DeviceCaps.flash_prefill``),
-else torch's SDPA.
+Decode tokens attend through their block tables. On CPUs where it builds
+(``hardware.DeviceCaps.paged_decode``), ``kernels/decode_attention.cpp`` reads each
+row's blocks where they lie; elsewhere they are gathered into a padded batch for
+SDPA. Sliding-window layers with a block pool of their own read it through
+``ForwardBatch.window_kv``: only the blocks from the first one their window can see.
+With a segment plan (``runner/cascade.py``) that has a prefix shared by several
+decodes, that prefix is read once for the group, and every row's rest (its tail, read
+in place or padded) separately; the partial results merge through their log-sum-exp.
+A plan of only single-row segments (a long context's own run) matters only to the
+padded path: the in-place kernel reads such a row whole. Prefill chunks attend over
+their own tokens (plain causal) or over their gathered context with an explicit mask:
+through ``kernels/prefill_attention.cpp`` where it runs
+(``hardware.DeviceCaps.flash_prefill``), else torch's SDPA.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hyprefix.forward import DecodeCascade, ForwardBatch
+from hyprefix.kernels import decode_attention as decode_kernel
 from hyprefix.kernels import prefill_attention as prefill_kernel
 
 
@@ -56,8 +59,15 @@ def paged_attention(
         # One query token per sequence: fold the query heads of a KV group into the
         # "query length" axis so no K/V repeat is needed.
         qd = q[:n].view(n, num_kv_heads, group, head_dim)
-        if batch.decode_cascade is not None and window is None:
-            od = _cascade_decode(qd, k_cache, v_cache, batch.decode_cascade, scale)
+        in_place = q.device.type == "cpu" and decode_kernel.available(q.dtype)
+        cascade = batch.decode_cascade if window is None else None
+        if cascade is not None and (not in_place or any(seg.rows.numel() > 1 for seg in cascade.segments)):
+            od = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
+        elif in_place:  # every row's blocks read where they lie, through its table
+            tables = view.decode_block_tables if view is not None else batch.decode_block_tables
+            assert tables is not None and batch.decode_context_lens is not None
+            od, _ = decode_kernel.decode_attention(q[:n], k_cache, v_cache, tables, batch.decode_context_lens, scale,
+                                                   window, view.decode_first_pos if view is not None else None)
         else:
             tables = view.decode_block_tables if view is not None else batch.decode_block_tables
             assert tables is not None
@@ -138,13 +148,20 @@ def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    plan: DecodeCascade, scale: float) -> torch.Tensor:
-    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: the padded tails of every row, then each
-    segment (a shared prefix, or a row's private blocks) in one call for its rows,
-    merged into the running result through the log-sum-exp."""
-    kvh, group, dim = qd.shape[1], qd.shape[2], qd.shape[3]
-    kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
-    out, lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
+                    plan: DecodeCascade, scale: float, in_place: bool) -> torch.Tensor:
+    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: the tails of every row (read in place through
+    ``kernels/decode_attention.cpp`` where ``in_place``, else gathered and padded), then each
+    segment (a shared prefix, or a row's private blocks) in one call for its rows, merged
+    into the running result through the log-sum-exp."""
+    n, kvh, group, dim = qd.shape
+    if in_place:
+        out, lse = decode_kernel.decode_attention(qd.reshape(n, kvh * group, dim), k_cache, v_cache,
+                                                  plan.tail_tables, plan.context_lens, scale,
+                                                  first_pos=plan.tail_start)
+        out, lse = out.view(qd.shape), lse.view(n, kvh, group)
+    else:
+        kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
+        out, lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
     out = out.float()
     for g in plan.segments:
         m = g.rows.shape[0]

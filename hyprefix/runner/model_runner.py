@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hyprefix.kernels import decode_attention
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
@@ -40,6 +41,8 @@ class ModelRunner:
             shape = (blocks, block_size, layout.num_kv_heads, layout.head_dim)
             return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
+        if device.type == "cpu" and layout.num_layers:
+            decode_attention.available(dtype)  # built (or found) now, before any step is compiled
         self.has_window_pool = num_window_blocks > 0
         self.kv_caches = [kv(num_window_blocks if self.has_window_pool and layout.window(i) is not None
                              else num_blocks) for i in range(layout.num_layers)]

@@ -1,0 +1,65 @@
+"""``torch.ops.hyprefix.decode_attention``: one query token per row over its paged K/V,
+read in place through the block table, with its log-sum-exp (``decode_attention.cpp`` has
+the loop and the split over KV heads and context chunks).
+
+It serves every decode step that reads a block table: the compiled batch-1 step (as one
+extern call a layer), eager decode without a cascade plan, and a cascade plan's per-row
+tails. ``available(dtype)`` says whether it runs here: ``hardware.DeviceCaps.paged_decode``
+(an x86 CPU whose ATen ISA is AVX2 or AVX-512) and the build for that ISA worked. Otherwise
+the blocks are gathered into a padded batch for torch's SDPA (``models/attention.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hyprefix.hardware import device_caps
+from hyprefix.kernels.build import VECTOR_FLAGS, load_kernel, vector_isa
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+_built: bool | None = None
+_runs: dict[torch.dtype, bool] = {}
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether ``decode_attention`` runs ``dtype`` on CPU in this process (builds and loads it
+    the first time). A lookup in a plain dict after that, so a compiled graph reads it as a
+    constant; ``ModelRunner`` asks before any step is compiled."""
+    if dtype not in _runs:
+        _runs[dtype] = device_caps("cpu").paged_decode(dtype) and _build()
+    return _runs[dtype]
+
+
+def _build() -> bool:
+    global _built
+    if _built is None:
+        isa = vector_isa(device_caps("cpu").isa)
+        _built = load_kernel(f"hyprefix_decode_attention_{isa.lower()}", SOURCE, VECTOR_FLAGS[isa],
+                             "decode attention gathers its blocks for torch's SDPA")
+        if _built:
+            torch.library.register_fake("hyprefix::decode_attention")(_fake)
+    return _built
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, window: int | None = None,
+                     first_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, D] over caches [blocks, block_size, KVH, D] (contiguous, q's dtype) through
+    ``tables`` [B, W] -> (out [B, H, D] in q's dtype, float32 log-sum-exp [B, H]).
+
+    Row b's table slot j holds position ``j + first_pos[b]`` (first_pos None: 0) and is
+    visible when that is before ``context_lens[b]`` and, with a ``window``, no more than
+    ``window`` positions back. A row that sees no key gets zeros and a log-sum-exp of -inf.
+    Call only where ``available(q.dtype)``."""
+    return torch.ops.hyprefix.decode_attention(q, k_cache, v_cache, tables, context_lens, first_pos, scale,
+                                               window or 0)
+
+
+def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+          context_lens: torch.Tensor, first_pos: torch.Tensor | None, scale: float,
+          window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs' shapes and dtypes, for torch.compile."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
