@@ -12,12 +12,12 @@
 //
 // A task is one row and one run of whole blocks of its visible keys, every KV head: a block's
 // K (then V) rows of all heads lie together, so the task reads each block as one contiguous
-// stretch of memory. (Software prefetch of the next block measured slower.) Per KV head, the group's query heads (GQA) share each K/V row
-// load: scores q_g . k_j for the run (float32), their max, exp and sum, then sum_j p_gj v_j,
-// with the query vectors and the output accumulators in registers for a head dim of 64, 128
-// or 256. Runs are sized so ~4 tasks fall to each thread on long contexts; partial results
-// merge through their max and sum (the log-sum-exp). Short contexts run on the calling
-// thread: there a fork costs more than it saves.
+// stretch of memory (software prefetch of the next block measured slower). Per KV head, the
+// group's query heads (GQA) share each K/V row load: scores q_g . k_j for the run (float32),
+// their max, exp and sum, then sum_j p_gj v_j, with the query vectors and the output
+// accumulators in registers for a head dim of 64, 128 or 256. Threads take runs from a shared
+// counter; partial results merge through their max and sum (the log-sum-exp). A very short
+// context runs on the calling thread.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -34,8 +35,13 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// Below this many (key, KV head) pairs in a call, one thread does it all.
-constexpr int64_t kSerialWork = 384;
+// Below this many (key, KV head) pairs in a call, one thread does it all. In a decode step the
+// K/V is cold (the weights streamed through the caches since its last read) and one thread
+// read it at ~10 GB/s (SmolLM2 at 128-160 tokens, 2-core Zen 4), so short contexts split too.
+// Thresholds of 64 to 384 pairs and 4 or 8 runs a thread measured even within noise (±0.5 ms a
+// step); always-serial was slowest at 512 tokens.
+constexpr int64_t kSerialWork = 192;
+constexpr int64_t kRunsPerThread = 4;
 // Query heads per pass over a KV head's rows: their vectors and accumulators stay in registers.
 constexpr int64_t kHeadsPerPass = 4;
 
@@ -224,44 +230,55 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
   }
   const int64_t threads = at::get_num_threads();
   const bool serial = work < kSerialWork || threads == 1;
-  // Runs per row: about 4 tasks a thread, each run at least one block.
-  const int64_t runs = serial ? 1 : std::max<int64_t>(1, std::min(widest, (4 * threads + s.rows - 1) / s.rows));
-  const int64_t run_blocks = std::max<int64_t>(1, (widest + runs - 1) / runs);
+  // Runs of whole blocks: about kRunsPerThread a thread, taken as threads free up (the widest
+  // row's runs all hold keys; a shorter row's last ones may be empty).
+  const int64_t want = serial ? 1 : std::max<int64_t>(1, std::min(widest, (kRunsPerThread * threads + s.rows - 1) / s.rows));
+  const int64_t run_blocks = std::max<int64_t>(1, (widest + want - 1) / want);
+  const int64_t runs = std::max<int64_t>(1, (widest + run_blocks - 1) / run_blocks);
   const int64_t tasks = s.rows * runs;
   std::vector<float> acc(tasks * heads * d), max(tasks * heads), sum(tasks * heads);
 
-  auto task = [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(heads * d), scores, row(d);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / runs, r = t % runs;
-      Partial p{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads};
-      const int64_t first = lo[b] / bs * bs;
-      const int64_t j0 = std::max(lo[b], first + r * run_blocks * bs);
-      const int64_t j1 = std::min(hi[b], first + (r + 1) * run_blocks * bs);
-      if (j1 <= j0) {
-        std::fill_n(p.max, heads, -std::numeric_limits<float>::infinity());
-        std::fill_n(p.sum, heads, 0.0f);
-        continue;
-      }
-      for (int64_t head = 0; head < heads; ++head) {
-        float* qh = qs.data() + head * d;
-        to_float(q + b * s.q_b + head * s.q_h, qh, d);
-        at::vec::map([&](Vec x) { return x * Vec(s.scale); }, qh, qh, d);
-      }
-      scores.resize(heads * (j1 - j0));
-      const int64_t* table = tables + b * s.t_b;
-      switch (d) {
-        case 64: run_fixed<64>(s, qs.data(), k_cache, v_cache, table, j0, j1, scores.data(), p); break;
-        case 128: run_fixed<128>(s, qs.data(), k_cache, v_cache, table, j0, j1, scores.data(), p); break;
-        case 256: run_fixed<256>(s, qs.data(), k_cache, v_cache, table, j0, j1, scores.data(), p); break;
-        default: run_any(s, qs.data(), k_cache, v_cache, table, j0, j1, scores.data(), row.data(), p);
-      }
+  struct Scratch {
+    std::vector<float> qs, scores, row;
+  };
+  auto task = [&](int64_t t, Scratch& w) {
+    const int64_t b = t / runs, r = t % runs;
+    Partial p{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads};
+    const int64_t first = lo[b] / bs * bs;
+    const int64_t j0 = std::max(lo[b], first + r * run_blocks * bs);
+    const int64_t j1 = std::min(hi[b], first + (r + 1) * run_blocks * bs);
+    if (j1 <= j0) {
+      std::fill_n(p.max, heads, -std::numeric_limits<float>::infinity());
+      std::fill_n(p.sum, heads, 0.0f);
+      return;
+    }
+    w.qs.resize(heads * d);
+    w.row.resize(d);
+    w.scores.resize(heads * (j1 - j0));
+    for (int64_t head = 0; head < heads; ++head) {
+      float* qh = w.qs.data() + head * d;
+      to_float(q + b * s.q_b + head * s.q_h, qh, d);
+      at::vec::map([&](Vec x) { return x * Vec(s.scale); }, qh, qh, d);
+    }
+    const int64_t* table = tables + b * s.t_b;
+    const float* qs = w.qs.data();
+    float* scores = w.scores.data();
+    switch (d) {
+      case 64: run_fixed<64>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      case 128: run_fixed<128>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      case 256: run_fixed<256>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      default: run_any(s, qs, k_cache, v_cache, table, j0, j1, scores, w.row.data(), p);
     }
   };
   if (serial) {
-    task(0, tasks);
+    Scratch w;
+    for (int64_t t = 0; t < tasks; ++t) task(t, w);
   } else {
-    at::parallel_for(0, tasks, 1, task);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch w;
+      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) task(t, w);
+    });
   }
 
   // Merge each row's runs: out = sum_r acc_r e^(max_r - M) / sum_r sum_r e^(max_r - M).
