@@ -67,9 +67,11 @@ def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None) -> tup
     batch = batch if batch is not None else _decode_batch(llm, prompts)
     assert runner.decode_graphs.eligible(batch)
     with torch.inference_mode():
-        compiled = runner.decode_graphs.logits(batch, runner.kv_caches)
+        out = runner.decode_graphs.logits(batch, runner.kv_caches)
         eager = runner.model.compute_logits(runner.model(batch, runner.kv_caches, None)[batch.logits_indices])
-    assert compiled is not None
+    assert out is not None
+    compiled, greedy = out
+    assert torch.equal(greedy, compiled.argmax(dim=-1))  # the graph's greedy tokens are its logits' argmax
     return compiled, eager
 
 

@@ -54,7 +54,7 @@ class DecodeGraphs:
         # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
         # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
         self._options = {"cpp_wrapper": True} if uses_int8_kernel(model) else None
-        self._steps: dict[int, Callable[..., torch.Tensor]] = {}  # batch size -> its compiled step
+        self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # batch size -> its compiled step
 
     @property
     def compiled_sizes(self) -> set[int]:
@@ -70,9 +70,12 @@ class DecodeGraphs:
                 and batch.window_kv is None and batch.decode_state_slots is None
                 and batch.write_index is None and len(batch.sample_seqs) == batch.num_decode)
 
-    def logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Float32 logits [D, vocab] of a qualifying step, or None when the graphs are
-        off (compiling failed): the caller runs the step eagerly."""
+    def logits(self, batch: ForwardBatch,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Float32 logits [D, vocab] of a qualifying step and their argmax [D] (the greedy
+        tokens: Inductor's argmax loop ran in ~20 us where ``Tensor.argmax`` took ~65 on
+        SmolLM2's 49,152 logits, 2-core Zen 4), or None when the graphs are off (compiling
+        failed): the caller runs the step eagerly."""
         tables = batch.decode_block_tables
         assert tables is not None and batch.decode_context_lens is not None
         if tables.shape[1] < 2:  # a width of 1 would be specialised: pad (the mask hides it)
@@ -86,7 +89,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         try:
             torch._dynamo.mark_dynamic(tables, 1)
-            step, logits = self._compile(args)
+            step, out = self._compile(args)
         except Exception as exc:
             self.enabled = False
             log.warning("compiled decode steps are off (compiling failed: %s: %s); decode runs eagerly",
@@ -94,9 +97,10 @@ class DecodeGraphs:
             return None
         self._steps[batch.num_decode] = step
         log.info("compiled the decode step for batch %d in %.1fs", batch.num_decode, time.perf_counter() - t0)
-        return logits
+        return out
 
-    def _compile(self, args: tuple) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
+    def _compile(self, args: tuple) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                              tuple[torch.Tensor, torch.Tensor]]:
         """Compile the step for these arguments' shapes (the table width symbolic) and run it
         once. Returns the step to call as ``step(self, *args)`` from then on: the bytecode
         Dynamo made for it, called directly, as vLLM dispatches to its compiled code, which
@@ -115,27 +119,28 @@ class DecodeGraphs:
         compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, options=self._options)
         hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
         try:
-            logits = compiled(self, *args)
+            out = compiled(self, *args)
         finally:
             hook.remove()
         if captured:
-            return FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step"), logits
+            return FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step"), out
 
-        def through_dynamo(graphs: DecodeGraphs, *step_args) -> torch.Tensor:
+        def through_dynamo(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
             torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
             return compiled(graphs, *step_args)
-        return through_dynamo, logits
+        return through_dynamo, out
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-              block_size: int) -> torch.Tensor:
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = input_ids.shape[0]
         batch = ForwardBatch(
             seqs=[], input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, write_index=None,
             block_size=block_size, num_decode=n, decode_block_tables=tables, decode_context_lens=context_lens,
             decode_cascade=None, decode_state_slots=None, decode_state_taps=[], prefills=[],
             logits_indices=torch.arange(n, device=input_ids.device), sample_seqs=[])
-        return self.model.compute_logits(self.model(batch, kv_caches, None))
+        logits = self.model.compute_logits(self.model(batch, kv_caches, None))
+        return logits, logits.argmax(dim=-1)
 
 
 _STEP_CODE = DecodeGraphs._step.__code__

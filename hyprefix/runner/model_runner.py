@@ -115,13 +115,15 @@ class ModelRunner:
             return {}
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
-        logits = None
+        compiled = None
         if self.decode_graphs is not None and self.decode_graphs.eligible(batch):
-            logits = self.decode_graphs.logits(batch, self.kv_caches)
-        if logits is None:
+            compiled = self.decode_graphs.logits(batch, self.kv_caches)
+        if compiled is not None:
+            logits, greedy = compiled
+        else:
             hidden = self.model(batch, self.kv_caches, self.recurrent_states)
             if not batch.sample_seqs:
                 return {}
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = self.sampler.sample(logits, batch.sample_seqs)
+            logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
+        tokens = self.sampler.sample(logits, batch.sample_seqs, greedy)
         return {seq.request_id: tok for seq, tok in zip(batch.sample_seqs, tokens, strict=True)}

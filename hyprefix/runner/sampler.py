@@ -22,9 +22,10 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
-        """logits: float32 [S, V], one row per entry of ``seqs``."""
-        tokens = logits.argmax(dim=-1)
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None) -> list[int]:
+        """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
+        [S] where the caller has it already (a compiled decode step)."""
+        tokens = logits.argmax(dim=-1) if greedy is None else greedy
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
