@@ -13,6 +13,7 @@ order; attention relies on it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -55,6 +56,13 @@ class DecodeCascade:
     context_lens: torch.Tensor  # long [D]
     block_size: int
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    @cached_property
+    def shares_prefix(self) -> bool:
+        """Whether some segment is read by several rows at once. A plan of only single-row
+        segments (long contexts' own runs) saves no bytes to a reader that reads each row's
+        table in place (the decode-attention kernel, the compiled step)."""
+        return any(seg.rows.numel() > 1 for seg in self.segments)
 
     def tail_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive [D, 1, 1, L] mask (0 visible, -inf hidden) over the padded tails."""

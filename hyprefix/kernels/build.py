@@ -13,7 +13,7 @@ from pathlib import Path
 log = logging.getLogger("hyprefix")
 
 # Flags of a kernel written on ATen's vector types, which pick their width from CPU_CAPABILITY
-# as in ATen's own kernels: one build per ISA (``vector_isa``).
+# as in ATen's own kernels: one build per ISA (``load_vector_kernel``).
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
@@ -21,9 +21,14 @@ VECTOR_FLAGS = {
 }
 
 
-def vector_isa(isa: str) -> str:
-    """The ``VECTOR_FLAGS`` build for ATen's CPU capability ``isa`` ("AVX512_BF16" -> "AVX512")."""
-    return "AVX512" if isa.startswith("AVX512") else "AVX2"
+def load_vector_kernel(source: Path, what: str) -> bool:
+    """``load_kernel`` for a kernel on ATen's vector types: the build for ATen's CPU capability
+    here ("AVX512_BF16" -> the AVX512 build), named ``hyprefix_<stem>_<isa>``. Call only where
+    that capability is AVX2 or AVX-512."""
+    from hyprefix.hardware import device_caps
+
+    isa = "AVX512" if device_caps("cpu").isa.startswith("AVX512") else "AVX2"
+    return load_kernel(f"hyprefix_{source.stem}_{isa.lower()}", source, VECTOR_FLAGS[isa], what)
 
 
 def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:

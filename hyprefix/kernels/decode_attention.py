@@ -1,12 +1,13 @@
 """``torch.ops.hyprefix.decode_attention``: one query token per row over its paged K/V,
 read in place through the block table, with its log-sum-exp (``decode_attention.cpp`` has
-the loop and the split over KV heads and context chunks).
+the loop and the split over rows and runs of blocks).
 
 It serves every decode step that reads a block table: the compiled batch-1 step (as one
-extern call a layer), eager decode without a cascade plan, and a cascade plan's per-row
-tails. ``available(dtype)`` says whether it runs here: ``hardware.DeviceCaps.paged_decode``
-(an x86 CPU whose ATen ISA is AVX2 or AVX-512) and the build for that ISA worked. Otherwise
-the blocks are gathered into a padded batch for torch's SDPA (``models/attention.py``).
+extern call a layer), eager decode without a plan that shares a prefix across rows
+(``DecodeCascade.shares_prefix``), and such a plan's per-row tails. ``available(dtype)``
+says whether it runs here: ``hardware.DeviceCaps.paged_decode`` (an x86 CPU whose ATen ISA
+is AVX2 or AVX-512) and the build for that ISA worked. Otherwise the blocks are gathered
+into a padded batch for torch's SDPA (``models/attention.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import device_caps
-from hyprefix.kernels.build import VECTOR_FLAGS, load_kernel, vector_isa
+from hyprefix.kernels.build import load_vector_kernel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
@@ -36,9 +37,7 @@ def available(dtype: torch.dtype) -> bool:
 def _build() -> bool:
     global _built
     if _built is None:
-        isa = vector_isa(device_caps("cpu").isa)
-        _built = load_kernel(f"hyprefix_decode_attention_{isa.lower()}", SOURCE, VECTOR_FLAGS[isa],
-                             "decode attention gathers its blocks for torch's SDPA")
+        _built = load_vector_kernel(SOURCE, "decode attention gathers its blocks for torch's SDPA")
         if _built:
             torch.library.register_fake("hyprefix::decode_attention")(_fake)
     return _built

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import device_caps
-from hyprefix.kernels.build import VECTOR_FLAGS, load_kernel, vector_isa
+from hyprefix.kernels.build import load_vector_kernel
 
 log = logging.getLogger("hyprefix")
 
@@ -33,15 +33,14 @@ def available(dtype: torch.dtype) -> bool:
     the first time)."""
     if dtype not in _runs:
         caps = device_caps("cpu")
-        _runs[dtype] = caps.flash_prefill(dtype) and _build(caps.isa) and _tries(dtype)
+        _runs[dtype] = caps.flash_prefill(dtype) and _build() and _tries(dtype)
     return _runs[dtype]
 
 
-def _build(isa: str) -> bool:
+def _build() -> bool:
     global _built
     if _built is None:
-        _built = load_kernel(f"hyprefix_prefill_attention_{isa.lower()}", SOURCE, VECTOR_FLAGS[vector_isa(isa)],
-                             "prefill attention stays on torch's SDPA")
+        _built = load_vector_kernel(SOURCE, "prefill attention stays on torch's SDPA")
         if _built:
             torch.library.register_fake("hyprefix::prefill_attention")(_fake)
     return _built

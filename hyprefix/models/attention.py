@@ -61,16 +61,14 @@ def paged_attention(
         qd = q[:n].view(n, num_kv_heads, group, head_dim)
         in_place = q.device.type == "cpu" and decode_kernel.available(q.dtype)
         cascade = batch.decode_cascade if window is None else None
-        if cascade is not None and (not in_place or any(seg.rows.numel() > 1 for seg in cascade.segments)):
+        tables = view.decode_block_tables if view is not None else batch.decode_block_tables
+        assert tables is not None and batch.decode_context_lens is not None
+        if cascade is not None and (not in_place or cascade.shares_prefix):
             od = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
         elif in_place:  # every row's blocks read where they lie, through its table
-            tables = view.decode_block_tables if view is not None else batch.decode_block_tables
-            assert tables is not None and batch.decode_context_lens is not None
             od, _ = decode_kernel.decode_attention(q[:n], k_cache, v_cache, tables, batch.decode_context_lens, scale,
                                                    window, view.decode_first_pos if view is not None else None)
         else:
-            tables = view.decode_block_tables if view is not None else batch.decode_block_tables
-            assert tables is not None
             kd, vd = _gather_blocks(k_cache, v_cache, tables)
             if torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
                 od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)

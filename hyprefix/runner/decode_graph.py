@@ -64,9 +64,8 @@ class DecodeGraphs:
         """A decode-only step of at most ``max_batch`` rows that reads no prefix shared by
         several rows once (a cascade plan of only single-row segments, a long context's own
         run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
-        cascade = batch.decode_cascade
         return (self.enabled and not batch.prefills and 0 < batch.num_decode <= self.max_batch
-                and (cascade is None or all(seg.rows.numel() == 1 for seg in cascade.segments))
+                and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix)
                 and batch.window_kv is None and batch.decode_state_slots is None
                 and batch.write_index is None and len(batch.sample_seqs) == batch.num_decode)
 
