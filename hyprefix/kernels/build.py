@@ -5,9 +5,11 @@ compiler error and returns False, so the caller keeps its portable path."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("hyprefix")
@@ -29,6 +31,18 @@ def load_vector_kernel(source: Path, what: str) -> bool:
 
     isa = "AVX512" if device_caps("cpu").isa.startswith("AVX512") else "AVX2"
     return load_kernel(f"hyprefix_{source.stem}_{isa.lower()}", source, VECTOR_FLAGS[isa], what)
+
+
+@functools.cache
+def load_vector_op(source: Path, op: str, fake: Callable[..., object], what: str) -> bool:
+    """``load_vector_kernel`` once per process, then ``fake`` registered as ``op``'s output
+    shapes for torch.compile. Later calls return the first answer."""
+    if not load_vector_kernel(source, what):
+        return False
+    import torch
+
+    torch.library.register_fake(op)(fake)
+    return True
 
 
 def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import device_caps
-from hyprefix.kernels.build import load_vector_kernel
+from hyprefix.kernels.build import load_vector_op
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
-_built: bool | None = None
 _runs: dict[torch.dtype, bool] = {}
 
 
@@ -30,17 +29,9 @@ def available(dtype: torch.dtype) -> bool:
     the first time). A lookup in a plain dict after that, so a compiled graph reads it as a
     constant; ``ModelRunner`` asks before any step is compiled."""
     if dtype not in _runs:
-        _runs[dtype] = device_caps("cpu").paged_decode(dtype) and _build()
+        _runs[dtype] = device_caps("cpu").paged_decode(dtype) and load_vector_op(
+            SOURCE, "hyprefix::decode_attention", _fake, "decode attention gathers its blocks for torch's SDPA")
     return _runs[dtype]
-
-
-def _build() -> bool:
-    global _built
-    if _built is None:
-        _built = load_vector_kernel(SOURCE, "decode attention gathers its blocks for torch's SDPA")
-        if _built:
-            torch.library.register_fake("hyprefix::decode_attention")(_fake)
-    return _built
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -18,13 +18,12 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import device_caps
-from hyprefix.kernels.build import load_vector_kernel
+from hyprefix.kernels.build import load_vector_op
 
 log = logging.getLogger("hyprefix")
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
-_built: bool | None = None
 _runs: dict[torch.dtype, bool] = {}
 
 
@@ -33,17 +32,9 @@ def available(dtype: torch.dtype) -> bool:
     the first time)."""
     if dtype not in _runs:
         caps = device_caps("cpu")
-        _runs[dtype] = caps.flash_prefill(dtype) and _build() and _tries(dtype)
+        _runs[dtype] = caps.flash_prefill(dtype) and load_vector_op(
+            SOURCE, "hyprefix::prefill_attention", _fake, "prefill attention stays on torch's SDPA") and _tries(dtype)
     return _runs[dtype]
-
-
-def _build() -> bool:
-    global _built
-    if _built is None:
-        _built = load_vector_kernel(SOURCE, "prefill attention stays on torch's SDPA")
-        if _built:
-            torch.library.register_fake("hyprefix::prefill_attention")(_fake)
-    return _built
 
 
 def _tries(dtype: torch.dtype) -> bool:
