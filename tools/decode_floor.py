@@ -53,8 +53,9 @@ def main() -> None:
                if isinstance(w := int8_buffers(module, prefix), Int8Tiles)]
     nbytes = sum(w.nbytes for w in weights)
     inputs = {w.tiles.shape[1] * 4: torch.randn(1, w.tiles.shape[1] * 4) for w in weights}
-    rows = nbytes // (576 + 36) // 16 * 16  # one weight of K = 576 (per-group scales) holding as many bytes
-    big = Int8Tiles.pack(Int8Weight(torch.randint(-127, 128, (rows, 576), dtype=torch.int8), torch.rand(rows, 18)))
+    k = weights[0].tiles.shape[1] * 4  # one weight of the first one's K (per-group scales) holding as many bytes
+    rows = nbytes // (k + k // 32 * 2) // 16 * 16
+    big = Int8Tiles.pack(Int8Weight(torch.randint(-127, 128, (rows, k), dtype=torch.int8), torch.rand(rows, k // 32)))
 
     def each_call() -> None:
         for w in weights:
@@ -79,7 +80,7 @@ def main() -> None:
     for _ in range(args.rounds):
         rate = read_rate_now()
         roof = nbytes / (rate * 1e9)
-        one = _seconds(lambda: big.matmul(inputs[576], None)) * nbytes / big.nbytes
+        one = _seconds(lambda: big.matmul(inputs[k], None)) * nbytes / big.nbytes
         loop, step = _seconds(each_call), step_seconds()
         print(f"sum {rate:5.1f} GB/s, roofline {roof * 1e3:.2f} ms | one call {one / roof:.2f}x | "
               f"{len(weights)} calls {loop / roof:.2f}x | step {step * 1e3:.2f} ms = {step / roof:.2f}x")
