@@ -17,9 +17,11 @@ Rules that follow from it (see ``DeviceCaps``):
 * ``prepack(dtype)``: weights of this dtype go to oneDNN's blocked layout (CPU only,
   and only for a dtype oneDNN runs there: packing bf16 on a CPU without AVX-512 or
   AVX-NE-CONVERT raises inside oneDNN, which is the crash this module exists to stop).
-* ``int8_vnni``: int8 weights multiply through ``kernels/int8_linear.cpp`` (AVX512-VNNI
-  dot products, activations quantized per 32) where the silicon has VNNI and ATen's ISA is
-  AVX-512; elsewhere the same numbers come from dequantized weights (``models/quant.py``).
+* ``int8_isa``: int8 weights multiply through ``kernels/int8_linear.cpp`` (int8 dot
+  products, activations quantized per 32): its AVX512-VNNI build where the silicon has VNNI
+  and ATen's ISA is AVX-512, its AVX2 build on any other x86 CPU with AVX2, FMA and F16C whose
+  ATen ISA is AVX2 or AVX-512; elsewhere ("") the same numbers come from dequantized weights
+  (``models/quant.py``).
 * ``flash_prefill(dtype)``: prefill attention runs ``kernels/prefill_attention.cpp`` (oneDNN's
   brgemm micro-kernel) for float32 on an x86 CPU whose ATen ISA is AVX2 or AVX-512, and for
   bfloat16 where bf16 is native; elsewhere torch's SDPA.
@@ -58,7 +60,7 @@ class DeviceCaps:
     native_bf16: bool  # the hardware multiplies bf16 and the matmul library may use it
     native_fp16: bool
     amx: bool
-    int8_vnni: bool = False  # AVX512-VNNI int8 dot products that ATen's ISA allows (kernels/int8_linear.cpp)
+    int8_isa: str = ""  # the build of kernels/int8_linear.cpp that runs here: "AVX512_VNNI", "AVX2" or none
     brgemm: bool = False  # x86, ATen ISA AVX2 or AVX-512, oneDNN: its brgemm micro-kernel runs float32
     vector_kernels: bool = False  # x86, ATen ISA AVX2 or AVX-512: our at::vec kernels build for it
 
@@ -135,11 +137,16 @@ def _cpu_caps() -> DeviceCaps:
     avx512 = isa.startswith("AVX512")
     native_bf16 = onednn_bf16 and avx512 and (bool(hw.get("avx512_bf16")) or amx_bf16)
     native_fp16 = onednn_fp16 and avx512 and (bool(hw.get("avx512_fp16")) or bool(hw.get("amx_fp16")))
-    int8_vnni = avx512 and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl"))
     vector_kernels = platform.machine().lower() in ("x86_64", "amd64") and (avx512 or isa == "AVX2")
+    if avx512 and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl")):
+        int8_isa = "AVX512_VNNI"
+    elif vector_kernels and all(hw.get(f) for f in ("avx2", "fma3", "f16c")):
+        int8_isa = "AVX2"
+    else:
+        int8_isa = ""
     brgemm = onednn and vector_kernels
     return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
-                      amx_bf16 and native_bf16, int8_vnni, brgemm, vector_kernels)
+                      amx_bf16 and native_bf16, int8_isa, brgemm, vector_kernels)
 
 
 def _cuda_caps(device: torch.device) -> DeviceCaps:

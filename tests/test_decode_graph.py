@@ -201,14 +201,14 @@ def test_quantize_int8_error_is_half_a_step():
 def test_int8_close_to_float32(tiny_models, enforce_eager):
     """--quantization int8 (every linear and the tied LM head, activations quantized per 32):
     last-token logits within 5 % of the logit scale of float32, the same first greedy token
-    on most prompts, a quarter of the weight bytes. The weights take the VNNI kernel's tiles
+    on most prompts, a quarter of the weight bytes. The weights take the int8 kernel's tiles
     exactly where the CPU runs it. A compiled int8 decode step's logits are the eager
     step's, to the activation rounding."""
     path, _ = tiny_models["qwen3"]
     ref = LLM(str(path), dtype="float32", num_kv_blocks=128, enforce_eager=True)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=enforce_eager)
     model = llm.engine.runner.model
-    layout = Int8Tiles if device_caps("cpu").int8_vnni else Int8Weight
+    layout = Int8Tiles if device_caps("cpu").int8_isa else Int8Weight
     assert type(model.layers[0].attn.qkv.int8) is layout and type(model._int8_head) is layout
     assert llm.engine.model_identity != ref.engine.model_identity  # different K/V: never share cached blocks
     prompts = random_prompts((3, 17, 40), seed=9)

@@ -6,13 +6,13 @@ Each round measures, back to back (the machine's read rate swings between rounds
 
 - ``sum``: the read rate of ``bench.env.read_rate_now`` (``sum`` over 256 MB); the roofline is
   the model's int8 weight bytes over it;
-- ``one call``: the VNNI kernel over one weight holding all those bytes;
+- ``one call``: the int8 kernel over one weight holding all those bytes;
 - ``121 calls``: the model's own weights, one kernel call each in forward order, from Python;
 - ``step``: the median engine step (the compiled decode step, sampling and bookkeeping).
 
 Then, once, ``sum`` over tensors of 64 KB to 32 MB holding the same bytes in all: the rate of
 short reads, which a layer's weights are (0.35 to 1.8 MB for SmolLM2-135M). Needs a CPU where
-the int8 kernel runs (AVX512-VNNI).
+the int8 kernel runs (AVX512-VNNI or AVX2).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.bench.env import read_rate_now
-from hyprefix.kernels import int8_linear as vnni
+from hyprefix.kernels import int8_linear as kernel
 from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers
 
 
@@ -45,8 +45,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the timed decode steps")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    if not vnni.available():
-        raise SystemExit("the int8 kernel does not run on this CPU (it needs AVX512-VNNI)")
+    if not kernel.available():
+        raise SystemExit("the int8 kernel does not run on this CPU (it needs AVX512-VNNI or AVX2 on x86)")
     llm = LLM(model=args.model, quantization="int8", dtype="float32", log_stats_interval=0)
     engine = llm.engine
     weights = [w for module in engine.runner.model.modules() for prefix in ("", "head_")

@@ -1,18 +1,27 @@
-// hyprefix::int8_linear: x [.., K] (float32 or bfloat16) @ int8 weight [N, K]^T on AVX512-VNNI.
+// hyprefix::int8_linear: x [.., K] (float32 or bfloat16) @ int8 weight [N, K]^T, built for
+// AVX512-VNNI or for AVX2 (one build per ISA, picked by the flags it is compiled with).
 //
 // The activations are quantized to int8 per group of 32 (scale = max|x| / 127, rounded to
 // nearest even), as llama.cpp does for its Q8_0 dot products; the weight keeps its own scales
 // (one per row, or one per group of 32: GGUF Q8_0's blocks).
 //
-// The weight is packed in tiles of 16 rows: uint8 [N/16, K/4, 16, 4] holding w + 128, so one
-// 64-byte load is 4 consecutive k of 16 rows, and one VPDPBUSD with the 4 activation bytes
-// broadcast adds them into the 16 rows' own int32 lanes. A group of 32 is 8 such instructions
-// into one accumulator, which starts at -128 * sum(x_q) of the group (the + 128 of the weight
-// bytes, taken back exactly); it is then scaled (activation scale times the 16 rows' weight
-// scales) and summed in float. Scales are float16 [N/16, K/32, 16] per group (Q8_0's own
-// precision), or float32 [N/16 * 16] per row (applied at the end). Tiles are split over
-// ATen's intra-op threads; up to 4 activation rows share each weight load, so prefill-sized
-// calls run as an int8 GEMM.
+// The weight is packed in tiles of 16 rows: uint8 [N/16, K/4, 16, 4], so one 64-byte line is
+// 4 consecutive k of 16 rows; the bytes are w + 128 for VNNI, w itself (in [-127, 127]) for AVX2. Scales are float16 [N/16, K/32, 16] per group
+// (Q8_0's own precision), or float32 [N/16 * 16] per row (applied at the end). Each group of
+// 32 is summed exactly in int32, then scaled (activation scale times the 16 rows' weight
+// scales) and summed in float.
+//
+// AVX512-VNNI: one VPDPBUSD with the 4 activation bytes broadcast adds a line into the 16
+// rows' own int32 lanes; a group is 8 such instructions into one accumulator, which starts
+// at -128 * sum(x_q) of the group (the + 128 of the weight bytes, taken back exactly).
+// AVX2 (no int8 dot product): each 32-byte half of a line (8 rows) is multiplied by VPMADDUBSW
+// as |x| (unsigned, shared by every tile) times w with x's sign (VPSIGNB), whose pairs (at most
+// 2 * 127 * 127) cannot saturate int16, then VPMADDWD adds the pairs into the 8 rows' int32
+// lanes. w's sign flip would wrap at -128, so those tiles hold no -128 (``pack`` makes it -127,
+// a value neither llama.cpp's Q8_0 nor ``quantize_int8`` writes).
+//
+// Tiles are split over ATen's intra-op threads; up to 4 activation rows share each weight
+// load, so prefill-sized calls run as an int8 GEMM.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -29,6 +38,18 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
+struct GroupedActivations {  // per row: K int8 values, and per group its scale (and, for VNNI, -128 * sum)
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> starts;
+};
+
+// Per-group weight scales are float16 (bits), per-row ones float32.
+template <bool kPerGroup>
+using WeightScale = std::conditional_t<kPerGroup, uint16_t, float>;
+
+#if defined(__AVX512VNNI__)
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const c10::BFloat16* p) {
@@ -36,47 +57,26 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-struct GroupedActivations {  // per row: K int8 values, and per group its scale and -128 * sum
-  std::vector<int8_t> values;
-  std::vector<float> scales;
-  std::vector<int32_t> starts;
-};
-
+// One group of 32 values: its int8 values to dst, its scale; returns -128 * sum of the values.
 template <typename T>
-GroupedActivations quantize_groups(const T* x, int64_t rows, int64_t k) {
-  const int64_t groups = k / kGroup;
-  GroupedActivations q;
-  q.values.resize(rows * k);
-  q.scales.resize(rows * groups);
-  q.starts.resize(rows * groups);
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  at::parallel_for(0, rows * groups, 1 << 12, [&](int64_t begin, int64_t end) {  // 4096 groups a task
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / groups, g = i % groups;
-      const T* src = x + m * k + g * kGroup;
-      __m512 a = load16(src), b = load16(src + 16);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign_off), _mm512_and_ps(b, sign_off)));
-      float d = amax / 127.0f;
-      float id = d != 0.0f ? 1.0f / d : 0.0f;
-      __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-      __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-      int8_t* dst = q.values.data() + m * k + g * kGroup;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
-      q.scales[m * groups + g] = d;
-      q.starts[m * groups + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-    }
-  });
-  return q;
+  __m512 a = load16(src), b = load16(src + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign_off), _mm512_and_ps(b, sign_off)));
+  float d = amax / 127.0f;
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+  *scale = d;
+  return -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
-// Per-group weight scales are float16 (bits), per-row ones float32.
-template <bool kPerGroup>
-using WeightScale = std::conditional_t<kPerGroup, uint16_t, float>;
-
+// MB activation rows times one tile: the 16 rows' results of each into out[i].
 template <bool kPerGroup, int MB>
 inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_scales, int64_t k,
-                      const GroupedActivations& q, int64_t m0, __m512* out) {
+                      const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
@@ -107,17 +107,110 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
   }
   __m512 row_scale = _mm512_set1_ps(1.0f);
   if constexpr (!kPerGroup) row_scale = _mm512_loadu_ps(tile_scales);
-  for (int i = 0; i < MB; ++i) out[i] = _mm512_mul_ps(acc[i], row_scale);
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], _mm512_mul_ps(acc[i], row_scale));
 }
 
-inline void store16(float* dst, __m512 v, int64_t count) {
-  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << count) - 1), v);
+#else  // AVX2
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-inline void store16(c10::BFloat16* dst, __m512 v, int64_t count) {
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(tmp[i]);
+template <typename T>
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], sign_off));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float d = _mm_cvtss_f32(m4) / 127.0f;
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+  // packs work per 128-bit lane: the dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] ...
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  *scale = d;
+  return 0;  // the AVX2 tiles hold signed weights: nothing to take back
+}
+
+template <bool kPerGroup, int MB>
+inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_scales, int64_t k,
+                      const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sum[MB][2];
+    for (int i = 0; i < MB; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+    const uint8_t* wg = tile + g * kGroup * 16;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m256i x_bytes[MB], x_abs[MB];  // 4 activation bytes, broadcast
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xi = reinterpret_cast<const int32_t*>(q.values.data() + (m0 + i) * k + g * kGroup);
+        x_bytes[i] = _mm256_set1_epi32(xi[j]);
+        x_abs[i] = _mm256_abs_epi8(x_bytes[i]);
+      }
+      for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64 + h * 32));
+        for (int i = 0; i < MB; ++i) {
+          __m256i pairs = _mm256_maddubs_epi16(x_abs[i], _mm256_sign_epi8(w, x_bytes[i]));
+          sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    __m256 wscale[2] = {_mm256_set1_ps(1.0f), _mm256_set1_ps(1.0f)};
+    if constexpr (kPerGroup) {
+      for (int h = 0; h < 2; ++h) {
+        wscale[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + g * 16 + h * 8)));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m256 xscale = _mm256_set1_ps(q.scales[(m0 + i) * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][h]), _mm256_mul_ps(wscale[h], xscale), acc[i][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256 row_scale = _mm256_set1_ps(1.0f);
+    if constexpr (!kPerGroup) row_scale = _mm256_loadu_ps(tile_scales + h * 8);
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i] + h * 8, _mm256_mul_ps(acc[i][h], row_scale));
+  }
+}
+
+#endif
+
+template <typename T>
+GroupedActivations quantize_groups(const T* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  GroupedActivations q;
+  q.values.resize(rows * k);
+  q.scales.resize(rows * groups);
+  q.starts.resize(rows * groups);
+  at::parallel_for(0, rows * groups, 1 << 12, [&](int64_t begin, int64_t end) {  // 4096 groups a task
+    for (int64_t i = begin; i < end; ++i) {
+      q.starts[i] = quantize_group(x + i * kGroup, q.values.data() + i * kGroup, &q.scales[i]);
+    }
+  });
+  return q;
+}
+
+inline void store16(float* dst, const float* v, int64_t count) { std::copy(v, v + count, dst); }
+
+inline void store16(c10::BFloat16* dst, const float* v, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(v[i]);
 }
 
 template <bool kPerGroup, typename T>
@@ -127,7 +220,7 @@ void run_tiles(const GroupedActivations& q, const uint8_t* packed, const WeightS
   const int64_t tile_scale_stride = kPerGroup ? (k / kGroup) * 16 : 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (16 * k));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    __m512 res[4];
+    alignas(64) float res[4][16];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = packed + t * 16 * k;
       const WeightScale<kPerGroup>* ts = scales + t * tile_scale_stride;

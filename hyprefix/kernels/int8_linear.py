@@ -1,10 +1,10 @@
 """``torch.ops.hyprefix.int8_linear``: int8 weights in 16-row tiles times activations
-quantized to int8 per 32, on AVX512-VNNI (``int8_linear.cpp`` has the arithmetic and the
-layout).
+quantized to int8 per 32, on AVX512-VNNI or AVX2 (``int8_linear.cpp`` has the arithmetic and
+the layout: the same tiles for both, holding w + 128 for VNNI and w for AVX2).
 
-Built on first use (``build.load_kernel``). ``available()`` says whether it runs here: the
-CPU has AVX512-VNNI and ATen may use AVX-512 (``hardware.DeviceCaps.int8_vnni``) and the
-build worked; a failed build logs one warning and int8 weights take the portable path
+Built on first use (``build.load_kernel``), one build per ISA. ``available()`` says whether
+it runs here: ``hardware.DeviceCaps.int8_isa`` names a build for this CPU and ATen's ISA, and
+the build worked; a failed build logs one warning and int8 weights take the portable path
 (``models/quant.py``).
 """
 
@@ -18,7 +18,8 @@ from hyprefix.hardware import device_caps
 from hyprefix.kernels.build import load_kernel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+FLAGS = {"AVX512_VNNI": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+         "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 TILE = 16  # weight rows per tile
 
 _available: bool | None = None
@@ -29,12 +30,14 @@ def available() -> bool:
     A plain global after that, so a compiled graph reads it as a constant."""
     global _available
     if _available is None:
-        _available = device_caps("cpu").int8_vnni and _build()
+        isa = device_caps("cpu").int8_isa
+        _available = bool(isa) and _build(isa)
     return _available
 
 
-def _build() -> bool:
-    if not load_kernel("hyprefix_int8_linear", SOURCE, FLAGS, "int8 weights take the portable path"):
+def _build(isa: str) -> bool:
+    name = f"hyprefix_int8_linear_{isa.lower()}"
+    if not load_kernel(name, SOURCE, FLAGS[isa], "int8 weights take the portable path"):
         return False
     torch.library.register_fake("hyprefix::int8_linear")(_fake)
     return True
@@ -46,14 +49,24 @@ def int8_linear(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: i
     return torch.ops.hyprefix.int8_linear(x, tiles, scales, n)
 
 
+def signed_tiles() -> bool:
+    """Whether this CPU's build takes tiles of signed weights (AVX2) rather than w + 128 (VNNI)."""
+    return device_caps("cpu").int8_isa == "AVX2"
+
+
 def pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] and scales [N] or [N, K / 32] -> the kernel's tiles (uint8 [N/16, K/4, 16, 4]
-    holding w + 128; rows padded to a whole tile) and scales (float32 [N/16 * 16], or float16
-    [N/16, K/32, 16]: GGUF Q8_0's scales are float16, so they stay exact)."""
+    """int8 [N, K] and scales [N] or [N, K / 32] -> this CPU's build's tiles (uint8 [N/16, K/4,
+    16, 4] holding w + 128, or w itself for the AVX2 build, where a -128 becomes -127; rows
+    padded to a whole tile) and scales (float32 [N/16 * 16], or float16 [N/16, K/32, 16]:
+    GGUF Q8_0's scales are float16, so they stay exact)."""
     n, k = qweight.shape
     pad = -n % TILE
-    biased = torch.nn.functional.pad((qweight.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, pad), value=128)
-    tiles = biased.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    if signed_tiles():
+        stored = qweight.clamp(min=-127).view(torch.uint8)
+    else:
+        stored = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    stored = torch.nn.functional.pad(stored, (0, 0, 0, pad), value=0 if signed_tiles() else 128)
+    tiles = stored.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     if scales.dim() == 1:
         return tiles, torch.nn.functional.pad(scales.float(), (0, pad)).contiguous()
     grouped = torch.nn.functional.pad(scales.half(), (0, 0, 0, pad)).view(-1, TILE, scales.shape[1])
@@ -63,7 +76,8 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
 def unpack(tiles: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``pack``: int8 [n, K] and scales [n] or [n, K / 32]."""
     k = tiles.shape[1] * 4
-    qweight = (tiles.permute(0, 2, 1, 3).reshape(-1, k).to(torch.int16) - 128).to(torch.int8)[:n]
+    stored = tiles.permute(0, 2, 1, 3).reshape(-1, k)[:n]
+    qweight = stored.view(torch.int8) if signed_tiles() else (stored.to(torch.int16) - 128).to(torch.int8)
     if scales.dim() == 1:
         return qweight, scales[:n]
     return qweight, scales.permute(0, 2, 1).reshape(-1, scales.shape[1])[:n].float()

@@ -6,11 +6,11 @@ input channels ([N, K / group]: GGUF Q8_0's blocks of 32 with their float16 scal
 they are by ``loader.iter_gguf_q8_0``). The value of an element is ``q * scale``.
 
 Where K is a multiple of 32 the activations are quantized too, to int8 per group of 32
-(scale max|x| / 127, round to nearest even): llama.cpp's Q8_0 dot product. On a CPU with
-AVX512-VNNI the weights are kept as ``Int8Tiles``, the layout of ``kernels/int8_linear.cpp``,
-which multiplies them in int8 for every batch size (decode and prefill); elsewhere
-(``quantize_activations`` then a float matmul) the same numbers are computed in the model
-dtype. A K that is not a multiple of 32 keeps float activations.
+(scale max|x| / 127, round to nearest even): llama.cpp's Q8_0 dot product. On an x86 CPU
+with AVX512-VNNI or AVX2 the weights are kept as ``Int8Tiles``, the layout of
+``kernels/int8_linear.cpp``, which multiplies them in int8 for every batch size (decode and
+prefill); elsewhere (``quantize_activations`` then a float matmul) the same numbers are
+computed in the model dtype. A K that is not a multiple of 32 keeps float activations.
 
 ``reduction_linear`` is how every other matmul is written inside a compiled decode step
 (``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row
@@ -18,7 +18,8 @@ outermost, so Inductor turns it into one loop that streams each weight row once 
 rows of a small batch, with int8 -> float and the scales folded into the loads. On a
 2-core AMD EPYC Zen 4 it read 28-30 GB/s (float32, M = 1..2) where oneDNN's prepacked
 GEMV read 20-28 and MKL's 11; int8 at M = 1 read 17-27 GB/s of int8 where the tiled VNNI
-kernel reads 44 (SmolLM2's 49152 x 576 head). It is compute-bound sooner than a GEMM
+kernel reads 44 (SmolLM2's 49152 x 576 head). Under ATen's AVX2 ISA a SmolLM2 Q8_0 batch-1
+step through this loop took 96 ms; through the kernel's AVX2 build, 9.5. It is compute-bound sooner than a GEMM
 (bf16 from M = 4).
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hyprefix.kernels import int8_linear as vnni
+from hyprefix.kernels import int8_linear as kernel
 
 GROUP = 32  # activation quantization group
 
@@ -73,7 +74,7 @@ class Int8Weight:
 
 @dataclass
 class Int8Tiles:
-    """int8 weights in ``kernels/int8_linear.cpp``'s 16-row tiles (``vnni.pack``), used
+    """int8 weights in ``kernels/int8_linear.cpp``'s 16-row tiles (``kernel.pack``), used
     where that kernel runs: the same values as the ``Int8Weight`` they came from."""
 
     tiles: torch.Tensor  # uint8 [N/16, K/4, 16, 4]
@@ -82,10 +83,10 @@ class Int8Tiles:
 
     @classmethod
     def pack(cls, weight: Int8Weight) -> Int8Tiles:
-        return cls(*vnni.pack(weight.qweight, weight.scales), weight.qweight.shape[0])
+        return cls(*kernel.pack(weight.qweight, weight.scales), weight.qweight.shape[0])
 
     def plain(self) -> Int8Weight:
-        return Int8Weight(*vnni.unpack(self.tiles, self.scales, self.rows))
+        return Int8Weight(*kernel.unpack(self.tiles, self.scales, self.rows))
 
     @property
     def group(self) -> int | None:
@@ -103,22 +104,22 @@ class Int8Tiles:
         not take (another device or dtype)."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return self.plain().matmul(x, bias)
-        out = vnni.int8_linear(x, self.tiles, self.scales, self.rows)
+        out = kernel.int8_linear(x, self.tiles, self.scales, self.rows)
         return out if bias is None else out + bias
 
 
 def tiles_fit(weight: Int8Weight) -> bool:
-    """Whether ``weight`` goes to the VNNI kernel's tiles (CPU, K a multiple of 32, the kernel built)."""
-    return weight.qweight.device.type == "cpu" and weight.quantizes_activations and vnni.available()
+    """Whether ``weight`` goes to the int8 kernel's tiles (CPU, K a multiple of 32, the kernel built)."""
+    return weight.qweight.device.type == "cpu" and weight.quantizes_activations and kernel.available()
 
 
 def uses_int8_kernel(model: torch.nn.Module) -> bool:
-    """Whether any of ``model``'s weights are ``Int8Tiles`` (multiplied by the VNNI kernel)."""
+    """Whether any of ``model``'s weights are ``Int8Tiles`` (multiplied by the int8 kernel)."""
     return any(name.endswith("tiles") for name, _ in model.named_buffers())  # set_int8_buffers' names
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to int8 per group of 32 along its last dim (the VNNI kernel's
+    """``x`` rounded to int8 per group of 32 along its last dim (the int8 kernel's
     quantization), dequantized back to x's dtype."""
     groups = x.float().unflatten(-1, (-1, GROUP))
     scale = groups.abs().amax(-1, keepdim=True) / 127.0
@@ -136,7 +137,7 @@ def int8_buffers(module: torch.nn.Module, prefix: str = "") -> Int8Weight | Int8
 
 
 def set_int8_buffers(module: torch.nn.Module, weight: Int8Weight, prefix: str = "") -> None:
-    """Keep int8 weights as non-persistent buffers of ``module`` (as the VNNI kernel's tiles
+    """Keep int8 weights as non-persistent buffers of ``module`` (as the int8 kernel's tiles
     where it runs): they move with it, and a compiled step guards them like parameters (a
     dataclass attribute cost ~1 ms of Dynamo guard lookups per SmolLM2 step)."""
     if tiles_fit(weight):
