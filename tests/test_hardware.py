@@ -39,6 +39,9 @@ def test_cpu_caps_come_from_torch():
     assert caps.native(FP32) and caps.native(BF16) == caps.native_bf16
     assert caps.prepack(BF16) == caps.onednn_bf16 and caps.prepack(FP32) == caps.onednn
     assert caps.name in caps.describe() and caps.isa in caps.describe()
+    vnni = caps.isa.startswith("AVX512") and all(hw.get(f) for f in ("avx512_vnni", "avx512_bw", "avx512_vl"))
+    avx2 = caps.vector_kernels and all(hw.get(f) for f in ("avx2", "fma3", "f16c"))
+    assert caps.int8_isa == ("AVX512_VNNI" if vnni else "AVX2" if avx2 else "")
 
 
 @pytest.mark.parametrize("caps,checkpoint,expected", [
@@ -122,6 +125,11 @@ import os
 from hyprefix.kernels import prefill_attention
 report["flash_prefill"] = {str(d): prefill_attention.available(d) for d in (torch.float32, torch.bfloat16)}
 report["compile_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+from hyprefix.kernels import int8_linear
+from hyprefix.models.quant import Int8Tiles, quantize_int8
+w, x = quantize_int8(torch.randn(40, 96)), torch.randn(5, 96)
+report["int8_kernel"] = int8_linear.available() and int8_linear.signed_tiles()
+report["int8_equal"] = torch.allclose(Int8Tiles.pack(w).matmul(x, None), w.matmul(x, None), atol=1e-4)
 print("REPORT " + json.dumps(report))
 """
 
@@ -130,7 +138,8 @@ def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     """Under oneDNN's and ATen's AVX2 limits (a Zen 3 without AVX-512), a bf16
     checkpoint loads with "auto" (-> float32, prepacked) and with an explicit
     "bfloat16" (plain path, a warning), and both generate; float32 prefill attention runs
-    the AVX2 build of the brgemm kernel, bfloat16 stays on SDPA."""
+    the AVX2 build of the brgemm kernel, bfloat16 stays on SDPA; int8 weights multiply
+    through the int8 kernel's AVX2 build."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the engine must keep the emulated ISA's kernels apart
     proc = subprocess.run([sys.executable, "-c", EMULATED, str(bf16_checkpoint)], env=env, capture_output=True,
@@ -147,5 +156,7 @@ def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     # Prefill attention: the brgemm kernel in float32 (AVX2 build), torch's SDPA in bfloat16.
     assert report["flash_prefill"] == {"torch.float32": caps["brgemm"], "torch.bfloat16": False}
     assert caps["brgemm"] is caps["onednn"]
+    # int8 weights: the kernel's AVX2 build (signed tiles), equal to the plain int8 path.
+    assert caps["int8_isa"] == "AVX2" and report["int8_kernel"] and report["int8_equal"]
     assert "dtype auto -> float32" in proc.stderr
     assert "dtype bfloat16 is not native" in proc.stderr and "'auto' would pick float32" in proc.stderr

@@ -6,10 +6,10 @@
 // (one per row, or one per group of 32: GGUF Q8_0's blocks).
 //
 // The weight is packed in tiles of 16 rows: uint8 [N/16, K/4, 16, 4], so one 64-byte line is
-// 4 consecutive k of 16 rows; the bytes are w + 128 for VNNI, w itself (in [-127, 127]) for AVX2. Scales are float16 [N/16, K/32, 16] per group
-// (Q8_0's own precision), or float32 [N/16 * 16] per row (applied at the end). Each group of
-// 32 is summed exactly in int32, then scaled (activation scale times the 16 rows' weight
-// scales) and summed in float.
+// 4 consecutive k of 16 rows; the bytes are w + 128 for VNNI, w itself (in [-127, 127]) for
+// AVX2. Scales are float16 [N/16, K/32, 16] per group (Q8_0's own precision), or float32
+// [N/16 * 16] per row (applied at the end). Each group of 32 is summed exactly in int32, then
+// scaled (activation scale times the 16 rows' weight scales) and summed in float.
 //
 // AVX512-VNNI: one VPDPBUSD with the 4 activation bytes broadcast adds a line into the 16
 // rows' own int32 lanes; a group is 8 such instructions into one accumulator, which starts

@@ -62,10 +62,10 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, tor
     n, k = qweight.shape
     pad = -n % TILE
     if signed_tiles():
-        stored = qweight.clamp(min=-127).view(torch.uint8)
+        stored, zero = qweight.clamp(min=-127).view(torch.uint8), 0
     else:
-        stored = (qweight.to(torch.int16) + 128).to(torch.uint8)
-    stored = torch.nn.functional.pad(stored, (0, 0, 0, pad), value=0 if signed_tiles() else 128)
+        stored, zero = (qweight.to(torch.int16) + 128).to(torch.uint8), 128
+    stored = torch.nn.functional.pad(stored, (0, 0, 0, pad), value=zero)
     tiles = stored.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     if scales.dim() == 1:
         return tiles, torch.nn.functional.pad(scales.float(), (0, pad)).contiguous()
