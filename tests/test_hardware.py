@@ -1,4 +1,5 @@
-"""Device capabilities, the dtype="auto" rule, and a bf16 checkpoint on an emulated AVX2 CPU."""
+"""Device capabilities, the dtype="auto" rule, and a bf16 checkpoint (and int8 weights) on an
+emulated AVX2 CPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from hyprefix import LLM, SamplingParams, hardware
 from hyprefix.hardware import DeviceCaps, device_caps, resolve_dtype
+from hyprefix.kernels import int8_linear
+from hyprefix.models.quant import Int8Tiles, quantize_int8
 
 AVX2 = DeviceCaps("cpu", "test CPU", "AVX2", onednn=True, onednn_bf16=False, onednn_fp16=False, native_bf16=False,
                   native_fp16=False, amx=False)
@@ -127,9 +130,12 @@ report["flash_prefill"] = {str(d): prefill_attention.available(d) for d in (torc
 report["compile_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 from hyprefix.kernels import int8_linear
 from hyprefix.models.quant import Int8Tiles, quantize_int8
-w, x = quantize_int8(torch.randn(40, 96)), torch.randn(5, 96)
+gen = torch.Generator().manual_seed(3)
+w, x = quantize_int8(torch.randn(40, 96, generator=gen)), torch.randn(5, 96, generator=gen)
 report["int8_kernel"] = int8_linear.available() and int8_linear.signed_tiles()
-report["int8_equal"] = torch.allclose(Int8Tiles.pack(w).matmul(x, None), w.matmul(x, None), atol=1e-4)
+out = Int8Tiles.pack(w).matmul(x, None)
+report["int8_equal"] = torch.allclose(out, w.matmul(x, None), atol=1e-4)
+report["int8_out"] = out.tolist()
 print("REPORT " + json.dumps(report))
 """
 
@@ -156,7 +162,13 @@ def test_bf16_checkpoint_on_an_emulated_avx2_cpu(bf16_checkpoint):
     # Prefill attention: the brgemm kernel in float32 (AVX2 build), torch's SDPA in bfloat16.
     assert report["flash_prefill"] == {"torch.float32": caps["brgemm"], "torch.bfloat16": False}
     assert caps["brgemm"] is caps["onednn"]
-    # int8 weights: the kernel's AVX2 build (signed tiles), equal to the plain int8 path.
+    # int8 weights: the kernel's AVX2 build (signed tiles), equal to the plain int8 path and,
+    # where this process runs the VNNI build, to it bit for bit (the same int32 sums, scaled alike).
     assert caps["int8_isa"] == "AVX2" and report["int8_kernel"] and report["int8_equal"]
+    if device_caps("cpu").int8_isa == "AVX512_VNNI":
+        assert int8_linear.available()
+        gen = torch.Generator().manual_seed(3)
+        w, x = quantize_int8(torch.randn(40, 96, generator=gen)), torch.randn(5, 96, generator=gen)
+        assert torch.equal(Int8Tiles.pack(w).matmul(x, None), torch.tensor(report["int8_out"]))
     assert "dtype auto -> float32" in proc.stderr
     assert "dtype bfloat16 is not native" in proc.stderr and "'auto' would pick float32" in proc.stderr
