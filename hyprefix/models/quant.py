@@ -83,6 +83,7 @@ class Int8Tiles:
 
     @classmethod
     def pack(cls, weight: Int8Weight) -> Int8Tiles:
+        kernel.available()  # loads the build, which registers the op ``matmul`` calls
         return cls(*kernel.pack(weight.qweight, weight.scales), weight.qweight.shape[0])
 
     def plain(self) -> Int8Weight:
