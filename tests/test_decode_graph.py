@@ -76,9 +76,10 @@ def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None) -> tup
 
 
 def test_compiled_step_is_called_without_dynamo(tiny_models):
-    """An engine's step is the bytecode Dynamo made for it, called directly: once made, it
-    never enters Dynamo again (with Dynamo's caches cleared nothing recompiles). Two engines
-    of different shapes in one process keep their own steps; a third whose shapes match an
+    """An engine's step is the compiled function Dynamo made for it, called directly with its
+    flat inputs (``_direct_call``, recorded from Dynamo's bytecode): once made, it never
+    enters Dynamo again (with Dynamo's caches cleared nothing recompiles). Two engines of
+    different shapes in one process keep their own steps; a third whose shapes match an
     earlier one's makes no bytecode of its own and goes through Dynamo. Each step equals its eager forward."""
     path, _ = tiny_models["llama"]
     engines = [LLM(str(path), dtype="float32", num_kv_blocks=n, block_size=16) for n in (96, 112, 96)]
@@ -87,7 +88,7 @@ def test_compiled_step_is_called_without_dynamo(tiny_models):
     assert len(firsts) == 1
     steps = [llm.engine.runner.decode_graphs._steps[1] for llm in engines]
     for step in steps[:2]:
-        assert isinstance(step, FunctionType) and step.__code__ is not DecodeGraphs._step.__code__
+        assert isinstance(step, FunctionType) and step.__name__ == "direct"
     assert steps[2].__name__ == "through_dynamo"
     compiled, eager = _compiled_and_eager_logits(engines[2], prompts[1:])
     assert (compiled - eager).abs().max().item() < 1e-4
@@ -231,3 +232,50 @@ def test_bad_quantization_is_a_value_error():
 
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(quantization="int4")
+
+
+def _fake_step(body: str):
+    """A stand-in for Dynamo's bytecode: gathers flat inputs, calls ``__compiled_fn_1``."""
+    calls = []
+
+    def compiled(*flat):
+        calls.append(flat)
+        return [flat[1] * 2, flat[-1] + flat[1].sum()]
+
+    scope = {"__compiled_fn_1": compiled, "torch": torch}
+    exec(f"def _step(self, ids, pos, slots, tables, lens, kv, block_size):\n    {body}", scope)
+    return scope["_step"], calls
+
+
+def test_direct_call_takes_only_what_it_can_replay():
+    """``_direct_call`` replays the recorded flat inputs with this step's tensors and the
+    tables' width swapped in; a step whose inputs include anything else (here a tensor made
+    in the bytecode) keeps its bytecode."""
+    from types import SimpleNamespace
+
+    from hyprefix.runner.decode_graph import _direct_call
+
+    graphs = SimpleNamespace(model=torch.nn.Linear(4, 4))
+    kv = [(torch.zeros(2, 3), torch.zeros(2, 3))]
+
+    def args(width: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, 9, (1,), generator=g), torch.randn(1, generator=g), torch.tensor([3]),
+                torch.zeros(1, width, dtype=torch.long), torch.tensor([5]), kv, 16)
+
+    step, calls = _fake_step("out = __compiled_fn_1(self.model.weight, pos, kv[0][1], tables, tables.shape[1])\n"
+                             "    return out[0], out[1]")
+    direct = _direct_call(step, graphs, args(2, 0))
+    assert direct is not None and len(calls) == 1
+    for width, seed in ((5, 1), (9, 2)):
+        a = args(width, seed)
+        got = direct(graphs, *a)
+        assert calls[-1][0] is graphs.model.weight and calls[-1][1] is a[1] and calls[-1][2] is kv[0][1]
+        assert calls[-1][3] is a[3] and calls[-1][4] == width
+        assert torch.equal(got[0], a[1] * 2) and got[1] == width + a[1].sum()
+    made, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos * 1, tables.shape[1])\n"
+                         "    return out[0], out[1]")
+    assert _direct_call(made, graphs, args(2, 0)) is None
+    unmapped, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos, tables.shape[1])\n"
+                             "    return out[0], out[1] + 1")
+    assert _direct_call(unmapped, graphs, args(2, 0)) is None  # an output the function did not return

@@ -4,6 +4,8 @@ the model its elementwise kernels (compiled or not) once, at construction."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hyprefix.kernels import decode_attention
@@ -13,8 +15,11 @@ from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.decode_graph import MAX_GRAPH_BATCH, DecodeGraphs
+from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
+
+log = logging.getLogger("hyprefix.runner")
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -37,15 +42,22 @@ class ModelRunner:
         self.cascade_thresholds = cascade_thresholds
         layout = model.kv_layout
 
-        def kv(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (blocks, block_size, layout.num_kv_heads, layout.head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
         if device.type == "cpu" and layout.num_layers:
             decode_attention.available(dtype)  # built (or found) now, before any step is compiled
         self.has_window_pool = num_window_blocks > 0
-        self.kv_caches = [kv(num_window_blocks if self.has_window_pool and layout.window(i) is not None
-                             else num_blocks) for i in range(layout.num_layers)]
+        shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
+                   block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
+        # On a CPU, the weights and the K/V in transparent huge pages where the OS gives them.
+        kv_shapes = [s for shape in shapes for s in (shape, shape)]
+        kv = huge_page_zeros(kv_shapes, dtype) if device.type == "cpu" and kv_shapes else None
+        self.huge_page_bytes = {"weights": move_weights(model) if device.type == "cpu" else 0,
+                                "kv": 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)}
+        if kv is None:
+            kv = [torch.zeros(s, dtype=dtype, device=device) for s in kv_shapes]
+        if any(self.huge_page_bytes.values()):
+            log.info("transparent huge pages: weights %.1f MiB, K/V %.1f MiB",
+                     self.huge_page_bytes["weights"] / 2**20, self.huge_page_bytes["kv"] / 2**20)
+        self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
         self.recurrent_states: list[RecurrentLayerState] = [
