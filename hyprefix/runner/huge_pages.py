@@ -45,7 +45,9 @@ class HugePageArena:
     3 GB pool: 800 ms a step). The mapping lives as long as any of its tensors."""
 
     def __init__(self, nbytes: int) -> None:
-        self._mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # whole huge pages from the aligned start, wherever the kernel put the mapping
+        whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        self._mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._mapping.madvise(mmap.MADV_HUGEPAGE)
         probe = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1)
         self._start = -probe.data_ptr() % HUGE_PAGE
