@@ -6,7 +6,8 @@ Each round measures, back to back (the machine's read rate swings between rounds
 
 - ``sum``: the read rate of ``bench.env.read_rate_now`` (``sum`` over 256 MB); the roofline is
   the model's int8 weight bytes over it;
-- ``one call``: the int8 kernel over one weight holding all those bytes;
+- ``one call``: the int8 kernel over one weight holding all those bytes (in huge pages where the
+  engine puts its weights there);
 - ``121 calls``: the model's own weights, one kernel call each in forward order, from Python;
 - ``step``: the median engine step (the compiled decode step, sampling and bookkeeping).
 
@@ -28,6 +29,7 @@ from hyprefix import LLM, SamplingParams
 from hyprefix.bench.env import read_rate_now
 from hyprefix.kernels import int8_linear as kernel
 from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers
+from hyprefix.runner.huge_pages import move_weights
 
 
 def _seconds(fn, runs: int = 5) -> float:
@@ -56,6 +58,10 @@ def main() -> None:
     k = weights[0].tiles.shape[1] * 4  # one weight of the first one's K (per-group scales) holding as many bytes
     rows = nbytes // (k + k // 32 * 2) // 16 * 16
     big = Int8Tiles.pack(Int8Weight(torch.randint(-127, 128, (rows, k), dtype=torch.int8), torch.rand(rows, k // 32)))
+    holder = torch.nn.Module()  # in huge pages where the engine's weights are (runner/huge_pages.py)
+    holder.register_buffer("tiles", big.tiles)
+    holder.register_buffer("scales", big.scales)
+    move_weights(holder)
 
     def each_call() -> None:
         for w in weights:
