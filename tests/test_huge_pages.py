@@ -111,7 +111,7 @@ def test_without_huge_pages_nothing_moves(monkeypatch):
     model = torch.nn.Linear(8, 8)
     ptr = model.weight.data_ptr()
     assert move_weights(model) == 0 and model.weight.data_ptr() == ptr
-    assert huge_page_zeros([(4, 4)], torch.float32) is None
+    assert huge_page_zeros([(4, 4)], torch.float32, torch.device("cpu")) is None
 
 
 def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, monkeypatch):

@@ -29,7 +29,7 @@ from hyprefix import LLM, SamplingParams
 from hyprefix.bench.env import read_rate_now
 from hyprefix.kernels import int8_linear as kernel
 from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers
-from hyprefix.runner.huge_pages import move_weights
+from hyprefix.runner.huge_pages import move_to_huge_pages
 
 
 def _seconds(fn, runs: int = 5) -> float:
@@ -58,10 +58,7 @@ def main() -> None:
     k = weights[0].tiles.shape[1] * 4  # one weight of the first one's K (per-group scales) holding as many bytes
     rows = nbytes // (k + k // 32 * 2) // 16 * 16
     big = Int8Tiles.pack(Int8Weight(torch.randint(-127, 128, (rows, k), dtype=torch.int8), torch.rand(rows, k // 32)))
-    holder = torch.nn.Module()  # in huge pages where the engine's weights are (runner/huge_pages.py)
-    holder.register_buffer("tiles", big.tiles)
-    holder.register_buffer("scales", big.scales)
-    move_weights(holder)
+    move_to_huge_pages([big.tiles, big.scales])  # where the engine's weights are (runner/huge_pages.py)
 
     def each_call() -> None:
         for w in weights:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import mmap
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,50 +67,52 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def move_weights(module: torch.nn.Module) -> int:
-    """Move ``module``'s CPU parameters and buffers into one huge-page mapping, in the
-    order its modules are registered (forward order for our models), each tensor keeping
-    its identity (``.data`` is swapped). Tensors that are empty, not contiguous, or share
-    their storage with another tensor stay where they are. Returns the bytes moved (0
-    where huge pages are unavailable)."""
-    if not thp_available():
-        return 0
-    seen: set[int] = set()
-    tensors: list[torch.Tensor] = []
-    for sub in module.modules():
-        for t in (*sub._parameters.values(), *sub._buffers.values()):
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t)
-    users: dict[int, int] = {}
-    for t in tensors:
-        if t.numel():
-            users[t.untyped_storage().data_ptr()] = users.get(t.untyped_storage().data_ptr(), 0) + 1
-    movable = [t for t in tensors if t.device.type == "cpu" and t.numel() and t.is_contiguous()
-               and users[t.untyped_storage().data_ptr()] == 1]
-    total = sum(_aligned(t.numel() * t.element_size()) for t in movable)
-    if not total:
-        return 0
-    arena = HugePageArena(total)
-    offset = 0
-    with torch.no_grad():
-        for t in movable:
-            view = arena.take(offset, t.shape, t.dtype)
-            view.copy_(t)
-            t.data = view
-            offset += _aligned(t.numel() * t.element_size())
-    return total
-
-
-def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Zero-filled CPU tensors of these shapes, one after another in one huge-page mapping;
-    None where huge pages are unavailable (the caller allocates as usual)."""
-    if not thp_available() or not all(torch.Size(shape).numel() for shape in shapes):
-        return None
-    sizes = [_aligned(torch.Size(shape).numel() * dtype.itemsize) for shape in shapes]
+def _arena_tensors(specs: list[tuple[torch.Size | tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zero-filled tensors of these shapes and dtypes, one after another (each 64-byte
+    aligned) in one new ``HugePageArena``."""
+    sizes = [_aligned(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs]
     arena = HugePageArena(sum(sizes))
     out, offset = [], 0
-    for shape, size in zip(shapes, sizes, strict=True):
+    for (shape, dtype), size in zip(specs, sizes, strict=True):
         out.append(arena.take(offset, shape, dtype))
         offset += size
     return out
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Move these tensors, in this order, into one huge-page mapping, each keeping its
+    identity (``.data`` is swapped). Tensors that are not on the CPU, empty, not contiguous,
+    or share their storage with another of them stay where they are. Returns the bytes
+    moved (0 where huge pages are unavailable)."""
+    if not thp_available():
+        return 0
+    users = Counter(t.untyped_storage().data_ptr() for t in tensors if t.numel())
+    movable = [t for t in tensors if t.device.type == "cpu" and t.numel() and t.is_contiguous()
+               and users[t.untyped_storage().data_ptr()] == 1]
+    if not movable:
+        return 0
+    with torch.no_grad():
+        for t, new in zip(movable, _arena_tensors([(t.shape, t.dtype) for t in movable]), strict=True):
+            new.copy_(t)
+            t.data = new
+    return sum(_aligned(t.nbytes) for t in movable)
+
+
+def move_weights(module: torch.nn.Module) -> int:
+    """``move_to_huge_pages`` for ``module``'s parameters and buffers, in the order its
+    modules are registered (forward order for our models), a tensor registered twice (a
+    tied weight) once."""
+    tensors = {id(t): t for sub in module.modules() for t in (*sub._parameters.values(), *sub._buffers.values())
+               if t is not None}
+    return move_to_huge_pages(list(tensors.values()))
+
+
+def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                    device: torch.device) -> list[torch.Tensor] | None:
+    """Zero-filled tensors of these shapes, one after another in one huge-page mapping;
+    None where huge pages are unavailable, ``device`` is not a CPU, or there is nothing to
+    allocate (the caller allocates as usual)."""
+    if device.type != "cpu" or not shapes or not all(torch.Size(shape).numel() for shape in shapes) \
+            or not thp_available():
+        return None
+    return _arena_tensors([(shape, dtype) for shape in shapes])

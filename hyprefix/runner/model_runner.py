@@ -49,9 +49,8 @@ class ModelRunner:
                    block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
         # On a CPU, the weights and the K/V in transparent huge pages where the OS gives them.
         kv_shapes = [s for shape in shapes for s in (shape, shape)]
-        kv = huge_page_zeros(kv_shapes, dtype) if device.type == "cpu" and kv_shapes else None
-        self.huge_page_bytes = {"weights": move_weights(model) if device.type == "cpu" else 0,
-                                "kv": 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)}
+        kv = huge_page_zeros(kv_shapes, dtype, device)
+        self.huge_page_bytes = {"weights": move_weights(model), "kv": 0 if kv is None else sum(t.nbytes for t in kv)}
         if kv is None:
             kv = [torch.zeros(s, dtype=dtype, device=device) for s in kv_shapes]
         if any(self.huge_page_bytes.values()):
