@@ -74,6 +74,7 @@ class CausalLM(nn.Module):
     kernels: fused.Kernels
     state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
     _packed_head: torch.Tensor | None = None
+    decode_kernel = False  # decode steps run each layer as one kernel call (``use_decode_kernel``)
 
     @property
     def _int8_head(self) -> Int8Weight | Int8Tiles | None:
@@ -122,6 +123,12 @@ class CausalLM(nn.Module):
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.embed.weight).float()
+
+    def use_decode_kernel(self) -> bool:
+        """Once its weights are final: run decode-only steps a layer per kernel call where
+        the model and this CPU allow it (Llama-family int8, ``kernels/decode_layers.cpp``).
+        Returns whether they will."""
+        return False
 
     @property
     def decode_graph_capable(self) -> bool:

@@ -6,10 +6,12 @@ import torch
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
+from hyprefix.kernels import decode_layers
 from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target
 from hyprefix.models.fused import Kernels
-from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.quant import Int8Tiles
 
 
 class Attention(nn.Module):
@@ -83,6 +85,15 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_norm.add_forward(h, residual, kernels)
         return self.mlp(h), residual
 
+    def fits_decode_kernel(self) -> bool:
+        """Whether ``hyprefix::decode_layers`` can run this layer: float32, int8 tiles for
+        every matmul, SiLU, no output gate, one norm epsilon."""
+        attn, mlp = self.attn, self.mlp
+        return (self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
+                and mlp.act is ACTIVATIONS["silu"][0] and self.input_norm.eps == self.post_norm.eps
+                and all(isinstance(linear.int8, Int8Tiles)
+                        for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))
+
 
 class LlamaForCausalLM(CausalLM):
     """Covers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
@@ -108,16 +119,54 @@ class LlamaForCausalLM(CausalLM):
                                   tuple(layer.attn.window for layer in self.layers))
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.head_dim)
 
+    def use_decode_kernel(self) -> bool:
+        if self.layers and all(layer.fits_decode_kernel() for layer in self.layers) and decode_layers.available():
+            self.decode_kernel = True
+        return self.decode_kernel
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary.tables(batch.positions)
+        if self.decode_kernel and _reads_tables_whole(batch) and x.device.type == "cpu":
+            return _decode_layers(self.layers, x, batch, rope, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, batch, rope, kv, self.kernels)
         return x + residual
 
     def map_layer(self, idx: int, rest: str) -> Target:
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
+
+
+def _reads_tables_whole(batch: ForwardBatch) -> bool:
+    """A decode-only step whose rows each read their K/V through their own whole table: no
+    prefix shared by several rows through a cascade plan, no sliding-window pool of its own."""
+    return (not batch.prefills and batch.num_decode > 0 and batch.write_index is None and batch.window_kv is None
+            and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix))
+
+
+def _decode_layers(layers: nn.ModuleList, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Every layer's ``forward`` over a decode-only step as one ``hyprefix::decode_layers``
+    call (the same results to float32 rounding; ``kernels/decode_layers.cpp``)."""
+    attns, mlps = [layer.attn for layer in layers], [layer.mlp for layer in layers]
+
+    def weights(linears: list[Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        tiled = [linear.int8 for linear in linears]
+        biases = [linear.bias for linear in linears if linear.bias is not None]
+        return [w.tiles for w in tiled], [w.scales for w in tiled], biases
+
+    qkv, o = weights([a.qkv for a in attns]), weights([a.o_proj for a in attns])
+    gate_up, down = weights([m.gate_up for m in mlps]), weights([m.down for m in mlps])
+    first, n = attns[0], x.shape[0]
+    return torch.ops.hyprefix.decode_layers(
+        x, [layer.input_norm.weight for layer in layers], *qkv,
+        [a.qk_norm_weight for a in attns if a.qk_norm_weight is not None],
+        rope.cos.reshape(n, -1).contiguous(), rope.sin.reshape(n, -1).contiguous(),
+        [k for k, _ in kv_caches], [v for _, v in kv_caches], batch.slot_mapping, batch.decode_block_tables,
+        batch.decode_context_lens, *o, [layer.post_norm.weight for layer in layers], *gate_up, *down,
+        first.num_heads, rope.rotary_dim, [a.window or 0 for a in attns], layers[0].input_norm.eps,
+        first.qk_norm_eps, first.scale)
 
 
 def map_attention_or_mlp(prefix: str, rest: str, attn: Attention | None, intermediate: int,

@@ -44,6 +44,7 @@ class ModelRunner:
 
         if device.type == "cpu" and layout.num_layers:
             decode_attention.available(dtype)  # built (or found) now, before any step is compiled
+            model.use_decode_kernel()
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
                    block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]

@@ -1,0 +1,310 @@
+// The arithmetic of hyprefix::decode_attention (decode_attention.cpp, which documents it) as
+// planned work, also run inside hyprefix::decode_layers (decode_layers.cpp). Written on ATen's
+// vector types: one build per CPU capability, included by one translation unit each.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Below this many (key, KV head) pairs in a call, one thread does it all. In a decode step the
+// K/V is cold (the weights streamed through the caches since its last read) and one thread
+// read it at ~10 GB/s (SmolLM2 at 128-160 tokens, 2-core Zen 4), so short contexts split too.
+// Thresholds of 64 to 384 pairs and 4 or 8 runs a thread measured even within noise (±0.5 ms a
+// step); always-serial was slowest at 512 tokens.
+constexpr int64_t kSerialWork = 192;
+constexpr int64_t kRunsPerThread = 4;
+// Query heads per pass over a KV head's rows: their vectors and accumulators stay in registers.
+constexpr int64_t kHeadsPerPass = 4;
+
+struct Shape {
+  int64_t rows, heads, dim, kv_heads, group, block_size, width;
+  int64_t q_b, q_h, t_b;  // strides (elements)
+  int64_t window;
+  float scale;
+};
+
+// Row b's visible key slots [lo, hi).
+inline void visible(const Shape& s, int64_t ctx, int64_t first, int64_t& lo, int64_t& hi) {
+  hi = std::min(ctx - first, s.width * s.block_size);
+  lo = s.window > 0 ? std::max<int64_t>(0, ctx - s.window - first) : 0;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(src, n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// One task's result, per query head of the row (H of them): sum_j exp(s_j - max) v_j, max, sum.
+struct Partial {
+  float* acc;  // [H, D]
+  float* max;  // [H]
+  float* sum;  // [H]
+};
+
+// Calls fn(j, count, offset) for each block's share of the slots [j0, j1) of one row's table:
+// slots j .. j + count - 1, whose rows (all KV heads) start at element offset `offset`.
+template <typename F>
+inline void each_block(const Shape& s, const int64_t* table, int64_t j0, int64_t j1, F fn) {
+  const int64_t row_stride = s.kv_heads * s.dim;
+  for (int64_t j = j0; j < j1;) {
+    const int64_t block = j / s.block_size, end = std::min(j1, (block + 1) * s.block_size);
+    fn(j, end - j, (table[block] * s.block_size + j % s.block_size) * row_stride);
+    j = end;
+  }
+}
+
+// Max, exp and sum of each of the m score rows (of n, ld apart), in place.
+inline void softmax_rows(float* scores, int64_t m, int64_t n, int64_t ld, Partial out) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* sc = scores + r * ld;
+    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sc, n);
+    at::vec::map([&](Vec x) { return (x - Vec(top)).exp_u20(); }, sc, sc, n);
+    out.max[r] = top;
+    out.sum[r] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sc, n);
+  }
+}
+
+// A head dim D known at compile time: a K/V row is D / Vec::size() registers.
+template <int64_t D, typename T>
+inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
+  constexpr int64_t n = D / Vec::size();
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) r[i] = Vec::loadu(p + i * Vec::size());
+  } else {
+    for (int64_t i = 0; i < n; i += 2) {
+      auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p + i * Vec::size()));
+      r[i] = a;
+      r[i + 1] = b;
+    }
+  }
+}
+
+// scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart.
+template <int64_t D, int64_t GB, typename T>
+inline void block_scores(const float* q, const T* k, int64_t stride, int64_t count, float* scores, int64_t ld) {
+  constexpr int64_t n_vec = D / Vec::size();
+  Vec qv[GB][n_vec];
+  for (int64_t g = 0; g < GB; ++g)
+    for (int64_t i = 0; i < n_vec; ++i) qv[g][i] = Vec::loadu(q + g * D + i * Vec::size());
+  for (int64_t j = 0; j < count; ++j) {
+    Vec kr[n_vec];
+    load_row<D>(k + j * stride, kr);
+    for (int64_t g = 0; g < GB; ++g) {
+      Vec a = qv[g][0] * kr[0];
+      for (int64_t i = 1; i < n_vec; ++i) a = at::vec::fmadd(qv[g][i], kr[i], a);
+      scores[g * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+    }
+  }
+}
+
+// acc_g += sum_i p[g * ld + i] v_i for GB query heads and `count` V rows `stride` apart.
+template <int64_t D, int64_t GB, typename T>
+inline void block_values(const float* p, int64_t ld, const T* v, int64_t stride, int64_t count, float* acc) {
+  constexpr int64_t n_vec = D / Vec::size();
+  Vec a[GB][n_vec];
+  for (int64_t g = 0; g < GB; ++g)
+    for (int64_t i = 0; i < n_vec; ++i) a[g][i] = Vec::loadu(acc + g * D + i * Vec::size());
+  for (int64_t j = 0; j < count; ++j) {
+    Vec vr[n_vec];
+    load_row<D>(v + j * stride, vr);
+    for (int64_t g = 0; g < GB; ++g) {
+      const Vec pj(p[g * ld + j]);
+      for (int64_t i = 0; i < n_vec; ++i) a[g][i] = at::vec::fmadd(pj, vr[i], a[g][i]);
+    }
+  }
+  for (int64_t g = 0; g < GB; ++g)
+    for (int64_t i = 0; i < n_vec; ++i) a[g][i].store(acc + g * D + i * Vec::size());
+}
+
+// Runs fn.template operator()<GB>(g0) over the query heads of a group, kHeadsPerPass at a time.
+template <typename F>
+inline void by_passes(int64_t group, F fn) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+    switch (std::min(kHeadsPerPass, group - g0)) {
+      case 1: fn.template operator()<1>(g0); break;
+      case 2: fn.template operator()<2>(g0); break;
+      case 3: fn.template operator()<3>(g0); break;
+      default: fn.template operator()<4>(g0); break;
+    }
+  }
+}
+
+// One task over slots [j0, j1): scores of every query head (rows of `scores`, n apart), their
+// softmax, then the weighted V rows into out.acc. q: the row's H scaled query vectors.
+template <int64_t D, typename T>
+void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+               int64_t j0, int64_t j1, float* scores, Partial out) {
+  const int64_t n = j1 - j0, g = s.group, stride = s.kv_heads * D;
+  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      by_passes(g, [&]<int64_t GB>(int64_t g0) {
+        const int64_t head = h * g + g0;
+        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n);
+      });
+  });
+  softmax_rows(scores, s.heads, n, n, out);
+  std::fill_n(out.acc, s.heads * D, 0.0f);
+  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      by_passes(g, [&]<int64_t GB>(int64_t g0) {
+        const int64_t head = h * g + g0;
+        block_values<D, GB>(scores + head * n + j - j0, n, v_cache + off + h * D, stride, count,
+                            out.acc + head * D);
+      });
+  });
+}
+
+// Any head dim: the same arithmetic, one K/V row at a time converted into `row`.
+template <typename T>
+void run_any(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+             int64_t j0, int64_t j1, float* scores, float* row, Partial out) {
+  const int64_t n = j1 - j0, d = s.dim, g = s.group;
+  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        to_float(k_cache + off + (i * s.kv_heads + h) * d, row, d);
+        for (int64_t head = h * g; head < (h + 1) * g; ++head)
+          scores[head * n + j - j0 + i] = at::vec::map2_reduce_all<float>(
+              [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; }, q + head * d, row, d);
+      }
+  });
+  softmax_rows(scores, s.heads, n, n, out);
+  std::fill_n(out.acc, s.heads * d, 0.0f);
+  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        to_float(v_cache + off + (i * s.kv_heads + h) * d, row, d);
+        for (int64_t head = h * g; head < (h + 1) * g; ++head) {
+          const Vec p(scores[head * n + j - j0 + i]);
+          float* acc = out.acc + head * d;
+          at::vec::map2([&](Vec x, Vec y) { return at::vec::fmadd(p, x, y); }, acc, row, acc, d);
+        }
+      }
+  });
+}
+
+struct Scratch {  // one thread's buffers for its tasks
+  std::vector<float> qs, scores, row;
+};
+
+// One call's work, planned: tasks (a row and a run of its blocks) that any thread may take,
+// then a merge of each (row, head)'s partial results. Used by hyprefix::decode_attention
+// (decode_attention.cpp) and inside hyprefix::decode_layers' parallel region (decode_layers.cpp),
+// which plans once a step and points q and the caches at each layer's.
+template <typename T>
+struct DecodeWork {
+  Shape s;
+  const T *q, *k_cache, *v_cache;
+  const int64_t *tables, *context_lens, *first_pos;
+  std::vector<int64_t> lo, hi;
+  int64_t run_blocks = 1, runs = 1, tasks = 0;
+  bool serial = true;
+  std::vector<float> acc, max, sum;
+
+  DecodeWork(const Shape& shape, const T* q_, const T* k, const T* v, const int64_t* tables_,
+             const int64_t* context_lens_, const int64_t* first_pos_, int64_t threads)
+      : s(shape), q(q_), k_cache(k), v_cache(v), tables(tables_), context_lens(context_lens_),
+        first_pos(first_pos_), lo(shape.rows), hi(shape.rows) {
+    const int64_t bs = s.block_size;
+    int64_t work = 0, widest = 0;  // widest: the most blocks a row's visible slots touch
+    for (int64_t b = 0; b < s.rows; ++b) {
+      visible(s, context_lens[b], first_pos ? first_pos[b] : 0, lo[b], hi[b]);
+      if (hi[b] <= lo[b]) continue;
+      work += (hi[b] - lo[b]) * s.kv_heads;
+      widest = std::max(widest, (hi[b] - 1) / bs - lo[b] / bs + 1);
+    }
+    serial = work < kSerialWork || threads == 1;
+    // Runs of whole blocks: about kRunsPerThread a thread, taken as threads free up (the widest
+    // row's runs all hold keys; a shorter row's last ones may be empty).
+    const int64_t want =
+        serial ? 1 : std::max<int64_t>(1, std::min(widest, (kRunsPerThread * threads + s.rows - 1) / s.rows));
+    run_blocks = std::max<int64_t>(1, (widest + want - 1) / want);
+    runs = std::max<int64_t>(1, (widest + run_blocks - 1) / run_blocks);
+    tasks = s.rows * runs;
+    acc.resize(tasks * s.heads * s.dim);
+    max.resize(tasks * s.heads);
+    sum.resize(tasks * s.heads);
+  }
+
+  // Task t's row and its slots [j0, j1) (empty where the row's keys end before the run).
+  void task_slots(int64_t t, int64_t& b, int64_t& j0, int64_t& j1) const {
+    const int64_t bs = s.block_size, r = t % runs;
+    b = t / runs;
+    const int64_t first = lo[b] / bs * bs;
+    j0 = std::max(lo[b], first + r * run_blocks * bs);
+    j1 = std::min(hi[b], first + (r + 1) * run_blocks * bs);
+  }
+
+  void task(int64_t t, Scratch& w) {
+    const int64_t d = s.dim, heads = s.heads;
+    int64_t b, j0, j1;
+    task_slots(t, b, j0, j1);
+    Partial p{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads};
+    if (j1 <= j0) {
+      std::fill_n(p.max, heads, -std::numeric_limits<float>::infinity());
+      std::fill_n(p.sum, heads, 0.0f);
+      return;
+    }
+    w.qs.resize(heads * d);
+    w.row.resize(d);
+    w.scores.resize(heads * (j1 - j0));
+    for (int64_t head = 0; head < heads; ++head) {
+      float* qh = w.qs.data() + head * d;
+      to_float(q + b * s.q_b + head * s.q_h, qh, d);
+      at::vec::map([&](Vec x) { return x * Vec(s.scale); }, qh, qh, d);
+    }
+    const int64_t* table = tables + b * s.t_b;
+    const float* qs = w.qs.data();
+    float* scores = w.scores.data();
+    switch (d) {
+      case 64: run_fixed<64>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      case 128: run_fixed<128>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      case 256: run_fixed<256>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      default: run_any(s, qs, k_cache, v_cache, table, j0, j1, scores, w.row.data(), p);
+    }
+  }
+
+  // Row b's runs merged for one head: out = sum_r acc_r e^(max_r - M) / sum_r sum_r e^(max_r - M),
+  // into dst [D] (q's dtype) and its log-sum-exp; `merged`: D floats of scratch.
+  void merge(int64_t b, int64_t head, T* dst, float* lse, float* merged) const {
+    const int64_t d = s.dim, heads = s.heads;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < runs; ++r) top = std::max(top, max[(b * runs + r) * heads + head]);
+    float total = 0.0f;
+    std::fill_n(merged, d, 0.0f);
+    if (top != -std::numeric_limits<float>::infinity()) {
+      for (int64_t r = 0; r < runs; ++r) {
+        const int64_t i = (b * runs + r) * heads + head;
+        if (sum[i] == 0.0f) continue;  // an empty run (its acc is unset)
+        const float by = std::exp(max[i] - top);
+        total += sum[i] * by;
+        const Vec w(by);
+        at::vec::map2([&](Vec x, Vec y) { return at::vec::fmadd(w, x, y); }, merged, acc.data() + i * d, merged, d);
+      }
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    at::vec::map([&](Vec x) { return x * Vec(inv); }, merged, merged, d);
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy_n(merged, d, dst);
+    } else {
+      at::vec::convert(merged, dst, d);
+    }
+    *lse = total > 0.0f ? top + std::log(total) : -std::numeric_limits<float>::infinity();
+  }
+};
+
+}  // namespace

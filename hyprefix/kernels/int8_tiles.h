@@ -1,0 +1,237 @@
+// The arithmetic of hyprefix::int8_linear (int8_linear.cpp) and of the int8 matmuls inside
+// hyprefix::decode_layers (decode_layers.cpp): see int8_linear.cpp for the layout and the method.
+// Included by one translation unit per build (its flags pick the AVX512-VNNI or AVX2 path).
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+struct GroupedActivations {  // per row: K int8 values, and per group its scale (and, for VNNI, -128 * sum)
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> starts;
+};
+
+// Per-group weight scales are float16 (bits), per-row ones float32.
+template <bool kPerGroup>
+using WeightScale = std::conditional_t<kPerGroup, uint16_t, float>;
+
+#if defined(__AVX512VNNI__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One group of 32 values: its int8 values to dst, its scale; returns -128 * sum of the values.
+template <typename T>
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 a = load16(src), b = load16(src + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign_off), _mm512_and_ps(b, sign_off)));
+  float d = amax / 127.0f;
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+  *scale = d;
+  return -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+// MB activation rows times one tile: the 16 rows' results of each into out[i].
+template <bool kPerGroup, int MB>
+inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_scales, int64_t k,
+                      const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i even[MB], odd[MB];
+    for (int i = 0; i < MB; ++i) {
+      even[i] = _mm512_set1_epi32(q.starts[(m0 + i) * groups + g]);
+      odd[i] = _mm512_setzero_si512();
+    }
+    const uint8_t* wg = tile + g * kGroup * 16;
+#pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      __m512i w0 = _mm512_loadu_si512(wg + j * 64), w1 = _mm512_loadu_si512(wg + (j + 1) * 64);
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xi = reinterpret_cast<const int32_t*>(q.values.data() + (m0 + i) * k + g * kGroup);
+        even[i] = _mm512_dpbusd_epi32(even[i], w0, _mm512_set1_epi32(xi[j]));
+        odd[i] = _mm512_dpbusd_epi32(odd[i], w1, _mm512_set1_epi32(xi[j + 1]));
+      }
+    }
+    __m512 wscale = _mm512_set1_ps(1.0f);
+    if constexpr (kPerGroup) {
+      wscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales + g * 16)));
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(q.scales[(m0 + i) * groups + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[i], odd[i])), scale, acc[i]);
+    }
+  }
+  __m512 row_scale = _mm512_set1_ps(1.0f);
+  if constexpr (!kPerGroup) row_scale = _mm512_loadu_ps(tile_scales);
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], _mm512_mul_ps(acc[i], row_scale));
+}
+
+#else  // AVX2
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], sign_off));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float d = _mm_cvtss_f32(m4) / 127.0f;
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+  // packs work per 128-bit lane: the dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] ...
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  *scale = d;
+  return 0;  // the AVX2 tiles hold signed weights: nothing to take back
+}
+
+template <bool kPerGroup, int MB>
+inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_scales, int64_t k,
+                      const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sum[MB][2];
+    for (int i = 0; i < MB; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+    const uint8_t* wg = tile + g * kGroup * 16;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m256i x_bytes[MB], x_abs[MB];  // 4 activation bytes, broadcast
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xi = reinterpret_cast<const int32_t*>(q.values.data() + (m0 + i) * k + g * kGroup);
+        x_bytes[i] = _mm256_set1_epi32(xi[j]);
+        x_abs[i] = _mm256_abs_epi8(x_bytes[i]);
+      }
+      for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+        __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64 + h * 32));
+        for (int i = 0; i < MB; ++i) {
+          __m256i pairs = _mm256_maddubs_epi16(x_abs[i], _mm256_sign_epi8(w, x_bytes[i]));
+          sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    __m256 wscale[2] = {_mm256_set1_ps(1.0f), _mm256_set1_ps(1.0f)};
+    if constexpr (kPerGroup) {
+      for (int h = 0; h < 2; ++h) {
+        wscale[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + g * 16 + h * 8)));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m256 xscale = _mm256_set1_ps(q.scales[(m0 + i) * groups + g]);
+      for (int h = 0; h < 2; ++h) {
+        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][h]), _mm256_mul_ps(wscale[h], xscale), acc[i][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256 row_scale = _mm256_set1_ps(1.0f);
+    if constexpr (!kPerGroup) row_scale = _mm256_loadu_ps(tile_scales + h * 8);
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i] + h * 8, _mm256_mul_ps(acc[i][h], row_scale));
+  }
+}
+
+#endif
+
+// Groups [begin, end) of x (rows of k values, groups numbered row-major) into q, sized for them.
+template <typename T>
+inline void quantize_span(const T* x, int64_t begin, int64_t end, GroupedActivations& q) {
+  for (int64_t i = begin; i < end; ++i) {
+    q.starts[i] = quantize_group(x + i * kGroup, q.values.data() + i * kGroup, &q.scales[i]);
+  }
+}
+
+inline void size_for(GroupedActivations& q, int64_t rows, int64_t k) {
+  q.values.resize(rows * k);
+  q.scales.resize(rows * (k / kGroup));
+  q.starts.resize(rows * (k / kGroup));
+}
+
+template <typename T>
+GroupedActivations quantize_groups(const T* x, int64_t rows, int64_t k) {
+  GroupedActivations q;
+  size_for(q, rows, k);
+  at::parallel_for(0, rows * (k / kGroup), 1 << 12, [&](int64_t begin, int64_t end) {  // 4096 groups a task
+    quantize_span(x, begin, end, q);
+  });
+  return q;
+}
+
+inline void store16(float* dst, const float* v, int64_t count) { std::copy(v, v + count, dst); }
+
+inline void store16(c10::BFloat16* dst, const float* v, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(v[i]);
+}
+
+// Tiles [t0, t1) of the n-row weight times the rows of q: their columns of out ([rows, n]).
+template <bool kPerGroup, typename T>
+void tile_span(const GroupedActivations& q, const uint8_t* packed, const WeightScale<kPerGroup>* scales,
+               int64_t rows, int64_t n, int64_t k, T* out, int64_t t0, int64_t t1) {
+  const int64_t tile_scale_stride = kPerGroup ? (k / kGroup) * 16 : 16;
+  alignas(64) float res[4][16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * 16 * k;
+    const WeightScale<kPerGroup>* ts = scales + t * tile_scale_stride;
+    const int64_t count = std::min<int64_t>(16, n - t * 16);
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const int64_t mb = std::min<int64_t>(4, rows - m0);
+      switch (mb) {
+        case 4: tile_rows<kPerGroup, 4>(tile, ts, k, q, m0, res); break;
+        case 3: tile_rows<kPerGroup, 3>(tile, ts, k, q, m0, res); break;
+        case 2: tile_rows<kPerGroup, 2>(tile, ts, k, q, m0, res); break;
+        default: tile_rows<kPerGroup, 1>(tile, ts, k, q, m0, res); break;
+      }
+      for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * n + t * 16, res[i], count);
+    }
+  }
+}
+
+template <bool kPerGroup, typename T>
+void run_tiles(const GroupedActivations& q, const uint8_t* packed, const WeightScale<kPerGroup>* scales,
+               int64_t rows, int64_t n, int64_t k, T* out) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (16 * k));
+  at::parallel_for(0, (n + 15) / 16, grain, [&](int64_t t0, int64_t t1) {
+    tile_span<kPerGroup>(q, packed, scales, rows, n, k, out, t0, t1);
+  });
+}
+
+}  // namespace
