@@ -44,26 +44,16 @@ struct Int8Matrix {  // a weight of int8_tiles.h: rows n, columns k
 
 Int8Matrix matrix(const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor* bias, int64_t n,
                   const char* name) {
-  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == 4 &&
-                  tiles.is_contiguous(),
-              "decode_layers: ", name, " tiles must be contiguous uint8 [N/16, K/4, 16, 4]");
-  const int64_t k = tiles.size(1) * 4, num_tiles = tiles.size(0);
-  TORCH_CHECK(k % kGroup == 0 && num_tiles == (n + 15) / 16, "decode_layers: ", name, " has ", num_tiles,
-              " tiles of K=", k, " for ", n, " rows");
-  const bool per_group = scales.dim() == 3;
-  TORCH_CHECK(scales.is_contiguous() &&
-                  (per_group ? scales.scalar_type() == at::kHalf && scales.size(0) == num_tiles &&
-                                   scales.size(1) == k / kGroup && scales.size(2) == 16
-                             : scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
-                                   scales.size(0) == num_tiles * 16),
-              "decode_layers: ", name, " scales must be float16 [N/16, K/32, 16] or float32 [N/16 * 16]");
+  const bool per_group = check_tiles(tiles, scales, n, "decode_layers");
+  TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "decode_layers: ", name,
+              " tiles and scales must be contiguous");
   const float* b = nullptr;
   if (bias != nullptr) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "decode_layers: ", name, " bias must be float32 [", n, "]");
     b = bias->const_data_ptr<float>();
   }
-  return {tiles.const_data_ptr<uint8_t>(), scales.const_data_ptr(), per_group, b, n, k};
+  return {tiles.const_data_ptr<uint8_t>(), scales.const_data_ptr(), per_group, b, n, tiles.size(1) * 4};
 }
 
 // This thread's share of the tiles of w times q's rows, into out [rows, w.n] (plus the bias).
@@ -90,17 +80,16 @@ void rms_norm(const float* src, const float* weight, float eps, int64_t n, float
   at::vec::map2([&](Vec x, Vec w) { return w * (x * Vec(r)); }, dst, src, weight, n);
 }
 
+void quantize_rows(const float* x, int64_t rows, int64_t k, GroupedActivations& q) {
+  size_for(q, rows, k);
+  quantize_span(x, 0, rows * (k / kGroup), q);
+}
+
 // Every row's norm of res [rows, n], quantized into q for the next matmul; h: scratch.
 void norm_rows(const float* res, const float* weight, float eps, int64_t rows, int64_t n, float* h,
                GroupedActivations& q) {
   for (int64_t r = 0; r < rows; ++r) rms_norm(res + r * n, weight, eps, n, h + r * n);
-  size_for(q, rows, n);
-  quantize_span(h, 0, rows * (n / kGroup), q);
-}
-
-void quantize_rows(const float* x, int64_t rows, int64_t k, GroupedActivations& q) {
-  size_for(q, rows, k);
-  quantize_span(x, 0, rows * (k / kGroup), q);
+  quantize_rows(h, rows, n, q);
 }
 
 struct Layer {

@@ -31,20 +31,11 @@ namespace {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && tiles.device().is_cpu() && scales.device().is_cpu(),
               "int8_linear: CPU tensors only");
-  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == 4,
-              "int8_linear: tiles must be uint8 [N/16, K/4, 16, 4]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_linear: x must be float32 or bfloat16");
-  const int64_t k = tiles.size(1) * 4, num_tiles = tiles.size(0);
-  TORCH_CHECK(k % kGroup == 0, "int8_linear: K must be a multiple of 32, got ", k);
+  const bool per_group = check_tiles(tiles, scales, n, "int8_linear");
+  const int64_t k = tiles.size(1) * 4;
   TORCH_CHECK(x.size(-1) == k, "int8_linear: x has ", x.size(-1), " features, the weight ", k);
-  TORCH_CHECK(n > (num_tiles - 1) * 16 && n <= num_tiles * 16, "int8_linear: ", n, " rows in ", num_tiles, " tiles");
-  const bool per_group = scales.dim() == 3;
-  TORCH_CHECK(per_group ? (scales.size(0) == num_tiles && scales.size(1) == k / kGroup && scales.size(2) == 16)
-                        : (scales.dim() == 1 && scales.size(0) == num_tiles * 16),
-              "int8_linear: scales must be [N/16, K/32, 16] or [N/16 * 16]");
-  TORCH_CHECK(scales.scalar_type() == (per_group ? at::kHalf : at::kFloat),
-              "int8_linear: scales must be float16 per group, float32 per row");
   at::Tensor xc = x.contiguous(), pc = tiles.contiguous(), sc = scales.contiguous();
   const int64_t rows = xc.numel() / k;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -202,6 +202,24 @@ inline void store16(c10::BFloat16* dst, const float* v, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(v[i]);
 }
 
+// Checks that tiles (uint8 [N/16, K/4, 16, 4], K a multiple of 32) and their scales (float16
+// [N/16, K/32, 16] per group, or float32 [N/16 * 16] per row) hold an n-row weight; `op` names
+// the caller in the messages. Returns whether the scales are per group.
+inline bool check_tiles(const at::Tensor& tiles, const at::Tensor& scales, int64_t n, const char* op) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 4 && tiles.size(2) == 16 && tiles.size(3) == 4,
+              op, ": tiles must be uint8 [N/16, K/4, 16, 4]");
+  const int64_t k = tiles.size(1) * 4, num_tiles = tiles.size(0);
+  TORCH_CHECK(k % kGroup == 0, op, ": K must be a multiple of 32, got ", k);
+  TORCH_CHECK(n > (num_tiles - 1) * 16 && n <= num_tiles * 16, op, ": ", n, " rows in ", num_tiles, " tiles");
+  const bool per_group = scales.dim() == 3;
+  TORCH_CHECK(per_group ? (scales.size(0) == num_tiles && scales.size(1) == k / kGroup && scales.size(2) == 16)
+                        : (scales.dim() == 1 && scales.size(0) == num_tiles * 16),
+              op, ": scales must be [N/16, K/32, 16] or [N/16 * 16]");
+  TORCH_CHECK(scales.scalar_type() == (per_group ? at::kHalf : at::kFloat),
+              op, ": scales must be float16 per group, float32 per row");
+  return per_group;
+}
+
 // Tiles [t0, t1) of the n-row weight times the rows of q: their columns of out ([rows, n]).
 template <bool kPerGroup, typename T>
 void tile_span(const GroupedActivations& q, const uint8_t* packed, const WeightScale<kPerGroup>* scales,
