@@ -37,6 +37,15 @@ def _both_paths(llm, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor],
             logits = model.compute_logits(hidden[batch.logits_indices])
         written = torch.stack([c.flatten(0, 1)[batch.slot_mapping] for pair in runner.kv_caches for c in pair])
         results.append({"hidden": hidden, "logits": logits, "kv": written})
+        if kernel:  # the whole step, head and argmax included, from the same cache
+            for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+                k.copy_(k0)
+                v.copy_(v0)
+            with torch.inference_mode():
+                whole, greedy = model.decode_logits(batch, runner.kv_caches)
+            gap = (whole - logits).abs().max().item()
+            assert gap <= 1e-4 * logits.abs().max().item(), f"the whole step's logits differ by {gap:.3g}"
+            assert torch.equal(greedy, whole.argmax(-1))
     model.decode_kernel = True
     for i in range(len(prompts)):
         llm.engine.cache.kv.free(f"d{i}")  # _decode_batch's

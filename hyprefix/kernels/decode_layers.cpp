@@ -1,6 +1,8 @@
-// hyprefix::decode_layers: every layer of a Llama-style decoder over decode rows (one token each)
-// with int8 weights, in one call and one parallel region. Per layer, with res the residual
-// stream (the embeddings x before the first layer):
+// hyprefix::DecodeModel: a Llama-style decoder with int8 weights, set up once (its weights, its
+// paged K/V caches, its embedding, final norm, LM head and RoPE tables), and a decode step over
+// it in one call and one parallel region: hyprefix::decode_model_hidden (the hidden states) and
+// hyprefix::decode_model_logits (the logits and their argmax). Per layer, with res the residual
+// stream (the rows' embeddings before the first layer):
 //
 //   res += out (the previous layer's);  h = rms_norm(res) * input_norm
 //   q, k, v = split(h @ qkv^T + qkv_bias);  QK-norm per head (where given), rotate-half RoPE on
@@ -9,24 +11,31 @@
 //   res += a @ o^T + o_bias;  h = rms_norm(res) * post_norm
 //   gate, up = split(h @ gate_up^T + gate_up_bias);  out = (silu(gate) * up) @ down^T + down_bias
 //
-// and it returns out + res of the last layer. That is the arithmetic, in the same float32 order,
-// of the layers run op by op (models/llama.py with the int8 kernel of int8_tiles.h and the
-// attention of decode_attention.h), so the results agree to float32 rounding. What it saves
-// is the time between those ops: a batch-1 decode step of a small model is ~150 kernel calls,
-// and each call's dispatch, allocation and thread wake-up left the memory idle (SmolLM2-135M
-// Q8_0 on a 2-core Zen 4: the worker thread spun 45 % of the step; one call a layer still left
-// ~10 us between calls). Here the threads stay in one region: each matmul's 16-row tiles are
-// split evenly among them (chunks taken from a shared counter measured 1.02-1.13x slower),
-// attention tasks go to whichever thread is free, and the small steps between (norms, RoPE, the
-// K/V write, SiLU, the activations' int8 quantization) run on thread 0 while the others wait at
-// a barrier.
+// then hidden = out + res of the last layer, or logits = rms_norm(res + out) * final_norm @ head^T.
+// That is the arithmetic, in the same float32 order, of the model run op by op (models/llama.py
+// with the int8 kernel of int8_tiles.h and the attention of decode_attention.h), so the results
+// agree to float32 rounding. What it saves is the time between those ops: a batch-1 decode step
+// of a small model is ~150 kernel calls, and each call's dispatch, allocation and thread wake-up
+// left the memory idle (SmolLM2-135M Q8_0 on a 2-core Zen 4: the worker thread spun 45 % of the
+// step; one call a layer still left ~10 us between calls); and passing the ~370 weight tensors
+// on every call cost ~0.3 ms of a ~5 ms step, which holding them here saves.
 //
-// float32 activations and caches only; the caller checks what this takes (decode_layers.py).
+// The threads stay in one region, six barriers a layer, one after each step whose result every
+// thread reads: each thread computes its share of every matmul (even runs of 16-row tiles; chunks
+// taken from a shared counter measured 1.02-1.13x slower) and finishes its own columns at once
+// (RoPE and the K/V write of its heads after q/k/v; silu(gate) * up and its int8 groups after
+// gate_up, whose share is matching gate and up columns); attention tasks go to whichever thread
+// is free, then each thread merges the heads of its int8 groups; and the small row-wide steps
+// (the residual add, RMSNorm, the activations' int8 quantization) each thread does whole, on its
+// own copy of res, rather than one thread while the others wait.
+//
+// Not traced by torch.compile: the K/V caches it writes are held here, not arguments.
 #include "decode_attention.h"
 #include "int8_tiles.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -42,24 +51,23 @@ struct Int8Matrix {  // a weight of int8_tiles.h: rows n, columns k
   int64_t n, k;
 };
 
-Int8Matrix matrix(const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor* bias, int64_t n,
-                  const char* name) {
-  const bool per_group = check_tiles(tiles, scales, n, "decode_layers");
-  TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "decode_layers: ", name,
+Int8Matrix matrix(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                  int64_t n, const char* name) {
+  const bool per_group = check_tiles(tiles, scales, n, "DecodeModel");
+  TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "DecodeModel: ", name,
               " tiles and scales must be contiguous");
   const float* b = nullptr;
-  if (bias != nullptr) {
+  if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "decode_layers: ", name, " bias must be float32 [", n, "]");
+                "DecodeModel: ", name, " bias must be float32 [", n, "]");
     b = bias->const_data_ptr<float>();
   }
   return {tiles.const_data_ptr<uint8_t>(), scales.const_data_ptr(), per_group, b, n, tiles.size(1) * 4};
 }
 
-// This thread's share of the tiles of w times q's rows, into out [rows, w.n] (plus the bias).
-void matmul_share(const Int8Matrix& w, const GroupedActivations& q, int64_t rows, float* out, int tid, int threads) {
-  const int64_t tiles = (w.n + 15) / 16;
-  const int64_t t0 = tiles * tid / threads, t1 = tiles * (tid + 1) / threads;
+// Tiles [t0, t1) of w times q's rows: their columns of out [rows, w.n], plus the bias.
+void matmul_tiles(const Int8Matrix& w, const GroupedActivations& q, int64_t rows, float* out, int64_t t0,
+                  int64_t t1) {
   if (t0 >= t1) return;
   if (w.per_group) {
     tile_span<true>(q, w.tiles, static_cast<const uint16_t*>(w.scales), rows, w.n, w.k, out, t0, t1);
@@ -72,6 +80,11 @@ void matmul_share(const Int8Matrix& w, const GroupedActivations& q, int64_t rows
     for (int64_t c = c0; c < c1; ++c) out[r * w.n + c] += w.bias[c];
 }
 
+// Thread tid's even share [lo, hi) of n items.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
+  return {n * tid / threads, n * (tid + 1) / threads};
+}
+
 // dst = weight * (src * rsqrt(mean(src^2) + eps)) over n values, as models/fused.py's rms_norm.
 void rms_norm(const float* src, const float* weight, float eps, int64_t n, float* dst) {
   const float ss = at::vec::map_reduce_all<float>([](Vec x) { return x * x; },
@@ -80,218 +93,381 @@ void rms_norm(const float* src, const float* weight, float eps, int64_t n, float
   at::vec::map2([&](Vec x, Vec w) { return w * (x * Vec(r)); }, dst, src, weight, n);
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, GroupedActivations& q) {
-  size_for(q, rows, k);
-  quantize_span(x, 0, rows * (k / kGroup), q);
-}
-
-// Every row's norm of res [rows, n], quantized into q for the next matmul; h: scratch.
+// Every row's norm of res [rows, n], quantized into q (sized for it) for the next matmul; h: scratch.
 void norm_rows(const float* res, const float* weight, float eps, int64_t rows, int64_t n, float* h,
                GroupedActivations& q) {
   for (int64_t r = 0; r < rows; ++r) rms_norm(res + r * n, weight, eps, n, h + r * n);
-  quantize_rows(h, rows, n, q);
+  quantize_span(h, 0, rows * (n / kGroup), q);
+}
+
+// The first index of x's largest value (a NaN counts as larger than any number) into best/index
+// where it beats them; n values from column `first`.
+void argmax_span(const float* x, int64_t n, int64_t first, float& best, int64_t& index) {
+  constexpr int64_t kChunk = 256;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t len = std::min(kChunk, n - c);
+    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x + c, len);
+    const bool nan = std::isnan(top);
+    if (index >= 0 && !(top > best) && !(nan && !std::isnan(best))) continue;
+    for (int64_t i = c; i < c + len; ++i) {
+      if (x[i] == top || (nan && std::isnan(x[i]))) {
+        best = x[i];
+        index = first + i;
+        break;
+      }
+    }
+  }
 }
 
 struct Layer {
   const float *input_norm, *qk_norm, *post_norm;  // qk_norm: nullptr where none
   Int8Matrix qkv, o, gate_up, down;
   float *k_cache, *v_cache;
-  size_t plan;  // which of the step's attention plans (one per distinct window)
+  int64_t window;  // 0: none
 };
 
-// Buffers of the calling thread, kept between calls (no allocation a step but the result).
-struct StepScratch {
-  std::vector<float> res, out, h, qkv, attn, gate_up, act;
-  GroupedActivations q;
-};
-
-const at::Tensor* optional_at(const std::vector<at::Tensor>& list, size_t i, size_t layers, const char* name) {
-  TORCH_CHECK(list.empty() || list.size() == layers, "decode_layers: ", name, " must be empty or one a layer");
-  return list.empty() ? nullptr : &list[i];
+void check_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+              "DecodeModel: ", name, " must be contiguous float32 of ", n, " values");
 }
 
-at::Tensor decode_layers(
-    const at::Tensor& x, const std::vector<at::Tensor>& input_norms, const std::vector<at::Tensor>& qkv_tiles,
-    const std::vector<at::Tensor>& qkv_scales, const std::vector<at::Tensor>& qkv_biases,
-    const std::vector<at::Tensor>& qk_norms, const at::Tensor& cos, const at::Tensor& sin,
-    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& context_lens,
-    const std::vector<at::Tensor>& o_tiles, const std::vector<at::Tensor>& o_scales,
-    const std::vector<at::Tensor>& o_biases, const std::vector<at::Tensor>& post_norms,
-    const std::vector<at::Tensor>& gate_up_tiles, const std::vector<at::Tensor>& gate_up_scales,
-    const std::vector<at::Tensor>& gate_up_biases, const std::vector<at::Tensor>& down_tiles,
-    const std::vector<at::Tensor>& down_scales, const std::vector<at::Tensor>& down_biases, int64_t num_heads,
-    int64_t rotary_dim, at::IntArrayRef windows, double norm_eps, double qk_norm_eps, double scale) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "decode_layers: x must be contiguous float32 [rows, hidden] on CPU");
-  const size_t num_layers = input_norms.size();
-  for (const auto* list : {&qkv_tiles, &qkv_scales, &k_caches, &v_caches, &o_tiles, &o_scales, &post_norms,
-                           &gate_up_tiles, &gate_up_scales, &down_tiles, &down_scales}) {
-    TORCH_CHECK(list->size() == num_layers, "decode_layers: every weight list must hold one a layer");
-  }
-  TORCH_CHECK(num_layers > 0 && windows.size() == num_layers, "decode_layers: one window a layer (0: none)");
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  const at::Tensor& cache0 = k_caches[0];
-  TORCH_CHECK(cache0.dim() == 4, "decode_layers: the caches must be [blocks, block_size, kv_heads, dim]");
-  const int64_t kv_heads = cache0.size(2), dim = cache0.size(3);
-  TORCH_CHECK(num_heads % kv_heads == 0, "decode_layers: ", num_heads, " heads over ", kv_heads, " KV heads");
-  const int64_t q_size = num_heads * dim, kv_size = kv_heads * dim, qkv_n = q_size + 2 * kv_size;
-  const int64_t intermediate = down_tiles[0].size(1) * 4;
-  auto check_vector = [&](const at::Tensor& t, int64_t n, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
-                "decode_layers: ", name, " must be contiguous float32 of ", n, " values");
-  };
-  const int64_t half = rotary_dim / 2;
-  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= dim, "decode_layers: rotary_dim ", rotary_dim, " for dim ", dim);
-  check_vector(cos, rows * half, "cos");
-  check_vector(sin, rows * half, "sin");
-  auto check_index = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == rows,
-                "decode_layers: ", name, " must be contiguous int64 [rows]");
-  };
-  check_index(slot_mapping, "slot_mapping");
-  check_index(context_lens, "context_lens");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && tables.stride(1) == 1 && tables.scalar_type() == at::kLong,
-              "decode_layers: tables must be int64 [rows, width] with contiguous rows");
+// The model: pointers into the tensors it holds (so they live as long as it does).
+struct DecodeModel : torch::CustomClassHolder {
+  std::vector<at::Tensor> held;
+  std::vector<Layer> layers;
+  int64_t hidden, vocab, num_heads, rotary_dim, max_positions;
+  int64_t kv_heads = 0, dim = 0, block_size = 0, cache_slots = 0, intermediate = 0;
+  double norm_eps, qk_norm_eps, scale;
+  const float *embed, *final_norm, *cos, *sin;  // cos, sin: [max_positions, rotary_dim]
+  std::optional<Int8Matrix> head;
+  std::vector<int64_t> cache_shape;
 
+  // embed: float32 [vocab, hidden]; head: its int8 tiles and scales, or none (logits unavailable);
+  // cos, sin: float32 [max_positions, rotary_dim] (models/layers.py's Rotary).
+  DecodeModel(at::Tensor embed_, at::Tensor final_norm_, std::optional<at::Tensor> head_tiles,
+              std::optional<at::Tensor> head_scales, at::Tensor cos_, at::Tensor sin_, int64_t num_heads_,
+              double norm_eps_, double qk_norm_eps_, double scale_)
+      : hidden(embed_.size(-1)), vocab(embed_.size(0)), num_heads(num_heads_), rotary_dim(cos_.size(-1)),
+        max_positions(cos_.size(0)), norm_eps(norm_eps_), qk_norm_eps(qk_norm_eps_), scale(scale_) {
+    TORCH_CHECK(embed_.device().is_cpu() && embed_.dim() == 2, "DecodeModel: embed must be [vocab, hidden] on CPU");
+    check_vector(embed_, vocab * hidden, "embed");
+    check_vector(final_norm_, hidden, "final_norm");
+    TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && rotary_dim % 2 == 0,
+                "DecodeModel: cos and sin must be [max_positions, rotary_dim]");
+    check_vector(cos_, cos_.numel(), "cos");
+    check_vector(sin_, sin_.numel(), "sin");
+    TORCH_CHECK(head_tiles.has_value() == head_scales.has_value(), "DecodeModel: head tiles and scales go together");
+    if (head_tiles.has_value()) {
+      head = matrix(*head_tiles, *head_scales, std::nullopt, vocab, "head");
+      TORCH_CHECK(head->k == hidden, "DecodeModel: the head takes ", head->k, " inputs, hidden is ", hidden);
+      held.insert(held.end(), {*head_tiles, *head_scales});
+    }
+    held.insert(held.end(), {embed_, final_norm_, cos_, sin_});
+    embed = embed_.const_data_ptr<float>();
+    final_norm = final_norm_.const_data_ptr<float>();
+    cos = cos_.const_data_ptr<float>();
+    sin = sin_.const_data_ptr<float>();
+  }
+
+  // The next layer: its weights (int8 tiles and scales, optional biases), its norms (qk_norm:
+  // float32 [(num_heads + kv_heads) * dim] or none), its caches (float32 [blocks, block_size,
+  // kv_heads, dim], every layer's the same shape) and its sliding window (0: none).
+  void add_layer(at::Tensor input_norm, at::Tensor qkv_tiles, at::Tensor qkv_scales,
+                 std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> qk_norm, at::Tensor o_tiles,
+                 at::Tensor o_scales, std::optional<at::Tensor> o_bias, at::Tensor post_norm, at::Tensor gate_up_tiles,
+                 at::Tensor gate_up_scales, std::optional<at::Tensor> gate_up_bias, at::Tensor down_tiles,
+                 at::Tensor down_scales, std::optional<at::Tensor> down_bias, at::Tensor k_cache, at::Tensor v_cache,
+                 int64_t window) {
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                    v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu(),
+                "DecodeModel: the caches must be contiguous float32 [blocks, block_size, kv_heads, dim] on CPU");
+    if (layers.empty()) {
+      cache_shape = k_cache.sizes().vec();
+      kv_heads = k_cache.size(2);
+      dim = k_cache.size(3);
+      block_size = k_cache.size(1);
+      cache_slots = k_cache.size(0) * block_size;
+      intermediate = down_tiles.size(1) * 4;
+      TORCH_CHECK(num_heads % kv_heads == 0, "DecodeModel: ", num_heads, " heads over ", kv_heads, " KV heads");
+      TORCH_CHECK(dim % 16 == 0 && rotary_dim <= dim, "DecodeModel: head dim ", dim,
+                  " (a multiple of 16, at least rotary_dim ", rotary_dim, ")");
+    }
+    TORCH_CHECK(k_cache.sizes().vec() == cache_shape, "DecodeModel: every layer's caches must be one shape");
+    check_vector(input_norm, hidden, "input_norm");
+    check_vector(post_norm, hidden, "post_norm");
+    if (qk_norm.has_value()) check_vector(*qk_norm, (num_heads + kv_heads) * dim, "qk_norm");
+    const int64_t q_size = num_heads * dim, qkv_n = q_size + 2 * kv_heads * dim;
+    Layer l;
+    l.input_norm = input_norm.const_data_ptr<float>();
+    l.post_norm = post_norm.const_data_ptr<float>();
+    l.qk_norm = qk_norm ? qk_norm->const_data_ptr<float>() : nullptr;
+    l.qkv = matrix(qkv_tiles, qkv_scales, qkv_bias, qkv_n, "qkv");
+    l.o = matrix(o_tiles, o_scales, o_bias, hidden, "o_proj");
+    l.gate_up = matrix(gate_up_tiles, gate_up_scales, gate_up_bias, 2 * intermediate, "gate_up");
+    l.down = matrix(down_tiles, down_scales, down_bias, hidden, "down");
+    TORCH_CHECK(l.qkv.k == hidden && l.o.k == q_size && l.gate_up.k == hidden && l.down.k == intermediate,
+                "DecodeModel: layer ", layers.size(), "'s weights do not fit hidden ", hidden, ", ", num_heads, " x ",
+                dim, ", intermediate ", intermediate);
+    l.k_cache = k_cache.mutable_data_ptr<float>();
+    l.v_cache = v_cache.mutable_data_ptr<float>();
+    l.window = window;
+    for (const auto& t : {input_norm, qkv_tiles, qkv_scales, o_tiles, o_scales, post_norm, gate_up_tiles,
+                          gate_up_scales, down_tiles, down_scales, k_cache, v_cache})
+      held.push_back(t);
+    for (const auto* t : {&qkv_bias, &qk_norm, &o_bias, &gate_up_bias, &down_bias})
+      if (t->has_value()) held.push_back(**t);
+    layers.push_back(l);
+  }
+};
+
+struct ThreadScratch {  // one thread's: its copy of res, its activations, its merged attention heads
+  std::vector<float> res, h, attn, merged;
+  GroupedActivations q;
+  Scratch attention;
+};
+
+// Buffers of the calling thread, kept between calls (no allocation a step but the results).
+struct StepScratch {
+  std::vector<float> out, qkv, gate_up, act, best;
+  std::vector<int64_t> best_index;
+  GroupedActivations q_attn, q_act;  // o_proj's and down's inputs, each thread quantizing its groups
+  std::vector<ThreadScratch> threads;
+};
+
+// QK-norm (where given) and RoPE of heads [h0, h1) of each row's q, k, v (q heads, then k, then
+// v), then their k and v into the caches at the rows' slots.
+void finish_heads(const DecodeModel& m, const Layer& l, float* qkv, int64_t rows, const int64_t* positions,
+                  const int64_t* slots, int64_t h0, int64_t h1) {
+  const int64_t d = m.dim, half = m.rotary_dim / 2, kv_size = m.kv_heads * d;
+  const int64_t qkv_n = (m.num_heads + 2 * m.kv_heads) * d, rotated = m.num_heads + m.kv_heads;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * qkv_n;
+    const float *c = m.cos + positions[r] * m.rotary_dim, *s = m.sin + positions[r] * m.rotary_dim;
+    for (int64_t head = h0; head < h1; ++head) {
+      float* v = row + head * d;
+      if (head < rotated) {
+        if (l.qk_norm != nullptr) rms_norm(v, l.qk_norm + head * d, m.qk_norm_eps, d, v);
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = v[j], x2 = v[j + half];
+          v[j] = x1 * c[j] - x2 * s[j];
+          v[j + half] = x2 * c[j] + x1 * s[j];
+        }
+      }
+      if (head >= m.num_heads) {
+        const bool key = head < rotated;
+        float* cache = key ? l.k_cache : l.v_cache;
+        std::copy_n(v, d, cache + slots[r] * kv_size + (head - (key ? m.num_heads : rotated)) * d);
+      }
+    }
+  }
+}
+
+// Int8 groups [g0, g1) (row-major over rows of q_size) of the attention output into q: each
+// group's heads merged (DecodeWork::merge) into this thread's attn.
+void merge_groups(const DecodeWork<float>& attention, int64_t q_size, int64_t dim, int64_t g0, int64_t g1,
+                  ThreadScratch& mine, GroupedActivations& q) {
+  const int64_t per_row = q_size / kGroup, heads = q_size / dim;
+  int64_t done = -1;  // the last (row, head) merged, as row * heads + head
+  float lse;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t r = g / per_row, col = g % per_row * kGroup;
+    for (int64_t head = col / dim; head <= (col + kGroup - 1) / dim; ++head) {
+      if (r * heads + head <= done) continue;
+      attention.merge(r, head, mine.attn.data() + r * q_size + head * dim, &lse, mine.merged.data());
+      done = r * heads + head;
+    }
+  }
+  quantize_span(mine.attn.data(), g0, g1, q);
+}
+
+struct StepInputs {
+  const int64_t *ids, *positions, *slots;
+  int64_t rows;
+};
+
+// The decode step over every layer; then hidden = out + res into `hidden` or, with `logits`, the
+// LM head's logits [rows, vocab] and each row's argmax into `greedy`.
+void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tables, const at::Tensor& context_lens,
+              float* hidden, float* logits, int64_t* greedy) {
+  const int64_t rows = in.rows, n = m.hidden, d = m.dim, q_size = m.num_heads * d;
+  const int64_t qkv_n = q_size + 2 * m.kv_heads * d, inter = m.intermediate, vocab = m.vocab;
   const int threads_wanted = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   std::vector<DecodeWork<float>> plans;  // one per distinct window
-  std::vector<Layer> layers(num_layers);
-  for (size_t i = 0; i < num_layers; ++i) {
-    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-    TORCH_CHECK(kc.sizes() == cache0.sizes() && vc.sizes() == cache0.sizes() && kc.is_contiguous() &&
-                    vc.is_contiguous() && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                "decode_layers: every cache must be contiguous float32 of the first one's shape");
-    check_vector(input_norms[i], hidden, "input_norm");
-    check_vector(post_norms[i], hidden, "post_norm");
-    const at::Tensor* qk_norm = optional_at(qk_norms, i, num_layers, "qk_norms");
-    if (qk_norm != nullptr) check_vector(*qk_norm, (num_heads + kv_heads) * dim, "qk_norm");
-    Layer& l = layers[i];
-    l.input_norm = input_norms[i].const_data_ptr<float>();
-    l.post_norm = post_norms[i].const_data_ptr<float>();
-    l.qk_norm = qk_norm ? qk_norm->const_data_ptr<float>() : nullptr;
-    l.qkv = matrix(qkv_tiles[i], qkv_scales[i], optional_at(qkv_biases, i, num_layers, "qkv_biases"), qkv_n, "qkv");
-    l.o = matrix(o_tiles[i], o_scales[i], optional_at(o_biases, i, num_layers, "o_biases"), hidden, "o_proj");
-    l.gate_up = matrix(gate_up_tiles[i], gate_up_scales[i], optional_at(gate_up_biases, i, num_layers, "gate_up_biases"),
-                       2 * intermediate, "gate_up");
-    l.down = matrix(down_tiles[i], down_scales[i], optional_at(down_biases, i, num_layers, "down_biases"), hidden,
-                    "down");
-    TORCH_CHECK(l.qkv.k == hidden && l.o.k == q_size && l.gate_up.k == hidden && l.down.k == intermediate,
-                "decode_layers: layer ", i, "'s weights do not fit hidden ", hidden, ", ", num_heads, " x ", dim);
-    l.k_cache = kc.mutable_data_ptr<float>();
-    l.v_cache = vc.mutable_data_ptr<float>();
-    l.plan = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.s.window == windows[i]; }) -
-             plans.begin();
-    if (l.plan == plans.size()) {
-      const Shape shape{rows, num_heads, dim, kv_heads, num_heads / kv_heads, cache0.size(1), tables.size(1),
-                        qkv_n, dim, tables.stride(0), windows[i], static_cast<float>(scale)};
+  std::vector<size_t> plan_of(m.layers.size());
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const int64_t window = m.layers[i].window;
+    plan_of[i] = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.s.window == window; }) -
+                 plans.begin();
+    if (plan_of[i] == plans.size()) {
+      const Shape shape{rows, m.num_heads, d, m.kv_heads, m.num_heads / m.kv_heads, m.block_size, tables.size(1),
+                        qkv_n, d, tables.stride(0), window, static_cast<float>(m.scale)};
       plans.emplace_back(shape, nullptr, nullptr, nullptr, tables.const_data_ptr<int64_t>(),
                          context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted);
     }
   }
-
-  at::Tensor result = at::empty({rows, hidden}, x.options());
-  if (rows == 0) return result;
   static thread_local StepScratch scratch;
   StepScratch& w = scratch;  // the caller's, shared by the region's threads (each has its own thread_local)
-  w.res.assign(x.const_data_ptr<float>(), x.const_data_ptr<float>() + rows * hidden);
-  w.out.assign(rows * hidden, 0.0f);
-  w.h.resize(rows * hidden);
+  w.out.resize(rows * n);
   w.qkv.resize(rows * qkv_n);
-  w.attn.resize(rows * q_size);
-  w.gate_up.resize(rows * 2 * intermediate);
-  w.act.resize(rows * intermediate);
-  const float *cos_p = cos.const_data_ptr<float>(), *sin_p = sin.const_data_ptr<float>();
-  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  float *res = w.res.data(), *out = w.out.data();
+  w.gate_up.resize(rows * 2 * inter);
+  w.act.resize(rows * inter);
+  size_for(w.q_attn, rows, q_size);
+  size_for(w.q_act, rows, inter);
+  w.threads.resize(threads_wanted);
+  for (ThreadScratch& t : w.threads) {
+    t.res.resize(rows * n);
+    t.h.resize(rows * n);
+    t.attn.resize(rows * q_size);
+    t.merged.resize(d);
+    size_for(t.q, rows, n);
+  }
+  w.best.resize(threads_wanted * rows);
+  w.best_index.resize(threads_wanted * rows);
+  float* out = w.out.data();
   std::atomic<int64_t> next{0};  // the attention's next task
+  const int64_t heads_qkv = m.num_heads + 2 * m.kv_heads, groups_attn = rows * (q_size / kGroup);
+  const int64_t groups_act = inter / kGroup, gate_tiles = inter / 16;
 
 #pragma omp parallel num_threads(threads_wanted)
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
-    for (size_t i = 0; i < num_layers; ++i) {
-      const Layer& l = layers[i];
-      DecodeWork<float>& attention = plans[l.plan];
-      if (tid == 0) {
-        if (i > 0)
-          for (int64_t j = 0; j < rows * hidden; ++j) res[j] += out[j];
-        norm_rows(res, l.input_norm, norm_eps, rows, hidden, w.h.data(), w.q);
-      }
-#pragma omp barrier
-      matmul_share(l.qkv, w.q, rows, w.qkv.data(), tid, threads);
-#pragma omp barrier
-      if (tid == 0) {  // QK-norm, RoPE, the K/V write; the attention pointed at this layer
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = w.qkv.data() + r * qkv_n;
-          const float *c = cos_p + r * half, *s = sin_p + r * half;
-          for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
-            float* v = row + head * dim;
-            if (l.qk_norm != nullptr) rms_norm(v, l.qk_norm + head * dim, qk_norm_eps, dim, v);
-            for (int64_t j = 0; j < half; ++j) {
-              const float x1 = v[j], x2 = v[j + half];
-              v[j] = x1 * c[j] - x2 * s[j];
-              v[j + half] = x2 * c[j] + x1 * s[j];
-            }
-          }
-          std::copy_n(row + q_size, kv_size, l.k_cache + slots[r] * kv_size);
-          std::copy_n(row + q_size + kv_size, kv_size, l.v_cache + slots[r] * kv_size);
-        }
+    ThreadScratch& mine = w.threads[tid];
+    float* res = mine.res.data();
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(m.embed + in.ids[r] * n, n, res + r * n);
+    const auto [h0, h1] = share(heads_qkv, tid, threads);
+    const auto [a0, a1] = share(groups_attn, tid, threads);
+    const auto [u0, u1] = share(groups_act, tid, threads);
+    const auto [o0, o1] = share((n + 15) / 16, tid, threads);
+    for (size_t i = 0; i < m.layers.size(); ++i) {
+      const Layer& l = m.layers[i];
+      DecodeWork<float>& attention = plans[plan_of[i]];
+      if (i > 0)
+        for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      norm_rows(res, l.input_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
+      matmul_tiles(l.qkv, mine.q, rows, w.qkv.data(), h0 * d / 16, h1 * d / 16);
+      finish_heads(m, l, w.qkv.data(), rows, in.positions, in.slots, h0, h1);
+      if (tid == 0) {  // the attention pointed at this layer
         attention.q = w.qkv.data();
         attention.k_cache = l.k_cache;
         attention.v_cache = l.v_cache;
         next = 0;
       }
 #pragma omp barrier
-      if (!attention.serial || tid == 0) {
-        Scratch buffers;
-        for (int64_t t = next.fetch_add(1); t < attention.tasks; t = next.fetch_add(1)) attention.task(t, buffers);
+      if (!attention.serial || tid == 0)
+        for (int64_t t = next.fetch_add(1); t < attention.tasks; t = next.fetch_add(1))
+          attention.task(t, mine.attention);
+#pragma omp barrier
+      merge_groups(attention, q_size, d, a0, a1, mine, w.q_attn);
+#pragma omp barrier
+      matmul_tiles(l.o, w.q_attn, rows, out, o0, o1);
+#pragma omp barrier
+      for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      norm_rows(res, l.post_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
+      matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), 2 * u0, 2 * u1);
+      matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), gate_tiles + 2 * u0, gate_tiles + 2 * u1);
+      for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up of its columns, quantized
+        const float* g = w.gate_up.data() + r * 2 * inter;
+        const int64_t c0 = u0 * kGroup, c1 = u1 * kGroup;
+        at::vec::map2([](Vec gate, Vec up) { return gate / (Vec(1.0f) + gate.neg().exp()) * up; },
+                      w.act.data() + r * inter + c0, g + c0, g + inter + c0, c1 - c0);
+        quantize_span(w.act.data(), r * groups_act + u0, r * groups_act + u1, w.q_act);
       }
 #pragma omp barrier
-      if (tid == 0) {  // the heads merged, quantized for o_proj
-        float lse;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t head = 0; head < num_heads; ++head)
-            attention.merge(r, head, w.attn.data() + (r * num_heads + head) * dim, &lse, w.h.data());
-        quantize_rows(w.attn.data(), rows, q_size, w.q);
-      }
-#pragma omp barrier
-      matmul_share(l.o, w.q, rows, out, tid, threads);
-#pragma omp barrier
-      if (tid == 0) {  // res += o; its norm, quantized for gate_up
-        for (int64_t j = 0; j < rows * hidden; ++j) res[j] += out[j];
-        norm_rows(res, l.post_norm, norm_eps, rows, hidden, w.h.data(), w.q);
-      }
-#pragma omp barrier
-      matmul_share(l.gate_up, w.q, rows, w.gate_up.data(), tid, threads);
-#pragma omp barrier
-      if (tid == 0) {  // silu(gate) * up, quantized for down
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* g = w.gate_up.data() + r * 2 * intermediate;
-          at::vec::map2([](Vec gate, Vec up) { return gate / (Vec(1.0f) + gate.neg().exp()) * up; },
-                        w.act.data() + r * intermediate, g, g + intermediate, intermediate);
-        }
-        quantize_rows(w.act.data(), rows, intermediate, w.q);
-      }
-#pragma omp barrier
-      matmul_share(l.down, w.q, rows, out, tid, threads);
+      matmul_tiles(l.down, w.q_act, rows, out, o0, o1);
 #pragma omp barrier
     }
+    if (logits != nullptr) {
+      for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      norm_rows(res, m.final_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
+      const auto [t0, t1] = share((vocab + 15) / 16, tid, threads);
+      matmul_tiles(*m.head, mine.q, rows, logits, t0, t1);
+      const int64_t c0 = std::min(t0 * 16, vocab), c1 = std::min(t1 * 16, vocab);
+      for (int64_t r = 0; r < rows; ++r) {
+        w.best_index[tid * rows + r] = -1;
+        argmax_span(logits + r * vocab + c0, c1 - c0, c0, w.best[tid * rows + r], w.best_index[tid * rows + r]);
+      }
+#pragma omp barrier
+      if (tid == 0) {
+        for (int64_t r = 0; r < rows; ++r) {
+          float best = 0.0f;
+          int64_t index = -1;
+          for (int t = 0; t < threads; ++t) {
+            const float v = w.best[t * rows + r];
+            const int64_t at = w.best_index[t * rows + r];
+            if (at >= 0 && (index < 0 || v > best || (std::isnan(v) && !std::isnan(best)))) {
+              best = v;
+              index = at;
+            }
+          }
+          greedy[r] = index;
+        }
+      }
+    } else if (tid == 0) {
+      for (int64_t j = 0; j < rows * n; ++j) hidden[j] = out[j] + res[j];
+    }
   }
-  float* dst = result.mutable_data_ptr<float>();
-  for (int64_t j = 0; j < rows * hidden; ++j) dst[j] = out[j] + res[j];
-  return result;
+}
+
+StepInputs check_step(const DecodeModel& m, const at::Tensor& input_ids, const at::Tensor& positions,
+                      const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& context_lens) {
+  TORCH_CHECK(!m.layers.empty(), "DecodeModel: no layers");
+  const int64_t rows = input_ids.numel();
+  for (const auto* t : {&input_ids, &positions, &slot_mapping, &context_lens})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows,
+                "DecodeModel: input_ids, positions, slot_mapping and context_lens must be contiguous int64 [rows]");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && tables.stride(1) == 1 &&
+                  tables.scalar_type() == at::kLong,
+              "DecodeModel: tables must be int64 [rows, width] with contiguous rows");
+  StepInputs in{input_ids.const_data_ptr<int64_t>(), positions.const_data_ptr<int64_t>(),
+                slot_mapping.const_data_ptr<int64_t>(), rows};
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(in.ids[r] >= 0 && in.ids[r] < m.vocab, "DecodeModel: token id ", in.ids[r], " outside the vocabulary");
+    TORCH_CHECK(in.positions[r] >= 0 && in.positions[r] < m.max_positions, "DecodeModel: position ",
+                in.positions[r], " outside the RoPE tables");
+    TORCH_CHECK(in.slots[r] >= 0 && in.slots[r] < m.cache_slots, "DecodeModel: slot ", in.slots[r],
+                " outside the caches");
+  }
+  return in;
+}
+
+at::Tensor decode_model_hidden(const c10::intrusive_ptr<DecodeModel>& m, const at::Tensor& input_ids,
+                               const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& tables,
+                               const at::Tensor& context_lens) {
+  const StepInputs in = check_step(*m, input_ids, positions, slot_mapping, tables, context_lens);
+  at::Tensor hidden = at::empty({in.rows, m->hidden}, input_ids.options().dtype(at::kFloat));
+  if (in.rows > 0) run_step(*m, in, tables, context_lens, hidden.mutable_data_ptr<float>(), nullptr, nullptr);
+  return hidden;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_model_logits(const c10::intrusive_ptr<DecodeModel>& m,
+                                                       const at::Tensor& input_ids, const at::Tensor& positions,
+                                                       const at::Tensor& slot_mapping, const at::Tensor& tables,
+                                                       const at::Tensor& context_lens) {
+  TORCH_CHECK(m->head.has_value(), "DecodeModel: no int8 head, so no logits (decode_model_hidden gives the states)");
+  const StepInputs in = check_step(*m, input_ids, positions, slot_mapping, tables, context_lens);
+  at::Tensor logits = at::empty({in.rows, m->vocab}, input_ids.options().dtype(at::kFloat));
+  at::Tensor greedy = at::empty({in.rows}, input_ids.options());
+  if (in.rows > 0)
+    run_step(*m, in, tables, context_lens, nullptr, logits.mutable_data_ptr<float>(), greedy.mutable_data_ptr<int64_t>());
+  return {logits, greedy};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
-  m.def("decode_layers(Tensor x, Tensor[] input_norms, Tensor[] qkv_tiles, Tensor[] qkv_scales, "
-        "Tensor[] qkv_biases, Tensor[] qk_norms, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor tables, Tensor context_lens, Tensor[] o_tiles, "
-        "Tensor[] o_scales, Tensor[] o_biases, Tensor[] post_norms, Tensor[] gate_up_tiles, "
-        "Tensor[] gate_up_scales, Tensor[] gate_up_biases, Tensor[] down_tiles, Tensor[] down_scales, "
-        "Tensor[] down_biases, int num_heads, int rotary_dim, int[] windows, float norm_eps, float qk_norm_eps, "
-        "float scale) -> Tensor");
+  m.class_<DecodeModel>("DecodeModel")
+      .def(torch::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
+                       at::Tensor, int64_t, double, double, double>())
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("has_head", [](const c10::intrusive_ptr<DecodeModel>& self) { return self->head.has_value(); });
+  m.def("decode_model_hidden(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "
+        "Tensor slot_mapping, Tensor tables, Tensor context_lens) -> Tensor");
+  m.def("decode_model_logits(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "
+        "Tensor slot_mapping, Tensor tables, Tensor context_lens) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
+  m.impl("decode_model_hidden", &decode_model_hidden);
+  m.impl("decode_model_logits", &decode_model_logits);
+}

@@ -125,10 +125,17 @@ class CausalLM(nn.Module):
         return F.linear(hidden, self.embed.weight).float()
 
     def use_decode_kernel(self) -> bool:
-        """Once its weights are final: run decode-only steps a layer per kernel call where
+        """Once its weights are final: run decode-only steps in one kernel call where
         the model and this CPU allow it (Llama-family int8, ``kernels/decode_layers.cpp``).
         Returns whether they will."""
         return False
+
+    def decode_logits(self, batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Float32 logits and greedy tokens of a decode-only step whose every row samples, in one
+        kernel call where ``use_decode_kernel`` turned it on and the step fits; None: run
+        ``forward`` and ``compute_logits``."""
+        return None
 
     @property
     def decode_graph_capable(self) -> bool:

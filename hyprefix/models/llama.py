@@ -86,11 +86,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def fits_decode_kernel(self) -> bool:
-        """Whether ``hyprefix::decode_layers`` can run this layer: float32, int8 tiles for
-        every matmul, SiLU, no output gate, one norm epsilon."""
+        """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 tiles for every
+        matmul, SiLU, no output gate, a head dim of a multiple of 16."""
         attn, mlp = self.attn, self.mlp
         return (self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
-                and mlp.act is ACTIVATIONS["silu"][0] and self.input_norm.eps == self.post_norm.eps
+                and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
                 and all(isinstance(linear.int8, Int8Tiles)
                         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))
 
@@ -102,6 +102,8 @@ class LlamaForCausalLM(CausalLM):
     ``attention_bias``), sliding windows (Mistral, ``layer_types``), RoPE scaling,
     tied embeddings.
     """
+
+    _decode_model: tuple[list, torch.ScriptObject] | None = None  # (its caches, hyprefix::DecodeModel)
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
@@ -120,19 +122,38 @@ class LlamaForCausalLM(CausalLM):
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.head_dim)
 
     def use_decode_kernel(self) -> bool:
-        if self.layers and all(layer.fits_decode_kernel() for layer in self.layers) and decode_layers.available():
+        norms = [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]
+        self._decode_model = None  # built again, from the weights as they are now, on the next step
+        if (self.layers and all(layer.fits_decode_kernel() for layer in self.layers)
+                and len({norm.eps for norm in norms}) == 1 and decode_layers.available()):
             self.decode_kernel = True
         return self.decode_kernel
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
+        if self.decode_kernel and _reads_tables_whole(batch) and not torch.compiler.is_compiling():
+            return torch.ops.hyprefix.decode_model_hidden(self._decode_model_for(kv_caches), *_step_inputs(batch))
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary.tables(batch.positions)
-        if self.decode_kernel and _reads_tables_whole(batch) and x.device.type == "cpu":
-            return _decode_layers(self.layers, x, batch, rope, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, batch, rope, kv, self.kernels)
         return x + residual
+
+    def decode_logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not (self.decode_kernel and _reads_tables_whole(batch) and len(batch.sample_seqs) == batch.num_decode):
+            return None
+        model = self._decode_model_for(kv_caches)
+        if not model.has_head():
+            return None
+        return torch.ops.hyprefix.decode_model_logits(model, *_step_inputs(batch))
+
+    def _decode_model_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.ScriptObject:
+        """The kernel's model over these caches: built on the first step that reads them (a
+        different list of caches builds it again), after ``use_decode_kernel``."""
+        if self._decode_model is None or self._decode_model[0] is not kv_caches:
+            self._decode_model = (kv_caches, decode_layers.build(self, kv_caches))
+        return self._decode_model[1]
 
     def map_layer(self, idx: int, rest: str) -> Target:
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
@@ -145,28 +166,9 @@ def _reads_tables_whole(batch: ForwardBatch) -> bool:
             and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix))
 
 
-def _decode_layers(layers: nn.ModuleList, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables,
-                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Every layer's ``forward`` over a decode-only step as one ``hyprefix::decode_layers``
-    call (the same results to float32 rounding; ``kernels/decode_layers.cpp``)."""
-    attns, mlps = [layer.attn for layer in layers], [layer.mlp for layer in layers]
-
-    def weights(linears: list[Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        tiled = [linear.int8 for linear in linears]
-        biases = [linear.bias for linear in linears if linear.bias is not None]
-        return [w.tiles for w in tiled], [w.scales for w in tiled], biases
-
-    qkv, o = weights([a.qkv for a in attns]), weights([a.o_proj for a in attns])
-    gate_up, down = weights([m.gate_up for m in mlps]), weights([m.down for m in mlps])
-    first, n = attns[0], x.shape[0]
-    return torch.ops.hyprefix.decode_layers(
-        x, [layer.input_norm.weight for layer in layers], *qkv,
-        [a.qk_norm_weight for a in attns if a.qk_norm_weight is not None],
-        rope.cos.reshape(n, -1).contiguous(), rope.sin.reshape(n, -1).contiguous(),
-        [k for k, _ in kv_caches], [v for _, v in kv_caches], batch.slot_mapping, batch.decode_block_tables,
-        batch.decode_context_lens, *o, [layer.post_norm.weight for layer in layers], *gate_up, *down,
-        first.num_heads, rope.rotary_dim, [a.window or 0 for a in attns], layers[0].input_norm.eps,
-        first.qk_norm_eps, first.scale)
+def _step_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    return (batch.input_ids, batch.positions, batch.slot_mapping, batch.decode_block_tables,
+            batch.decode_context_lens)
 
 
 def map_attention_or_mlp(prefix: str, rest: str, attn: Attention | None, intermediate: int,

@@ -65,9 +65,10 @@ class ModelRunner:
             for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device)
         model.kernels = Kernels(compile_enabled)
-        # Compiled decode steps: models without recurrent layers (those decode eagerly).
+        # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
+        # the model runs its decode steps in one kernel call of its own (``decode_logits``).
         self.decode_graphs = DecodeGraphs(model, MAX_GRAPH_BATCH) \
-            if compile_enabled and model.decode_graph_capable else None
+            if compile_enabled and model.decode_graph_capable and not model.decode_kernel else None
 
     @property
     def kernels(self) -> Kernels:
@@ -127,11 +128,11 @@ class ModelRunner:
             return {}
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
-        compiled = None
-        if self.decode_graphs is not None and self.decode_graphs.eligible(batch):
-            compiled = self.decode_graphs.logits(batch, self.kv_caches)
-        if compiled is not None:
-            logits, greedy = compiled
+        whole = self.model.decode_logits(batch, self.kv_caches)
+        if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
+            whole = self.decode_graphs.logits(batch, self.kv_caches)
+        if whole is not None:
+            logits, greedy = whole
         else:
             hidden = self.model(batch, self.kv_caches, self.recurrent_states)
             if not batch.sample_seqs:
