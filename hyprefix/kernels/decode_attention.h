@@ -1,5 +1,5 @@
 // The arithmetic of hyprefix::decode_attention (decode_attention.cpp, which documents it) as
-// planned work, also run inside hyprefix::decode_layers (decode_layers.cpp). Written on ATen's
+// planned work, also run inside hyprefix::DecodeModel (decode_layers.cpp). Written on ATen's
 // vector types: one build per CPU capability, included by one translation unit each.
 #pragma once
 #include <ATen/ATen.h>
@@ -203,7 +203,7 @@ struct Scratch {  // one thread's buffers for its tasks
 
 // One call's work, planned: tasks (a row and a run of its blocks) that any thread may take,
 // then a merge of each (row, head)'s partial results. Used by hyprefix::decode_attention
-// (decode_attention.cpp) and inside hyprefix::decode_layers' parallel region (decode_layers.cpp),
+// (decode_attention.cpp) and inside hyprefix::DecodeModel's parallel region (decode_layers.cpp),
 // which plans once a step and points q and the caches at each layer's.
 template <typename T>
 struct DecodeWork {

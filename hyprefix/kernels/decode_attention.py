@@ -5,9 +5,10 @@ the loop and the split over rows and runs of blocks).
 It serves every decode step that reads a block table: the compiled batch-1 step (as one
 extern call a layer), eager decode without a plan that shares a prefix across rows
 (``DecodeCascade.shares_prefix``), and such a plan's per-row tails; int8 float32 Llama-family
-steps run the same code inside ``decode_layers`` (``decode_attention.h``). ``available(dtype)``
-says whether it runs here: ``hardware.DeviceCaps.paged_decode`` (an x86 CPU whose ATen ISA
-is AVX2 or AVX-512) and the build for that ISA worked. Otherwise the blocks are gathered
+steps run the same code inside ``DecodeModel`` (``decode_layers.cpp``, through
+``decode_attention.h``). ``available(dtype)`` says whether it runs here:
+``hardware.DeviceCaps.paged_decode`` (an x86 CPU whose ATen ISA is AVX2 or AVX-512) and the
+build for that ISA worked. Otherwise the blocks are gathered
 into a padded batch for torch's SDPA (``models/attention.py``).
 """
 

@@ -1,5 +1,5 @@
 // The arithmetic of hyprefix::int8_linear (int8_linear.cpp) and of the int8 matmuls inside
-// hyprefix::decode_layers (decode_layers.cpp): see int8_linear.cpp for the layout and the method.
+// hyprefix::DecodeModel (decode_layers.cpp): see int8_linear.cpp for the layout and the method.
 // Included by one translation unit per build (its flags pick the AVX512-VNNI or AVX2 path).
 #pragma once
 #include <ATen/ATen.h>

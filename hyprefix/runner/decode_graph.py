@@ -5,8 +5,8 @@ layer with its paged attention and K/V write, final norm, LM head) as one
 Eager, a decode step of a small model is mostly per-op overhead: ~30 layers x a few
 dozen small ops. Compiled, Inductor fuses the elementwise chains into the matmuls'
 loops (``quant.reduction_linear``) and the step runs as a handful of C++ kernels. (With
-int8 weights and float32 on CPU, a Llama-family model's layers are one extern call,
-``kernels/decode_layers.cpp``, inside the graph.)
+int8 weights and float32 on CPU, a Llama-family model needs no graph: its whole decode step
+is one kernel call, ``kernels/decode_layers.cpp``, and the runner makes no ``DecodeGraphs``.)
 
 One graph per batch size up to ``max_batch`` (today 1: the one-stream, most
 latency-bound case), compiled on first use, with the context length (block-table
