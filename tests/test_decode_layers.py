@@ -62,11 +62,12 @@ def _assert_close(kernel: dict[str, torch.Tensor], ops: dict[str, torch.Tensor])
     assert torch.equal(kernel["logits"].argmax(-1), ops["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_decode_layers_equal_the_layers_op_by_op(tiny_models, arch):
     """Rows of different context lengths (one inside its first block, others across blocks)
     in one step; llama: untied head and llama3 RoPE, qwen2: q/k/v biases, qwen3: QK-norm and
-    a head dim unlike hidden / heads."""
+    a head dim unlike hidden / heads, mistral: a sliding window (24) shorter than most rows'
+    contexts."""
     path, _ = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16, quantization="int8",
               enforce_eager=True)

@@ -9,7 +9,8 @@ Each round measures, back to back (the machine's read rate swings between rounds
 - ``one call``: the int8 kernel over one weight holding all those bytes (in huge pages where the
   engine puts its weights there);
 - ``121 calls``: the model's own weights, one kernel call each in forward order, from Python;
-- ``step``: the median engine step (the compiled decode step, sampling and bookkeeping).
+- ``step``: the median engine step (the decode step, one ``DecodeModel`` call where the int8
+  kernel runs, sampling and bookkeeping).
 
 Then, once, ``sum`` over tensors of 64 KB to 32 MB holding the same bytes in all: the rate of
 short reads, which a layer's weights are (0.35 to 1.8 MB for SmolLM2-135M). Needs a CPU where

@@ -123,7 +123,7 @@ struct Layer {
   const float *input_norm, *qk_norm, *post_norm;  // qk_norm: nullptr where none
   Int8Matrix qkv, o, gate_up, down;
   float *k_cache, *v_cache;
-  int64_t window;  // 0: none
+  size_t plan;  // its window's index in DecodeModel::windows
 };
 
 void check_vector(const at::Tensor& t, int64_t n, const char* name) {
@@ -141,6 +141,7 @@ struct DecodeModel : torch::CustomClassHolder {
   const float *embed, *final_norm, *cos, *sin;  // cos, sin: [max_positions, rotary_dim]
   std::optional<Int8Matrix> head;
   std::vector<int64_t> cache_shape;
+  std::vector<int64_t> windows;  // the layers' distinct sliding windows (0: none), one attention plan each
 
   // embed: float32 [vocab, hidden]; head: its int8 tiles and scales, or none (logits unavailable);
   // cos, sin: float32 [max_positions, rotary_dim] (models/layers.py's Rotary).
@@ -211,7 +212,8 @@ struct DecodeModel : torch::CustomClassHolder {
                 dim, ", intermediate ", intermediate);
     l.k_cache = k_cache.mutable_data_ptr<float>();
     l.v_cache = v_cache.mutable_data_ptr<float>();
-    l.window = window;
+    l.plan = std::find(windows.begin(), windows.end(), window) - windows.begin();
+    if (l.plan == windows.size()) windows.push_back(window);
     for (const auto& t : {input_norm, qkv_tiles, qkv_scales, o_tiles, o_scales, post_norm, gate_up_tiles,
                           gate_up_scales, down_tiles, down_scales, k_cache, v_cache})
       held.push_back(t);
@@ -294,17 +296,11 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
   const int64_t qkv_n = q_size + 2 * m.kv_heads * d, inter = m.intermediate, vocab = m.vocab;
   const int threads_wanted = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   std::vector<DecodeWork<float>> plans;  // one per distinct window
-  std::vector<size_t> plan_of(m.layers.size());
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const int64_t window = m.layers[i].window;
-    plan_of[i] = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.s.window == window; }) -
-                 plans.begin();
-    if (plan_of[i] == plans.size()) {
-      const Shape shape{rows, m.num_heads, d, m.kv_heads, m.num_heads / m.kv_heads, m.block_size, tables.size(1),
-                        qkv_n, d, tables.stride(0), window, static_cast<float>(m.scale)};
-      plans.emplace_back(shape, nullptr, nullptr, nullptr, tables.const_data_ptr<int64_t>(),
-                         context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted);
-    }
+  for (const int64_t window : m.windows) {
+    const Shape shape{rows, m.num_heads, d, m.kv_heads, m.num_heads / m.kv_heads, m.block_size, tables.size(1),
+                      qkv_n, d, tables.stride(0), window, static_cast<float>(m.scale)};
+    plans.emplace_back(shape, nullptr, nullptr, nullptr, tables.const_data_ptr<int64_t>(),
+                       context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted);
   }
   static thread_local StepScratch scratch;
   StepScratch& w = scratch;  // the caller's, shared by the region's threads (each has its own thread_local)
@@ -341,7 +337,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
     const auto [o0, o1] = share((n + 15) / 16, tid, threads);
     for (size_t i = 0; i < m.layers.size(); ++i) {
       const Layer& l = m.layers[i];
-      DecodeWork<float>& attention = plans[plan_of[i]];
+      DecodeWork<float>& attention = plans[l.plan];
       if (i > 0)
         for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
       norm_rows(res, l.input_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
@@ -459,8 +455,7 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.class_<DecodeModel>("DecodeModel")
       .def(torch::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
                        at::Tensor, int64_t, double, double, double>())
-      .def("add_layer", &DecodeModel::add_layer)
-      .def("has_head", [](const c10::intrusive_ptr<DecodeModel>& self) { return self->head.has_value(); });
+      .def("add_layer", &DecodeModel::add_layer);
   m.def("decode_model_hidden(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "
         "Tensor slot_mapping, Tensor tables, Tensor context_lens) -> Tensor");
   m.def("decode_model_logits(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "

@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
     kernels: fused.Kernels
     state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
     _packed_head: torch.Tensor | None = None
-    decode_kernel = False  # decode steps run every layer in one kernel call (``use_decode_kernel``)
+    decode_kernel = False  # decode-only steps run in one kernel call (``use_decode_kernel``)
 
     @property
     def _int8_head(self) -> Int8Weight | Int8Tiles | None:

@@ -103,7 +103,8 @@ class LlamaForCausalLM(CausalLM):
     tied embeddings.
     """
 
-    _decode_model: tuple[list, torch.ScriptObject] | None = None  # (its caches, hyprefix::DecodeModel)
+    # (its caches, hyprefix::DecodeModel, whether it has the LM head): ``_decode_model_for``
+    _decode_model: tuple[list, torch.ScriptObject, bool] | None = None
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
@@ -132,7 +133,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
         if self.decode_kernel and _reads_tables_whole(batch) and not torch.compiler.is_compiling():
-            return torch.ops.hyprefix.decode_model_hidden(self._decode_model_for(kv_caches), *_step_inputs(batch))
+            return torch.ops.hyprefix.decode_model_hidden(self._decode_model_for(kv_caches)[0], *_step_inputs(batch))
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary.tables(batch.positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -143,17 +144,16 @@ class LlamaForCausalLM(CausalLM):
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not (self.decode_kernel and _reads_tables_whole(batch) and len(batch.sample_seqs) == batch.num_decode):
             return None
-        model = self._decode_model_for(kv_caches)
-        if not model.has_head():
-            return None
-        return torch.ops.hyprefix.decode_model_logits(model, *_step_inputs(batch))
+        model, with_head = self._decode_model_for(kv_caches)
+        return torch.ops.hyprefix.decode_model_logits(model, *_step_inputs(batch)) if with_head else None
 
-    def _decode_model_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.ScriptObject:
-        """The kernel's model over these caches: built on the first step that reads them (a
-        different list of caches builds it again), after ``use_decode_kernel``."""
+    def _decode_model_for(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                          ) -> tuple[torch.ScriptObject, bool]:
+        """The kernel's model over these caches and whether it has the LM head: built on the first
+        step that reads them (a different list of caches builds it again), after ``use_decode_kernel``."""
         if self._decode_model is None or self._decode_model[0] is not kv_caches:
-            self._decode_model = (kv_caches, decode_layers.build(self, kv_caches))
-        return self._decode_model[1]
+            self._decode_model = (kv_caches, *decode_layers.build(self, kv_caches))
+        return self._decode_model[1:]
 
     def map_layer(self, idx: int, rest: str) -> Target:
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
