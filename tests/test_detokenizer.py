@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from hyprefix.detokenizer import IncrementalDetokenizer
+from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
 
 ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
 FFFD = "\ufffd"
@@ -171,3 +171,27 @@ def test_random_stop_strings_from_the_corpus(tok):
         assert text.index(matched) == first
         for v in visible:
             assert text[:first].startswith(v)
+
+
+# ----------------------------------------------------------------------- the backend shortcut
+def test_text_decoder_equals_the_tokenizers_decode(tok):
+    """The backend shortcut gives what transformers' decode gives, special tokens and broken
+    UTF-8 included; a tokenizer class overriding ``_decode`` keeps its own."""
+    rng = random.Random(0)
+    with_special = PreTrainedTokenizerFast(tokenizer_file=str(ASSETS / "tokenizer.json"))
+    with_special.add_special_tokens({"eos_token": "<|eos|>", "additional_special_tokens": ["<|tool|>"]})
+    special = sorted(with_special.all_special_ids)
+    assert len(special) == 2
+    fast = text_decoder(with_special)
+    for _ in range(300):
+        ids = [rng.randrange(len(with_special)) for _ in range(rng.randrange(0, 12))] + special
+        rng.shuffle(ids)
+        assert fast(ids) == with_special.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    loud = Shouting(tokenizer_file=str(ASSETS / "tokenizer.json"))
+    ids = encode(tok, "quiet words")
+    assert text_decoder(loud)(ids) == "QUIET WORDS"

@@ -26,6 +26,39 @@ constexpr int64_t kRunsPerThread = 4;
 // Query heads per pass over a KV head's rows: their vectors and accumulators stay in registers.
 constexpr int64_t kHeadsPerPass = 4;
 
+// Memory another phase will read (spans of bytes, in order), pulled into L2 a few lines per K/V
+// row while the attention's own loads wait: the attention of a short context is bound by their
+// latency and leaves the memory's bandwidth partly idle. Empty (no spans) outside DecodeModel.
+struct Prefetcher {
+  static constexpr int kSpans = 3;
+  const char* next[kSpans] = {};
+  const char* end[kSpans] = {};
+  int span = kSpans;  // the span being read; kSpans: done
+  int64_t lines_per_row = 0;
+
+  void start(int64_t lines) {
+    span = 0;
+    lines_per_row = lines;
+    std::fill_n(next, kSpans, nullptr);
+    std::fill_n(end, kSpans, nullptr);
+  }
+  void add(int i, const void* from, int64_t bytes) {
+    next[i] = static_cast<const char*>(from);
+    end[i] = next[i] + std::max<int64_t>(0, bytes);
+  }
+  inline void row() {
+    for (int64_t n = 0; n < lines_per_row && span < kSpans;) {
+      if (next[span] >= end[span]) {
+        ++span;
+        continue;
+      }
+      __builtin_prefetch(next[span], 0, 2);  // into L2 (prefetcht1 on x86)
+      next[span] += 64;
+      ++n;
+    }
+  }
+};
+
 struct Shape {
   int64_t rows, heads, dim, kv_heads, group, block_size, width;
   int64_t q_b, q_h, t_b;  // strides (elements)
@@ -95,13 +128,15 @@ inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
 
 // scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart.
 template <int64_t D, int64_t GB, typename T>
-inline void block_scores(const float* q, const T* k, int64_t stride, int64_t count, float* scores, int64_t ld) {
+inline void block_scores(const float* q, const T* k, int64_t stride, int64_t count, float* scores, int64_t ld,
+                         Prefetcher& ahead) {
   constexpr int64_t n_vec = D / Vec::size();
   Vec qv[GB][n_vec];
   for (int64_t g = 0; g < GB; ++g)
     for (int64_t i = 0; i < n_vec; ++i) qv[g][i] = Vec::loadu(q + g * D + i * Vec::size());
   for (int64_t j = 0; j < count; ++j) {
     Vec kr[n_vec];
+    ahead.row();
     load_row<D>(k + j * stride, kr);
     for (int64_t g = 0; g < GB; ++g) {
       Vec a = qv[g][0] * kr[0];
@@ -113,13 +148,15 @@ inline void block_scores(const float* q, const T* k, int64_t stride, int64_t cou
 
 // acc_g += sum_i p[g * ld + i] v_i for GB query heads and `count` V rows `stride` apart.
 template <int64_t D, int64_t GB, typename T>
-inline void block_values(const float* p, int64_t ld, const T* v, int64_t stride, int64_t count, float* acc) {
+inline void block_values(const float* p, int64_t ld, const T* v, int64_t stride, int64_t count, float* acc,
+                         Prefetcher& ahead) {
   constexpr int64_t n_vec = D / Vec::size();
   Vec a[GB][n_vec];
   for (int64_t g = 0; g < GB; ++g)
     for (int64_t i = 0; i < n_vec; ++i) a[g][i] = Vec::loadu(acc + g * D + i * Vec::size());
   for (int64_t j = 0; j < count; ++j) {
     Vec vr[n_vec];
+    ahead.row();
     load_row<D>(v + j * stride, vr);
     for (int64_t g = 0; g < GB; ++g) {
       const Vec pj(p[g * ld + j]);
@@ -147,13 +184,13 @@ inline void by_passes(int64_t group, F fn) {
 // softmax, then the weighted V rows into out.acc. q: the row's H scaled query vectors.
 template <int64_t D, typename T>
 void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-               int64_t j0, int64_t j1, float* scores, Partial out) {
+               int64_t j0, int64_t j1, float* scores, Partial out, Prefetcher& ahead) {
   const int64_t n = j1 - j0, g = s.group, stride = s.kv_heads * D;
   each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
     for (int64_t h = 0; h < s.kv_heads; ++h)
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
-        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n);
+        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n, ahead);
       });
   });
   softmax_rows(scores, s.heads, n, n, out);
@@ -163,7 +200,7 @@ void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cach
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
         block_values<D, GB>(scores + head * n + j - j0, n, v_cache + off + h * D, stride, count,
-                            out.acc + head * D);
+                            out.acc + head * D, ahead);
       });
   });
 }
@@ -199,6 +236,7 @@ void run_any(const Shape& s, const float* q, const T* k_cache, const T* v_cache,
 
 struct Scratch {  // one thread's buffers for its tasks
   std::vector<float> qs, scores, row;
+  Prefetcher ahead;  // what to prefetch meanwhile (set by DecodeModel; none elsewhere)
 };
 
 // One call's work, planned: tasks (a row and a run of its blocks) that any thread may take,
@@ -271,9 +309,9 @@ struct DecodeWork {
     const float* qs = w.qs.data();
     float* scores = w.scores.data();
     switch (d) {
-      case 64: run_fixed<64>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
-      case 128: run_fixed<128>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
-      case 256: run_fixed<256>(s, qs, k_cache, v_cache, table, j0, j1, scores, p); break;
+      case 64: run_fixed<64>(s, qs, k_cache, v_cache, table, j0, j1, scores, p, w.ahead); break;
+      case 128: run_fixed<128>(s, qs, k_cache, v_cache, table, j0, j1, scores, p, w.ahead); break;
+      case 256: run_fixed<256>(s, qs, k_cache, v_cache, table, j0, j1, scores, p, w.ahead); break;
       default: run_any(s, qs, k_cache, v_cache, table, j0, j1, scores, w.row.data(), p);
     }
   }

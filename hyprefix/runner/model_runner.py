@@ -69,6 +69,9 @@ class ModelRunner:
         # the model runs its decode steps in one kernel call of its own (``decode_logits``).
         self.decode_graphs = DecodeGraphs(model, MAX_GRAPH_BATCH) \
             if compile_enabled and model.decode_graph_capable and not model.decode_kernel else None
+        # One context entered each step: the decorator form builds a new one every call (~30 us
+        # of a small model's ~5 ms step on a 2-core Xeon).
+        self._inference_mode = torch.inference_mode()
 
     @property
     def kernels(self) -> Kernels:
@@ -121,11 +124,14 @@ class ModelRunner:
         self.sampler.forget(["warmup"])
         return True
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         self.sampler.forget(output.finished_ids)
         if output.is_empty:
             return {}
+        with self._inference_mode:
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> dict[str, int]:
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
         whole = self.model.decode_logits(batch, self.kv_caches)
