@@ -87,3 +87,20 @@ def test_a_file_that_is_not_gguf(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         LLM(str(path), dtype="float32")
+
+
+def test_gguf_parsed_once_shares_name_tables_and_restores_gguf():
+    """Inside the block one name table per (architecture, layers) serves transformers'
+    per-submodule lookups; the block leaves gguf as it found it."""
+    import gguf
+
+    from hyprefix.models.loader import gguf_parsed_once
+
+    before = gguf.get_tensor_name_map, gguf.GGUFReader
+    with gguf_parsed_once():
+        llama, layers = gguf.MODEL_ARCH.LLAMA, 4
+        table = gguf.get_tensor_name_map(llama, layers)
+        assert gguf.get_tensor_name_map(llama, layers) is table
+        assert gguf.get_tensor_name_map(llama, layers + 1) is not table
+        assert table.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert (gguf.get_tensor_name_map, gguf.GGUFReader) == before
