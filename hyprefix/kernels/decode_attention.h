@@ -126,10 +126,24 @@ inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
   }
 }
 
-// scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart.
+// The row at next + offset (a head's D values) into L1, where next is set: the same head's row of
+// the task's next block, fetched while this block's rows are computed. A block's rows start cold
+// (the weights streamed through the caches since the last step read them) and a task's loads
+// alone keep few misses in flight (SmolLM2 Q8_0 batch 1, 2-core Xeon: attention 109.8 -> 84.4 us
+// a layer at 1,024 tokens, 56.5 -> 46.3 at 512, the step 0.898x and 0.944x; even at 128, where
+// a task holds one or two blocks).
+template <int64_t D, typename T>
+inline void prefetch_row(const T* next, int64_t offset) {
+  if (next == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(next + offset);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart; next: where
+// the same rows of the next block start (prefetch_row), or nullptr.
 template <int64_t D, int64_t GB, typename T>
 inline void block_scores(const float* q, const T* k, int64_t stride, int64_t count, float* scores, int64_t ld,
-                         Prefetcher& ahead) {
+                         Prefetcher& ahead, const T* next) {
   constexpr int64_t n_vec = D / Vec::size();
   Vec qv[GB][n_vec];
   for (int64_t g = 0; g < GB; ++g)
@@ -137,6 +151,7 @@ inline void block_scores(const float* q, const T* k, int64_t stride, int64_t cou
   for (int64_t j = 0; j < count; ++j) {
     Vec kr[n_vec];
     ahead.row();
+    prefetch_row<D>(next, j * stride);
     load_row<D>(k + j * stride, kr);
     for (int64_t g = 0; g < GB; ++g) {
       Vec a = qv[g][0] * kr[0];
@@ -146,10 +161,11 @@ inline void block_scores(const float* q, const T* k, int64_t stride, int64_t cou
   }
 }
 
-// acc_g += sum_i p[g * ld + i] v_i for GB query heads and `count` V rows `stride` apart.
+// acc_g += sum_i p[g * ld + i] v_i for GB query heads and `count` V rows `stride` apart; next as in
+// block_scores.
 template <int64_t D, int64_t GB, typename T>
 inline void block_values(const float* p, int64_t ld, const T* v, int64_t stride, int64_t count, float* acc,
-                         Prefetcher& ahead) {
+                         Prefetcher& ahead, const T* next) {
   constexpr int64_t n_vec = D / Vec::size();
   Vec a[GB][n_vec];
   for (int64_t g = 0; g < GB; ++g)
@@ -157,6 +173,7 @@ inline void block_values(const float* p, int64_t ld, const T* v, int64_t stride,
   for (int64_t j = 0; j < count; ++j) {
     Vec vr[n_vec];
     ahead.row();
+    prefetch_row<D>(next, j * stride);
     load_row<D>(v + j * stride, vr);
     for (int64_t g = 0; g < GB; ++g) {
       const Vec pj(p[g * ld + j]);
@@ -186,21 +203,29 @@ template <int64_t D, typename T>
 void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                int64_t j0, int64_t j1, float* scores, Partial out, Prefetcher& ahead) {
   const int64_t n = j1 - j0, g = s.group, stride = s.kv_heads * D;
+  // element offset of the block after slots [j, j + count) within the task, or -1
+  const auto next_block = [&](int64_t j, int64_t count) -> int64_t {
+    const int64_t after = j + count;
+    return after < j1 ? table[after / s.block_size] * s.block_size * stride : -1;
+  };
   each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    const int64_t next = next_block(j, count);
     for (int64_t h = 0; h < s.kv_heads; ++h)
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
-        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n, ahead);
+        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n, ahead,
+                            next >= 0 && g0 == 0 ? k_cache + next + h * D : nullptr);
       });
   });
   softmax_rows(scores, s.heads, n, n, out);
   std::fill_n(out.acc, s.heads * D, 0.0f);
   each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+    const int64_t next = next_block(j, count);
     for (int64_t h = 0; h < s.kv_heads; ++h)
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
         block_values<D, GB>(scores + head * n + j - j0, n, v_cache + off + h * D, stride, count,
-                            out.acc + head * D, ahead);
+                            out.acc + head * D, ahead, next >= 0 && g0 == 0 ? v_cache + next + h * D : nullptr);
       });
   });
 }
