@@ -37,7 +37,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None = None) -> None:
         """``decode``: ``text_decoder(tokenizer)``, when the caller keeps one for many sequences."""
-        self.tokenizer = tokenizer
         self._decode = decode or text_decoder(tokenizer)
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         self._ids: list[int] = list(context)

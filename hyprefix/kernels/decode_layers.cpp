@@ -56,6 +56,10 @@ struct Int8Matrix {  // a weight of int8_tiles.h: rows n, columns k
   bool per_group;
   const float* bias;  // or nullptr
   int64_t n, k;
+
+  // Tile t's bytes start here; tiles [t0, t1) are (t1 - t0) * tile_bytes() in a row.
+  const uint8_t* tile(int64_t t) const { return tiles + t * tile_bytes(); }
+  int64_t tile_bytes() const { return 16 * k; }
 };
 
 Int8Matrix matrix(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
@@ -377,11 +381,11 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
         // this thread's o_proj tiles, then its gate and up tiles, as far as the budget goes
         Prefetcher& ahead = mine.attention.ahead;
         ahead.start(kAheadLinesPerRow);
-        const int64_t o_bytes = std::min(ahead_budget(), (o1 - o0) * 16 * l.o.k);
-        const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2, (u1 - u0) * 32 * l.gate_up.k);
-        ahead.add(0, l.o.tiles + o0 * 16 * l.o.k, o_bytes);
-        ahead.add(1, l.gate_up.tiles + 2 * u0 * 16 * l.gate_up.k, gate_bytes);
-        ahead.add(2, l.gate_up.tiles + (gate_tiles + 2 * u0) * 16 * l.gate_up.k, gate_bytes);
+        const int64_t o_bytes = std::min(ahead_budget(), (o1 - o0) * l.o.tile_bytes());
+        const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2, 2 * (u1 - u0) * l.gate_up.tile_bytes());
+        ahead.add(0, l.o.tile(o0), o_bytes);
+        ahead.add(1, l.gate_up.tile(2 * u0), gate_bytes);
+        ahead.add(2, l.gate_up.tile(gate_tiles + 2 * u0), gate_bytes);
         for (int64_t t = next.fetch_add(1); t < attention.tasks; t = next.fetch_add(1))
           attention.task(t, mine.attention);
       }
