@@ -63,6 +63,7 @@ class DeviceCaps:
     int8_isa: str = ""  # the build of kernels/int8_linear.cpp that runs here: "AVX512_VNNI", "AVX2" or none
     brgemm: bool = False  # x86, ATen ISA AVX2 or AVX-512, oneDNN: its brgemm micro-kernel runs float32
     vector_kernels: bool = False  # x86, ATen ISA AVX2 or AVX-512: our at::vec kernels build for it
+    bf16_tiles: bool = False  # native bf16 with AVX512-BF16: kernels/bf16_linear.cpp runs here
 
     def flash_prefill(self, dtype: torch.dtype) -> bool:
         """Whether prefill attention in ``dtype`` runs ``kernels/prefill_attention.cpp``."""
@@ -145,8 +146,9 @@ def _cpu_caps() -> DeviceCaps:
     else:
         int8_isa = ""
     brgemm = onednn and vector_kernels
+    bf16_tiles = native_bf16 and bool(hw.get("avx512_bf16"))
     return DeviceCaps("cpu", _cpu_name(), isa, onednn, onednn_bf16, onednn_fp16, native_bf16, native_fp16,
-                      amx_bf16 and native_bf16, int8_isa, brgemm, vector_kernels)
+                      amx_bf16 and native_bf16, int8_isa, brgemm, vector_kernels, bf16_tiles)
 
 
 def _cuda_caps(device: torch.device) -> DeviceCaps:

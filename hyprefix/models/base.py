@@ -12,6 +12,7 @@ from torch import nn
 
 from hyprefix.models import fused
 from hyprefix.models.layers import (
+    Embedding,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -20,7 +21,15 @@ from hyprefix.models.layers import (
     pack_weight,
     packed_linear,
 )
-from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
+from hyprefix.models.quant import (
+    Int8Tiles,
+    Int8Weight,
+    bf16_tiles,
+    int8_buffers,
+    quantize_int8,
+    reduction_linear,
+    set_int8_buffers,
+)
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -92,7 +101,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.max_positions = max_positions
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.norm = RMSNorm(cfg.hidden_size, norm_eps, dtype, device)
         self.tie = can_tie and bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie else Linear(
@@ -117,7 +126,8 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden).float()
         int8_head = self._int8_head
         if torch.compiler.is_compiling():
-            return reduction_linear(hidden, int8_head if int8_head is not None else self.embed.weight, None).float()
+            head = int8_head if int8_head is not None else bf16_tiles(self.embed)
+            return reduction_linear(hidden, head if head is not None else self.embed.weight, None).float()
         if int8_head is not None:
             return int8_head.matmul(hidden, None).float()
         if self._packed_head is not None:
@@ -152,6 +162,8 @@ class CausalLM(nn.Module):
                 module.pack(keep_plain)
         if self.lm_head is None and self._int8_head is None and mkldnn_packing_available(self.embed.weight):
             self._packed_head = pack_weight(self.embed.weight)
+            if keep_plain:  # compiled steps read the head as bf16 tiles, which serve the lookups too
+                self.embed.use_tiles()
 
     def quantize_weights(self) -> None:
         """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
@@ -207,9 +219,14 @@ class CausalLM(nn.Module):
             elif isinstance(module, GatedMLP) and module._packed is not None:
                 total += module.gate_up.in_features * module.gate_up.out_features * self.dtype.itemsize
         total += self._int8_head.nbytes if self._int8_head is not None else 0
+        total += sum(t.nbytes for name, t in self.named_buffers() if name.endswith("bf16_tiles"))
         if self._packed_head is not None:
-            total += self.embed.weight.numel() * self.embed.weight.element_size()
+            total += self._embed_table_bytes()
         return total
+
+    def _embed_table_bytes(self) -> int:
+        """The embedding table's size as a float matrix (wherever it is kept)."""
+        return self.embed.num_embeddings * self.embed.embedding_dim * self.dtype.itemsize
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer and the LM head as
@@ -223,8 +240,7 @@ class CausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 total += module.weight.numel() * module.weight.element_size()
         if self.lm_head is None:
-            total += self._int8_head.nbytes if self._int8_head is not None else \
-                self.embed.weight.numel() * self.embed.weight.element_size()
+            total += self._int8_head.nbytes if self._int8_head is not None else self._embed_table_bytes()
         return total
 
     def map_name(self, name: str) -> Target | None:

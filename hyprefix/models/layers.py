@@ -10,8 +10,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.hardware import device_caps
+from hyprefix.kernels import bf16_linear as bf16_kernel
 from hyprefix.models.fused import Kernels
-from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers, quantize_int8, reduction_linear, set_int8_buffers
+from hyprefix.models.quant import (
+    Bf16Tiles,
+    Int8Tiles,
+    Int8Weight,
+    bf16_tiles,
+    int8_buffers,
+    quantize_int8,
+    reduction_linear,
+    set_bf16_tiles,
+    set_int8_buffers,
+)
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +100,8 @@ class Linear(nn.Linear):
     (for the dtypes ``hardware.DeviceCaps.prepack`` allows; other devices keep the plain
     path) or to int8 weights (``quant.py``). Inside a compiled decode step it reads the
     plain (or int8) weight through ``quant.reduction_linear``; ``pack(keep_plain=True)``
-    keeps the plain weight for that beside the packed copy."""
+    keeps the plain weight for that beside the packed copy, or its ``Bf16Tiles`` in its
+    place where the bf16 kernel takes it (``graph_weight``)."""
 
     _packed: torch.Tensor | None = None
 
@@ -98,10 +110,19 @@ class Linear(nn.Linear):
         """The int8 weights (module buffers, ``quant.set_int8_buffers``); None if float."""
         return int8_buffers(self)
 
+    @property
+    def graph_weight(self) -> torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles:
+        """What a compiled decode step multiplies: the int8 weights, the bf16 tiles, or the plain weight."""
+        int8 = self.int8
+        if int8 is not None:
+            return int8
+        tiles = bf16_tiles(self)
+        return tiles if tiles is not None else self.weight
+
     def pack(self, keep_plain: bool = False) -> None:
         if self._packed is None and self.weight.numel() and mkldnn_packing_available(self.weight):
             self._packed = pack_weight(self.weight)
-            if not keep_plain:
+            if not keep_plain or set_bf16_tiles(self, self.weight):
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
     def quantize(self) -> None:
@@ -118,14 +139,31 @@ class Linear(nn.Linear):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        int8 = self.int8
         if torch.compiler.is_compiling():
-            return reduction_linear(x, int8 if int8 is not None else self.weight, self.bias)
+            return reduction_linear(x, self.graph_weight, self.bias)
+        int8 = self.int8
         if int8 is not None:
             return int8.matmul(x, self.bias)
         if self._packed is not None:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table can move into ``Bf16Tiles`` (``use_tiles``): a tied LM head's
+    copy for compiled decode steps then also serves the lookups, gathered from the tiles,
+    instead of a second plain copy."""
+
+    def use_tiles(self) -> bool:
+        """Keep the table only as bf16 tiles where the kernel takes it; returns whether it does."""
+        if not set_bf16_tiles(self, self.weight):
+            return False
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        return True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tiles = bf16_tiles(self)
+        return super().forward(ids) if tiles is None else bf16_kernel.rows(tiles.tiles, ids)
 
 
 # Gate activations: the eager function, and the oneDNN epilogue (attr, scalars, algorithm)
@@ -164,7 +202,7 @@ class GatedMLP(nn.Module):
         gate_w, up_w = weight.split(self.intermediate)
         gate_b, up_b = bias.split(self.intermediate) if bias is not None else (None, None)
         self._packed = (pack_weight(gate_w), pack_weight(up_w), gate_b, up_b)
-        if not keep_plain:
+        if not keep_plain or set_bf16_tiles(self.gate_up, weight):
             weight.data = torch.empty(0, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

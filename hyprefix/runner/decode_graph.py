@@ -36,7 +36,7 @@ from types import CodeType, FunctionType
 import torch
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.models.quant import uses_int8_kernel
+from hyprefix.models.quant import uses_tile_kernels
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -52,13 +52,13 @@ class DecodeGraphs:
         # Dynamo keeps the compiled steps of every engine in this process on one code
         # object (one per model and cache shape); past its limit compiling would fail.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # With the int8 kernel each matmul is an extern call (four per layer): a C++ wrapper
+        # With the int8 or bf16 tile kernels each matmul is an extern call (four per layer): a C++ wrapper
         # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
         # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
         # No size/stride asserts on the graph's inputs: the step is called without Dynamo's
         # guards anyway (``_compile``), and its 300+ inputs' asserts cost 0.44 ms of a 7.5 ms
         # SmolLM2 Q8_0 step (7.46 vs 7.02 ms, one process, alternating, 2-core Zen 4).
-        self._options = {"size_asserts": False, **({"cpp_wrapper": True} if uses_int8_kernel(model) else {})}
+        self._options = {"size_asserts": False, **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
         self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # batch size -> its compiled step
 
     @property
