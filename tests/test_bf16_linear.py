@@ -35,7 +35,8 @@ def test_pack_and_unpack_are_inverse_and_rows_gathers_the_weight():
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(16, 32), (40, 70), (100, 1030)])  # padded tiles; K / 2 not a multiple of 4
+# a padded last tile; K / 2 not a multiple of 4; many tiles (some taken by the other thread)
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 70), (100, 1030), (1000, 64)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_kernel_matches_a_float32_matmul(n, k, m):
     """Products of bf16 values are exact in float32; the kernel sums them in another order
