@@ -21,7 +21,8 @@ constexpr int64_t kGroup = 32;
 // stream, and the hardware prefetchers alone left each core's reads latency-bound. Batch-1
 // decode on a 2-core Xeon (AMX), one process per setting, alternating, medians of 6 x 64
 // tokens: SmolLM2-135M Q8_0 5.56 / 5.29 -> 4.82 / 5.00 ms a token, a Qwen3-0.6B-shaped int8
-// model 26.3 / 25.3 -> 23.3 / 22.3 ms (4 KB ahead: 24.2 / 23.8).
+// model 26.3 / 25.3 -> 23.3 / 22.3 ms (4 KB ahead: 24.2 / 23.8). Only a tile's first block of
+// rows prefetches: prefill's later blocks reread the tile from cache.
 constexpr int64_t kAheadBytes = 2048;
 
 struct GroupedActivations {  // per row: K int8 values, and per group its scale (and, for VNNI, -128 * sum)
@@ -73,7 +74,8 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
       odd[i] = _mm512_setzero_si512();
     }
     const uint8_t* wg = tile + g * kGroup * 16;
-    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    if (m0 == 0)  // later row blocks find the tile in cache
+      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int j = 0; j < 8; j += 2) {
       __m512i w0 = _mm512_loadu_si512(wg + j * 64), w1 = _mm512_loadu_si512(wg + (j + 1) * 64);
@@ -141,7 +143,8 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
     __m256i sum[MB][2];
     for (int i = 0; i < MB; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
     const uint8_t* wg = tile + g * kGroup * 16;
-    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    if (m0 == 0)  // later row blocks find the tile in cache
+      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i x_bytes[MB], x_abs[MB];  // 4 activation bytes, broadcast
