@@ -31,7 +31,10 @@ def test_pack_and_unpack_are_inverse_and_rows_gathers_the_weight():
     assert torch.equal(bf16_linear.unpack(tiles, 40), w)
     assert torch.equal(tiles[2, :, 8:], torch.zeros(35, 8, 2, dtype=torch.bfloat16))
     ids = torch.tensor([[0, 39, 17], [16, 15, 3]])
-    assert torch.equal(bf16_linear.rows(tiles, ids), w[ids])
+    assert torch.equal(bf16_linear.rows(tiles, ids, 40), w[ids])
+    for bad in (40, 47, -1):  # a padded row, past the tiles, negative: nn.Embedding's error
+        with pytest.raises(IndexError, match="out of range"):
+            bf16_linear.rows(tiles, torch.tensor([3, bad]), 40)
 
 
 @needs_kernel
@@ -45,13 +48,21 @@ def test_kernel_matches_a_float32_matmul(n, k, m):
     g = torch.Generator().manual_seed(n * k + m)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
     out = bf16_linear.bf16_linear(x, bf16_linear.pack(w), n)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert _bf16_ulps(out, (x.float() @ w.float().t()).to(torch.bfloat16)) <= 1.0
+    biased = bf16_linear.bf16_linear(x, bf16_linear.pack(w), n, bias)  # added before the rounding
+    assert _bf16_ulps(biased, (x.float() @ w.float().t() + bias.float()).to(torch.bfloat16)) <= 1.0
     wi = torch.randint(-4, 5, (n, k), generator=g).to(torch.bfloat16)
     xi = torch.randint(-4, 5, (2, m, k), generator=g).to(torch.bfloat16)  # leading dims kept
-    exact = bf16_linear.bf16_linear(xi, bf16_linear.pack(wi), n)
-    assert exact.shape == (2, m, n) and torch.equal(exact, (xi.float() @ wi.float().t()).to(torch.bfloat16))
+    bi = torch.randint(-8, 9, (n,), generator=g).to(torch.bfloat16)
+    exact = bf16_linear.bf16_linear(xi, bf16_linear.pack(wi), n, bi)
+    want = (xi.float() @ wi.float().t() + bi.float()).to(torch.bfloat16)
+    assert exact.shape == (2, m, n) and torch.equal(exact, want)
+    odd = torch.empty(m * k + 1, dtype=torch.bfloat16)[1:].view(m, k)  # data at an odd address: copied first
+    odd.copy_(xi[0])
+    assert torch.equal(bf16_linear.bf16_linear(odd, bf16_linear.pack(wi), n, bi), want[0])
 
 
 @needs_kernel
@@ -63,6 +74,8 @@ def test_kernel_rejects_what_it_cannot_take():
         bf16_linear.bf16_linear(torch.randn(1, 48).to(torch.bfloat16), tiles, 32)
     with pytest.raises(RuntimeError, match="rows in"):
         bf16_linear.bf16_linear(torch.randn(1, 64).to(torch.bfloat16), tiles, 33)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16_linear.bf16_linear(torch.randn(1, 64).to(torch.bfloat16), tiles, 32, torch.zeros(31, dtype=torch.bfloat16))
     assert bf16_linear.bf16_linear(torch.empty(0, 64, dtype=torch.bfloat16), tiles, 32).shape == (0, 32)
 
 
@@ -77,12 +90,12 @@ def test_bf16_tiles_off_the_kernel_multiply_the_plain_weight():
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied head, untied head
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])  # tied head; untied head; q/k/v bias, tied
 def test_bf16_compiled_steps_read_tiles_and_match_eager(tiny_models, arch):
     """With compiled decode steps a bf16 model keeps each linear (and a tied head) as tiles
     in place of the plain copy beside oneDNN's prepacked one; a tied head's tiles replace the
-    embedding table (the lookups gather from them), so they add nothing; the compiled step's logits
-    stay within bf16 rounding of the eager step's, and its greedy tokens are theirs."""
+    embedding table (the lookups gather from them), so they add nothing (the tiny vocabulary
+    fills whole tiles); the compiled step's logits stay within bf16 rounding of the eager step's."""
     path, _ = tiny_models[arch]
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128, block_size=16)
     eager_only = LLM(str(path), dtype="bfloat16", num_kv_blocks=128, block_size=16, enforce_eager=True)
@@ -96,7 +109,7 @@ def test_bf16_compiled_steps_read_tiles_and_match_eager(tiny_models, arch):
         assert torch.equal(linear(x), reference(x))  # eager steps: the same prepacked matmul
     linear_tiles = [t for n, t in model.named_buffers() if n.endswith("bf16_tiles") and not n.startswith("embed.")]
     assert model.weight_memory_bytes() == plain.weight_memory_bytes() + sum(t.nbytes for t in linear_tiles)
-    if arch == "qwen3":
+    if arch != "llama":
         assert isinstance(model.embed, Embedding) and model.embed.weight.numel() == 0
         ids = torch.tensor([0, 5, 4095])
         assert torch.equal(model.embed(ids), plain.embed(ids))

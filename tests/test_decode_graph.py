@@ -286,3 +286,25 @@ def test_direct_call_takes_only_what_it_can_replay():
     unmapped, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos, tables.shape[1])\n"
                              "    return out[0], out[1] + 1")
     assert _direct_call(unmapped, graphs, args(2, 0)) is None  # an output the function did not return
+
+
+def test_inductor_cache_key_follows_the_kernel_sources(tmp_path, monkeypatch, tiny_models):
+    """Compiled steps carry a no-op pass whose uuid (part of Inductor's on-disk cache key) hashes
+    the C++ kernel sources: an edited kernel (say, an op taking another argument) never reuses a
+    step compiled against the old one."""
+    import hyprefix.runner.decode_graph as decode_graph
+
+    monkeypatch.setattr(decode_graph, "KERNELS_DIR", tmp_path)
+    (tmp_path / "op.cpp").write_text("m.def(\"op(Tensor x) -> Tensor\");")
+    (tmp_path / "op.py").write_text("not a kernel source")
+    key = decode_graph.KernelSourcesKey()
+    before = key.uuid()
+    (tmp_path / "op.py").write_text("still not one")
+    decode_graph.get_hash_for_files.cache_clear()  # torch caches it per path list: one read per process
+    assert key.uuid() == before
+    (tmp_path / "op.cpp").write_text("m.def(\"op(Tensor x, Tensor? bias=None) -> Tensor\");")
+    decode_graph.get_hash_for_files.cache_clear()
+    assert key.uuid() != before
+    path, _ = tiny_models["llama"]
+    graphs = LLM(str(path), dtype="float32", num_kv_blocks=64).engine.runner.decode_graphs
+    assert isinstance(graphs._options["post_grad_custom_post_pass"], decode_graph.KernelSourcesKey)

@@ -62,6 +62,16 @@ def assert_packed_as_the_cpu_allows(model, dtype: torch.dtype) -> None:
     assert head_packed is expected
 
 
+def test_an_mlp_prepacks_gate_up_once(tiny_models):
+    """With compiled decode steps a float32 MLP keeps its plain gate/up weight for the graph
+    beside its own prepacked gate and up; the gate_up linear itself packs no third copy."""
+    path, _ = tiny_models["qwen3"]
+    model = LLM(str(path), dtype="float32", num_kv_blocks=64).engine.runner.model
+    mlp = model.layers[0].mlp
+    assert mlp.gate_up.weight.numel() and mlp.gate_up._packed is None
+    assert (mlp._packed is not None) is device_caps("cpu").prepack(torch.float32)
+
+
 @pytest.mark.parametrize("dtype,arch,seed,rel_tol", [
     (torch.bfloat16, "qwen3", 4, 0.05),  # tied LM head
     (torch.bfloat16, "llama", 4, 0.05),  # untied LM head

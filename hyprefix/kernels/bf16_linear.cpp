@@ -14,7 +14,8 @@
 //
 // Arithmetic: float32 sums of exact bf16 products (VDPBF16PS rounds each pair's sum to float32,
 // denormal inputs read as zero), split over 4 interleaved accumulators per row and added at
-// the end, then rounded to bfloat16 once: oneDNN's bf16 matmul does the same up to the order.
+// the end, plus the bias (if any), then rounded to bfloat16 once: oneDNN's bf16 matmul does the
+// same up to the order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,6 +25,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -81,7 +84,7 @@ struct alignas(64) Range {
   }
 };
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && tiles.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16,
               "bf16_linear: x and tiles must be bfloat16");
@@ -91,7 +94,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) 
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "bf16_linear: x has ", x.size(-1), " columns, the weight ", k);
   TORCH_CHECK(n > (num_tiles - 1) * kTile && n <= num_tiles * kTile, "bf16_linear: ", n, " rows in ", num_tiles,
               " tiles");
-  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(k > 0, "bf16_linear: empty rows");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
+              "bf16_linear: bias must be bfloat16 [", n, "]");
+  at::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.const_data_ptr()) % 4 != 0) xc = xc.clone();  // read as pairs (int32)
+  std::vector<float> bias_f(n, 0.0f);  // added before the one rounding to bf16
+  if (bias.has_value()) {
+    const at::Tensor b = bias->contiguous();
+    for (int64_t c = 0; c < n; ++c) bias_f[c] = static_cast<float>(b.const_data_ptr<c10::BFloat16>()[c]);
+  }
   const int64_t rows = xc.numel() / k, pairs = k / 2;
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
@@ -115,7 +127,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) 
           default: tile_rows<1>(tile, xv, pairs, m0, res); break;
         }
         for (int64_t i = 0; i < mb; ++i)
-          for (int64_t c = 0; c < count; ++c) o[(m0 + i) * n + t * kTile + c] = c10::BFloat16(res[i][c]);
+          for (int64_t c = 0; c < count; ++c)
+            o[(m0 + i) * n + t * kTile + c] = c10::BFloat16(res[i][c] + bias_f[t * kTile + c]);
       }
     }
   };
@@ -140,6 +153,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hyprefix, m) { m.def("bf16_linear(Tensor x, Tensor tiles, int n) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(hyprefix, m) { m.def("bf16_linear(Tensor x, Tensor tiles, int n, Tensor? bias=None) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

@@ -40,10 +40,10 @@ def _build() -> bool:
     return True
 
 
-def bf16_linear(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """x [..., K] (bfloat16) times the ``n``-row weight that ``pack`` tiled: [..., n] in
-    bfloat16. Call only where ``available()``."""
-    return torch.ops.hyprefix.bf16_linear(x, tiles, n)
+def bf16_linear(x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bfloat16) times the ``n``-row weight that ``pack`` tiled, plus ``bias``
+    (bfloat16 [n]) before the one rounding: [..., n] in bfloat16. Call only where ``available()``."""
+    return torch.ops.hyprefix.bf16_linear(x, tiles, n, bias)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -58,13 +58,15 @@ def unpack(tiles: torch.Tensor, n: int) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).reshape(-1, tiles.shape[1] * 2)[:n]
 
 
-def rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the weight that ``pack`` tiled ([*ids.shape, K]): an embedding lookup
-    from a tied LM head's tiles."""
+def rows(tiles: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows ``ids`` of the ``n``-row weight that ``pack`` tiled ([*ids.shape, K]): an embedding
+    lookup from a tied LM head's tiles. Eager calls check the ids as ``nn.Embedding`` does."""
     flat = ids.reshape(-1)
+    if not torch.compiler.is_compiling() and flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < n:
+        raise IndexError(f"index out of range in self: ids must be in [0, {n})")
     return tiles[flat // TILE, :, flat % TILE].reshape(*ids.shape, tiles.shape[1] * 2)
 
 
-def _fake(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+def _fake(x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile."""
     return x.new_empty((*x.shape[:-1], n))

@@ -150,13 +150,16 @@ class CausalLM(nn.Module):
     @property
     def decode_graph_capable(self) -> bool:
         """Whether the runner compiles this model's decode steps (``runner/decode_graph.py``);
-        models with recurrent layers decode eagerly. The loader keeps plain weights for it."""
+        models with recurrent layers decode eagerly. The loader keeps plain weights (or bf16
+        tiles) for it."""
         return self.state_layout is None
 
     def pack_weights(self, keep_plain: bool = False) -> None:
         """Switch linears to prepacked oneDNN weights where the device allows it (CPU).
         A tied LM head gets its own packed copy; the embedding keeps the plain one.
-        ``keep_plain``: keep the plain weights too (compiled decode steps read them)."""
+        ``keep_plain``: compiled decode steps will read the weights, so keep the plain ones
+        too, or their bf16 tiles instead where the bf16 kernel runs (``Linear.pack``; a tied
+        head's tiles then replace the embedding table, ``Embedding.use_tiles``)."""
         for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
             if isinstance(module, Linear | GatedMLP):
                 module.pack(keep_plain)
@@ -209,7 +212,7 @@ class CausalLM(nn.Module):
         return switched
 
     def weight_memory_bytes(self) -> int:
-        """Bytes the weights hold in memory: parameters, int8 weights and prepacked copies."""
+        """Bytes the weights hold in memory: parameters, int8 weights, bf16 tiles and prepacked copies."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for module in self.modules():
             if isinstance(module, Linear):

@@ -104,6 +104,7 @@ class Linear(nn.Linear):
     place where the bf16 kernel takes it (``graph_weight``)."""
 
     _packed: torch.Tensor | None = None
+    owner_packs = False  # a GatedMLP's gate_up: the MLP packs it (as gate and up), ``pack`` leaves it
 
     @property
     def int8(self) -> Int8Weight | Int8Tiles | None:
@@ -120,7 +121,8 @@ class Linear(nn.Linear):
         return tiles if tiles is not None else self.weight
 
     def pack(self, keep_plain: bool = False) -> None:
-        if self._packed is None and self.weight.numel() and mkldnn_packing_available(self.weight):
+        if self._packed is None and not self.owner_packs and self.weight.numel() \
+                and mkldnn_packing_available(self.weight):
             self._packed = pack_weight(self.weight)
             if not keep_plain or set_bf16_tiles(self, self.weight):
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
@@ -163,7 +165,7 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tiles = bf16_tiles(self)
-        return super().forward(ids) if tiles is None else bf16_kernel.rows(tiles.tiles, ids)
+        return super().forward(ids) if tiles is None else bf16_kernel.rows(tiles.tiles, ids, tiles.rows)
 
 
 # Gate activations: the eager function, and the oneDNN epilogue (attr, scalars, algorithm)
@@ -191,6 +193,7 @@ class GatedMLP(nn.Module):
         self.act, self._epilogue = ACTIVATIONS[activation]
         self.intermediate = intermediate
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device)
+        self.gate_up.owner_packs = True
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
         self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 

@@ -202,8 +202,8 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
                revision: str | None = None, quantization: str | None = None,
                compiled_decode: bool = False) -> LoadedModel:
     """``quantization`` "int8": int8 linears (``quant.py``). ``compiled_decode``:
-    the runner will compile decode steps, which read the plain weights: keep them beside
-    the prepacked copies (models without recurrent layers; those decode eagerly)."""
+    the runner will compile decode steps, which read the plain weights (or their bf16 tiles):
+    keep them beside the prepacked copies (models without recurrent layers; those decode eagerly)."""
     path = resolve_model_dir(model, revision)
     hf_config = load_config(path)
     cls = model_class(hf_config)

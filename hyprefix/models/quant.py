@@ -132,12 +132,12 @@ class Bf16Tiles:
     rows: int  # N
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The kernel (bf16 CPU inputs); otherwise the plain weight's matmul."""
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            out = bf16_kernel.bf16_linear(x, self.tiles, self.rows)
-        else:
-            out = F.linear(x, bf16_kernel.unpack(self.tiles, self.rows).to(x.dtype))
-        return out if bias is None else out + bias
+        """The kernel (bf16 CPU inputs and bias, where it runs); otherwise the plain weight's matmul."""
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype) \
+                and bf16_kernel.available():
+            return bf16_kernel.bf16_linear(x, self.tiles, self.rows, bias)
+        weight = bf16_kernel.unpack(self.tiles, self.rows).to(x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 def bf16_tiles(module: torch.nn.Module, prefix: str = "") -> Bf16Tiles | None:

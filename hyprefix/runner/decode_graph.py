@@ -31,9 +31,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import CodeType, FunctionType
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.quant import uses_tile_kernels
@@ -42,6 +44,7 @@ log = logging.getLogger("hyprefix.runner")
 
 
 MAX_GRAPH_BATCH = 1
+KERNELS_DIR = Path(__file__).parent.parent / "kernels"
 
 
 class DecodeGraphs:
@@ -58,7 +61,10 @@ class DecodeGraphs:
         # No size/stride asserts on the graph's inputs: the step is called without Dynamo's
         # guards anyway (``_compile``), and its 300+ inputs' asserts cost 0.44 ms of a 7.5 ms
         # SmolLM2 Q8_0 step (7.46 vs 7.02 ms, one process, alternating, 2-core Zen 4).
-        self._options = {"size_asserts": False, **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
+        # The kernel sources' hash in Inductor's cache key: a step it compiled against another
+        # build of our extern kernels (another op schema) would crash if loaded from its cache.
+        self._options = {"size_asserts": False, "post_grad_custom_post_pass": _KERNEL_SOURCES_KEY,
+                         **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
         self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # batch size -> its compiled step
 
     @property
@@ -149,6 +155,21 @@ class DecodeGraphs:
 
 
 _STEP_CODE = DecodeGraphs._step.__code__
+
+
+class KernelSourcesKey(CustomGraphPass):
+    """A post-grad pass that changes nothing; its ``uuid``, which Inductor's on-disk cache keys
+    compiled graphs by, is the hash of ``hyprefix/kernels``' C++ sources."""
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        return None
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(tuple(str(p) for p in sorted(KERNELS_DIR.glob("*.[ch]*"))))
+
+
+# One instance for every engine: Dynamo reuses a step compiled with equal options, which this keeps equal.
+_KERNEL_SOURCES_KEY = KernelSourcesKey()
 
 
 _STEP_INPUTS = 5  # input_ids, positions, slot_mapping, tables, context_lens: new tensors every step
