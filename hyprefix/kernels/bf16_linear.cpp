@@ -99,9 +99,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, 
               "bf16_linear: bias must be bfloat16 [", n, "]");
   at::Tensor xc = x.contiguous();
   if (reinterpret_cast<uintptr_t>(xc.const_data_ptr()) % 4 != 0) xc = xc.clone();  // read as pairs (int32)
-  std::vector<float> bias_f(n, 0.0f);  // added before the one rounding to bf16
+  std::vector<float> bias_f;  // added before the one rounding to bf16
   if (bias.has_value()) {
     const at::Tensor b = bias->contiguous();
+    bias_f.resize(kTile * num_tiles, 0.0f);
     for (int64_t c = 0; c < n; ++c) bias_f[c] = static_cast<float>(b.const_data_ptr<c10::BFloat16>()[c]);
   }
   const int64_t rows = xc.numel() / k, pairs = k / 2;
@@ -126,9 +127,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, 
           case 2: tile_rows<2>(tile, xv, pairs, m0, res); break;
           default: tile_rows<1>(tile, xv, pairs, m0, res); break;
         }
+        if (!bias_f.empty())
+          for (int64_t i = 0; i < mb; ++i)
+            for (int64_t c = 0; c < kTile; ++c) res[i][c] += bias_f[t * kTile + c];
         for (int64_t i = 0; i < mb; ++i)
-          for (int64_t c = 0; c < count; ++c)
-            o[(m0 + i) * n + t * kTile + c] = c10::BFloat16(res[i][c] + bias_f[t * kTile + c]);
+          for (int64_t c = 0; c < count; ++c) o[(m0 + i) * n + t * kTile + c] = c10::BFloat16(res[i][c]);
       }
     }
   };
