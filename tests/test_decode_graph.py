@@ -15,7 +15,7 @@ from hyprefix.hardware import device_caps
 from hyprefix.models.quant import Int8Tiles, Int8Weight, quantize_activations, quantize_int8, reduction_linear
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner.batch import build_batch
-from hyprefix.runner.decode_graph import DecodeGraphs
+from hyprefix.runner.decode_graph import BATCHED, DecodeGraphs, batched_graph_capable
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = (1, 15, 16, 17, 40)  # a decode crosses block boundaries (block 16) and grows the table width
@@ -39,12 +39,13 @@ def _decode_batch(llm, prompts: list[list[int]]):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
-    """Batch 1 decodes through the compiled step, batch 5 eagerly; both equal transformers'
-    greedy tokens; a context that grows across blocks never recompiles."""
+    """Batch 1 decodes through the compiled batch-1 step, batches 5 .. 2 through the batched
+    graph; both equal transformers' greedy tokens; neither a context that grows across blocks
+    nor another batch size recompiles."""
     path, hf = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16)
     graphs = llm.engine.runner.decode_graphs
-    assert graphs is not None and graphs.max_batch == 1
+    assert graphs is not None and graphs.batched and graphs.max_batch is None
     before = _graph_count()
     prompts = random_prompts(LENGTHS, seed=4)
     ran = []
@@ -56,9 +57,11 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
         expected = hf_greedy(hf, p, GREEDY.max_tokens)
         assert one.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batch 1)"
         assert batched.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batched)"
-    assert set(ran) == {1} and len(ran) >= len(prompts) * (GREEDY.max_tokens - 1)  # every batch-1 decode step
-    assert graphs.enabled and graphs.compiled_sizes == {1}
-    assert _graph_count() - before <= 1  # one graph for every context length (none if an earlier test made it)
+    batch_1 = [n for n in ran if n == 1]
+    assert len(batch_1) >= len(prompts) * (GREEDY.max_tokens - 1)  # every batch-1 decode step
+    assert set(ran) - {1} == {5}  # the batched run: every prompt decodes in step with the others
+    assert graphs.enabled and graphs.compiled_sizes == {1, BATCHED}
+    assert _graph_count() - before <= 2  # two graphs for every context length (none if an earlier test made them)
     llm.check_invariants()
 
 
@@ -101,17 +104,42 @@ def test_compiled_step_is_called_without_dynamo(tiny_models):
     assert _graph_count() == 0
 
 
-def test_compiled_step_logits_equal_eager(tiny_models):
-    """One decode step: the compiled graph's logits equal the eager forward's; a step of
-    two rows is not eligible."""
-    path, _ = tiny_models["qwen3"]
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_compiled_step_logits_equal_eager(tiny_models, arch):
+    """One decode step of one row, then of 3, 2 and 6 rows (the batched graph, compiled once
+    for all of them): the compiled graphs' logits equal the eager forward's (qwen2: q/k/v
+    bias through oneDNN's packed matmul)."""
+    path, _ = tiny_models[arch]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
-    runner = llm.engine.runner
-    prompts = random_prompts((33,), seed=5)
+    prompts = random_prompts((33, 9, 20, 17, 48, 5, 26), seed=5)
     our_last_logits(llm, [p[:-1] for p in prompts])  # fills their K/V (freed blocks keep it)
-    compiled, eager = _compiled_and_eager_logits(llm, prompts)
+    compiled, eager = _compiled_and_eager_logits(llm, prompts[:1])
     assert (compiled - eager).abs().max().item() < 1e-4
-    assert not runner.decode_graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
+    before = _graph_count()
+    for rows in (prompts[1:4], prompts[4:6], prompts[1:]):
+        compiled, eager = _compiled_and_eager_logits(llm, rows)
+        assert compiled.shape[0] == len(rows) and (compiled - eager).abs().max().item() < 1e-4
+        for i in range(len(rows)):
+            llm.engine.cache.kv.free(f"d{i}")
+    assert _graph_count() - before <= 1 and llm.engine.runner.decode_graphs.compiled_sizes == {1, BATCHED}
+
+
+def test_batched_graph_needs_an_extern_matmul_for_every_layer(tiny_models):
+    """The batched graph exists where every matmul has a prepacked weight or int8 tiles; a
+    layer left with only its plain weight (as on a GPU) keeps batched steps eager."""
+    path, _ = tiny_models["llama"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16)
+    model = llm.engine.runner.model
+    assert batched_graph_capable(model)
+    o_proj = model.layers[0].attn.o_proj
+    packed, o_proj._packed = o_proj._packed, None
+    try:
+        assert not batched_graph_capable(model)
+        graphs = DecodeGraphs(model)
+        assert not graphs.batched and graphs.max_batch == 1
+        assert not graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
+    finally:
+        o_proj._packed = packed
 
 
 def test_a_long_context_of_one_row_stays_on_the_compiled_step(tiny_models):
@@ -138,22 +166,34 @@ def test_gemma3_decodes_through_compiled_steps(gemma3_model):
     outs = [llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0], llm.generate(prompts, GREEDY, use_tqdm=False)[1]]
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens), f"len {len(p)}"
-    assert graphs.enabled and graphs.compiled_sizes == {1}
+    assert graphs.enabled and graphs.compiled_sizes == {1, BATCHED}
 
 
 def test_steps_outside_the_graphs_run_eagerly(tiny_models):
-    """Batches over max_batch are not eligible; the engine with graphs gives the same tokens
-    as one without."""
+    """Ten requests on one shared 48-token prefix: their decodes read it once through a
+    cascade plan, eagerly (not eligible); the engine with graphs gives the same tokens as
+    one without."""
     path, _ = tiny_models["qwen3"]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, max_num_seqs=16)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, max_num_seqs=16,
+              cascade_min_saved_tokens=32)
     graphs = llm.engine.runner.decode_graphs
-    prompts = random_prompts([12] * 10, seed=7)
-    assert len(prompts) > graphs.max_batch
-    eager = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, enforce_eager=True)
+    shared = random_prompts([48], seed=7)[0]
+    prompts = [shared + p for p in random_prompts([3] * 10, seed=8)]
+    eager = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16, enforce_eager=True,
+                cascade_min_saved_tokens=32)
     assert eager.engine.runner.decode_graphs is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
-    assert not graphs.eligible(_decode_batch(llm, prompts))
+    kv = llm.engine.cache.kv
+    assert kv.allocate_slots("prefix", len(shared))
+    seqs = []
+    for i, p in enumerate(prompts):  # every row's table: the prefix's 3 blocks, then one of its own
+        assert kv.allocate_slots(f"d{i}", len(p) - len(shared))
+        seqs.append(ScheduledSeq(f"d{i}", p[-1:], len(p) - 1, kv.block_table("prefix") + kv.block_table(f"d{i}"),
+                                 True, SamplingParams(temperature=0), state_slot=-1))
+    batch = build_batch(seqs, kv.block_size, llm.engine.runner.device, llm.engine.runner.cascade_thresholds)
+    assert batch.decode_cascade is not None and batch.decode_cascade.shares_prefix
+    assert not graphs.eligible(batch)
 
 
 def test_compile_failure_falls_back_to_eager(tiny_models, caplog):
@@ -171,6 +211,31 @@ def test_compile_failure_falls_back_to_eager(tiny_models, caplog):
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
     assert not graphs.enabled
     assert any("compiled decode steps are off" in r.getMessage() for r in caplog.records)
+
+
+def test_a_batched_compile_failure_keeps_the_batch_1_graph(tiny_models, caplog):
+    """If the batched graph fails to compile (or specialises its batch size), batched steps
+    run eagerly with one warning and batch 1 keeps its graph; the tokens stay transformers'."""
+    path, hf = tiny_models["llama"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    graphs = llm.engine.runner.decode_graphs
+    original = graphs._compile
+
+    def batched_fails(args, batched):
+        if batched:
+            raise RuntimeError("the batched graph specialised its batch size")
+        return original(args, batched)
+
+    graphs._compile = batched_fails
+    prompts = random_prompts((10, 21), seed=8)
+    with caplog.at_level(logging.WARNING, logger="hyprefix.runner"):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False) + llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    for p, out in zip([*prompts, prompts[0]], outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert graphs.enabled and not graphs.batched and graphs.compiled_sizes == {1}
+    assert [r.getMessage() for r in caplog.records if "off" in r.getMessage()] == [
+        "batched compiled decode steps are off (compiling failed: RuntimeError: the batched graph specialised "
+        "its batch size); they run eagerly"]
 
 
 def test_reduction_linear_matches_matmul():
@@ -225,13 +290,18 @@ def test_int8_close_to_float32(tiny_models, enforce_eager):
     if not enforce_eager:
         # Where the decode kernel runs the model's steps the runner compiles none: compile one here
         # (the model's layers op by op) against the kernel's step.
+        # Batches of 1 and 3 rows: the batched graph multiplies the int8 tiles too.
         runner = llm.engine.runner
-        graphs = runner.decode_graphs or DecodeGraphs(runner.model, 1)
+        graphs = runner.decode_graphs or DecodeGraphs(runner.model)
         assert (runner.decode_graphs is None) == model.decode_kernel
-        compiled, eager = _compiled_and_eager_logits(llm, random_prompts((33,), seed=5), graphs=graphs)
-        assert graphs.compiled_sizes == {1}
-        gap = (compiled - eager).abs().max().item()
-        assert gap < 0.01 * eager.abs().max().item(), f"compiled vs eager int8 logits differ by {gap:.3g}"
+        assert graphs.batched == (layout is Int8Tiles)
+        prompts = random_prompts((33, 9, 20), seed=5)
+        for rows in ([prompts[0]], prompts) if graphs.batched else ([prompts[0]],):
+            compiled, eager = _compiled_and_eager_logits(llm, rows, graphs=graphs)
+            llm.engine.cache.kv.free("d0")
+            gap = (compiled - eager).abs().max().item()
+            assert gap < 0.01 * eager.abs().max().item(), f"compiled vs eager int8 logits differ by {gap:.3g}"
+        assert graphs.compiled_sizes == ({1, BATCHED} if graphs.batched else {1})
 
 
 def test_bad_quantization_is_a_value_error():

@@ -334,10 +334,10 @@ def test_warmup_compiles_ahead_and_changes_nothing(tiny_models, hybrid_models, a
     assert set(llm.engine.runner.kernels._compiled) == compiled
     llm.check_invariants()
     assert not make_llm(path, enforce_eager=True).engine.runner.warmup()  # nothing to compile
-    if arch == "qwen3":  # and the compiled batch-1 decode step (where no cascade plan takes the step)
+    if arch == "qwen3":  # and the compiled decode steps, batch 1 and batched (where no cascade plan takes the step)
         served = make_llm(path, cascade_min_saved_tokens=256, cascade_min_solo_run_tokens=256)
         served.engine.warmup()
-        assert served.engine.runner.decode_graphs.compiled_sizes == {1}
+        assert served.engine.runner.decode_graphs.compiled_sizes == {1, 2}
         stats = served.get_stats()
         assert stats["prefill_computed_tokens"] == stats["kv_blocks_used"] == stats["kv_blocks_cached"] == 0
 

@@ -18,6 +18,7 @@ from hyprefix.models.layers import (
     RMSNorm,
     Rotary,
     mkldnn_packing_available,
+    one_row,
     pack_weight,
     packed_linear,
 )
@@ -125,7 +126,7 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         int8_head = self._int8_head
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and (one_row(hidden) or self._packed_head is None):
             head = int8_head if int8_head is not None else bf16_tiles(self.embed)
             return reduction_linear(hidden, head if head is not None else self.embed.weight, None).float()
         if int8_head is not None:

@@ -91,8 +91,27 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+def one_row(x: torch.Tensor) -> bool:
+    """Whether ``x`` has exactly one row for certain (a batch-1 graph's static size; a
+    batched graph's row count is symbolic)."""
+    rows = x.shape[0]
+    return isinstance(rows, int) and rows == 1
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a batched decode graph: an extern call (``kernels/packed_linear.cpp``)
+        return torch.ops.hyprefix.packed_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+                   up_bias: torch.Tensor | None, epilogue: tuple) -> torch.Tensor:
+    """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
+    attr, scalars, algorithm) and the product fused into the two prepacked matmuls."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2])
+    h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
+    return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")
 
 
 class Linear(nn.Linear):
@@ -142,6 +161,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if self._packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
+                return packed_linear(x, self._packed, self.bias)
             return reduction_linear(x, self.graph_weight, self.bias)
         int8 = self.int8
         if int8 is not None:
@@ -209,9 +230,7 @@ class GatedMLP(nn.Module):
             weight.data = torch.empty(0, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and not torch.compiler.is_compiling():
-            gate_w, up_w, gate_b, up_b = self._packed
-            gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, gate_b, *self._epilogue)
-            return self.down(torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, up_b, "mul"))
+        if self._packed is not None and not (torch.compiler.is_compiling() and one_row(x)):
+            return self.down(packed_gate_up(x, *self._packed, self._epilogue))
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)

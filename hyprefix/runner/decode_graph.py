@@ -8,21 +8,23 @@ loops (``quant.reduction_linear``) and the step runs as a handful of C++ kernels
 int8 weights and float32 on CPU, a Llama-family model needs no graph: its whole decode step
 is one kernel call, ``kernels/decode_layers.cpp``, and the runner makes no ``DecodeGraphs``.)
 
-One graph per batch size up to ``max_batch`` (today 1: the one-stream, most
-latency-bound case), compiled on first use, with the context length (block-table
-width) a symbolic size so a growing context never recompiles. Once compiled, a step is
-called without Dynamo (``DecodeGraphs._compile``). A step qualifies when it
-is decode only, reads no prefix shared by several rows through a cascade plan (those
-stay eager, ``runner/cascade.py``; a long context's single-row segment is ignored),
-no sliding-window pool and no recurrent state (hybrids stay
-eager), and at most ``max_batch`` rows; any other step runs eagerly. If compiling fails
-(no C++ compiler, an unsupported op) the graphs are switched off with a warning and
-every step runs eagerly.
-
-Why batch 1 only: a graph with a symbolic batch size compiled to code that took 900 ms
-a step at batch 8 on SmolLM2-135M (eager: ~125 ms), and one static graph per batch size
-costs ~50 s of cold compile each on 2 cores; batched decode keeps the eager prepacked
-GEMMs, which are near their roofline there.
+Two graphs, each compiled on first use, with the context length (block-table width) a
+symbolic size so a growing context never recompiles:
+- batch 1 (the one-stream, most latency-bound case): every matmul streams its weight once
+  (Inductor's loop, or the int8 / bf16 tile kernels), and the step is called without Dynamo
+  (``DecodeGraphs._compile``);
+- every larger batch, one graph with a symbolic batch size (``batched``), where the model's
+  matmuls are oneDNN's prepacked GEMMs (or the int8 tile kernel) as extern calls
+  (``kernels/packed_linear.cpp``) and Inductor fuses what lies between them. It exists where
+  every matmul of the model has such a kernel (a CPU with prepacked weights); elsewhere
+  batched steps run eagerly. Inductor's own loops with a symbolic batch size took 900 ms a
+  step at batch 8 on SmolLM2-135M (eager ~125 ms then), and a static graph per batch size
+  would cost a cold compile each.
+A step qualifies when it is decode only, reads no prefix shared by several rows through a
+cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
+ignored), no sliding-window pool and no recurrent state (hybrids stay eager); any other step
+runs eagerly. If compiling fails (no C++ compiler, an unsupported op) the graphs are
+switched off with a warning and every step runs eagerly.
 """
 
 from __future__ import annotations
@@ -38,20 +40,24 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.models.quant import uses_tile_kernels
+from hyprefix.kernels import packed_linear
+from hyprefix.models.layers import GatedMLP, Linear
+from hyprefix.models.quant import Int8Tiles, uses_tile_kernels
 
 log = logging.getLogger("hyprefix.runner")
 
 
-MAX_GRAPH_BATCH = 1
 KERNELS_DIR = Path(__file__).parent.parent / "kernels"
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_batch: int) -> None:
+    def __init__(self, model: torch.nn.Module, batched: bool = True) -> None:
+        """``batched``: compile the graph of batches of two or more rows too, where the model
+        allows it (``batched_graph_capable``)."""
         self.model = model
-        self.max_batch = max_batch
-        self.enabled = max_batch > 0
+        self.batched = batched and batched_graph_capable(model)
+        self.max_batch = None if self.batched else 1  # None: any batch size
+        self.enabled = True
         # Dynamo keeps the compiled steps of every engine in this process on one code
         # object (one per model and cache shape); past its limit compiling would fail.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -65,17 +71,21 @@ class DecodeGraphs:
         # build of our extern kernels (another op schema) would crash if loaded from its cache.
         self._options = {"size_asserts": False, "post_grad_custom_post_pass": _KERNEL_SOURCES_KEY,
                          **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
-        self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # batch size -> its compiled step
+        # The batched graph calls many extern kernels: the C++ wrapper calls them for less.
+        self._batched_options = {**self._options, "cpp_wrapper": True}
+        self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # 1 or BATCHED -> its step
 
     @property
     def compiled_sizes(self) -> set[int]:
+        """1 for the batch-1 graph, ``BATCHED`` (2) for the graph of every larger batch."""
         return set(self._steps)
 
     def eligible(self, batch: ForwardBatch) -> bool:
-        """A decode-only step of at most ``max_batch`` rows that reads no prefix shared by
+        """A decode-only step of at most ``max_batch`` rows (None: any) that reads no prefix shared by
         several rows once (a cascade plan of only single-row segments, a long context's own
         run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
-        return (self.enabled and not batch.prefills and 0 < batch.num_decode <= self.max_batch
+        return (self.enabled and not batch.prefills and batch.num_decode > 0
+                and (self.max_batch is None or batch.num_decode <= self.max_batch)
                 and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix)
                 and batch.window_kv is None and batch.decode_state_slots is None
                 and batch.write_index is None and len(batch.sample_seqs) == batch.num_decode)
@@ -92,33 +102,41 @@ class DecodeGraphs:
             tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
         args = (batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens,
                 kv_caches, batch.block_size)
-        step = self._steps.get(batch.num_decode)
+        key = min(batch.num_decode, BATCHED)
+        step = self._steps.get(key)
         if step is not None:
             with torch.inference_mode():  # as when compiled: no guard would catch a grad-mode call
                 return step(self, *args)
         t0 = time.perf_counter()
         try:
-            torch._dynamo.mark_dynamic(tables, 1)
-            step, out = self._compile(args)
+            step, out = self._compile(args, batched=key == BATCHED)
         except Exception as exc:
-            self.enabled = False
-            log.warning("compiled decode steps are off (compiling failed: %s: %s); decode runs eagerly",
+            which = "batched compiled decode steps are" if key == BATCHED else "compiled decode steps are"
+            if key == BATCHED:  # the batch-1 graph stays
+                self.batched, self.max_batch = False, 1
+            else:
+                self.enabled = False
+            log.warning("%s off (compiling failed: %s: %s); they run eagerly", which,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
-        self._steps[batch.num_decode] = step
-        log.info("compiled the decode step for batch %d in %.1fs", batch.num_decode, time.perf_counter() - t0)
+        self._steps[key] = step
+        log.info("compiled the decode step for %s in %.1fs", "batch 1" if key == 1 else "batches of 2 or more",
+                 time.perf_counter() - t0)
         return out
 
-    def _compile(self, args: tuple) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                                              tuple[torch.Tensor, torch.Tensor]]:
-        """Compile the step for these arguments' shapes (the table width symbolic) and run it
-        once. Returns the step to call as ``step(self, *args)`` from then on: the bytecode
-        Dynamo made for it, called directly, as vLLM dispatches to its compiled code, which
-        skips Dynamo's frame evaluation and guards (~0.7 ms a step for SmolLM2 Q8_0 on a 2-core
-        Zen 4). That is sound because nothing a guard checks changes between this engine's
-        calls: the model, its K/V tensors and every shape but the table width are fixed per
-        batch size. Where no bytecode was made in this call (another engine of the same
-        shapes compiled it earlier in this process), the step goes through Dynamo."""
+    def _compile(self, args: tuple, batched: bool) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                                             tuple[torch.Tensor, torch.Tensor]]:
+        """Compile the step for these arguments' shapes (the table width symbolic; with
+        ``batched`` the row count too) and run it once. Returns the step to call as
+        ``step(self, *args)`` from then on: the bytecode Dynamo made for it, called directly,
+        as vLLM dispatches to its compiled code, which skips Dynamo's frame evaluation and
+        guards (~0.7 ms a step for SmolLM2 Q8_0 on a 2-core Zen 4). That is sound because
+        nothing a guard checks changes between this engine's calls: the model, its K/V
+        tensors and every shape but the symbolic ones are fixed. The batched graph is run a
+        second time with one more row before it is kept: had Dynamo specialised the row count
+        anyway, that would compile again, and the batched graph is refused. Where no bytecode
+        was made in this call (another engine of the same shapes compiled it earlier in this
+        process), the step goes through Dynamo."""
         captured: list[CodeType] = []
         thread = threading.get_ident()
 
@@ -126,18 +144,35 @@ class DecodeGraphs:
             if code is _STEP_CODE and threading.get_ident() == thread:
                 captured.append(new_code)
 
-        compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, options=self._options)
+        def mark(step_args: tuple) -> None:
+            torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
+            if batched:
+                for t in step_args[:_STEP_INPUTS]:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+
+        compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False,
+                                 options=self._batched_options if batched else self._options)
         hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
         try:
+            mark(args)
             out = compiled(self, *args)
+            if batched:  # row 0 again: the same K/V written to the same slot, the same logits
+                with torch.inference_mode(args[0].is_inference()):  # tensors of the same kind (a guard)
+                    more = tuple(torch.cat([t, t[:1]]) for t in args[:_STEP_INPUTS])
+                made = len(captured)
+                mark(more)
+                compiled(self, *more, *args[_STEP_INPUTS:])
+                if len(captured) > made:
+                    raise RuntimeError("the batched graph specialised its batch size")
         finally:
             hook.remove()
         if captured:
             step = FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step")
-            return _direct_call(step, self, args) or step, out
+            # the batched graph's flat inputs hold its row count beside the width: keep the bytecode
+            return (step if batched else _direct_call(step, self, args) or step), out
 
         def through_dynamo(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
-            torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
+            mark(step_args)
             return compiled(graphs, *step_args)
         return through_dynamo, out
 
@@ -155,6 +190,20 @@ class DecodeGraphs:
 
 
 _STEP_CODE = DecodeGraphs._step.__code__
+BATCHED = 2  # the key of the graph of every batch of two or more rows
+
+
+def batched_graph_capable(model: torch.nn.Module) -> bool:
+    """Whether every matmul of ``model`` has an extern kernel for a symbolic batch size: a
+    prepacked oneDNN weight (``kernels/packed_linear.cpp``, which must build) or int8 tiles."""
+    mlp_packed = {id(m.gate_up) for m in model.modules() if isinstance(m, GatedMLP) and m._packed is not None}
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    any_packed = bool(mlp_packed) or any(m._packed is not None for m in linears)
+    tied_head_ok = getattr(model, "lm_head", None) is not None \
+        or getattr(model, "_packed_head", None) is not None or isinstance(getattr(model, "_int8_head", None), Int8Tiles)
+    return (bool(linears) and tied_head_ok
+            and all(isinstance(m.int8, Int8Tiles) or m._packed is not None or id(m) in mlp_packed for m in linears)
+            and (not any_packed or packed_linear.available()))
 
 
 class KernelSourcesKey(CustomGraphPass):

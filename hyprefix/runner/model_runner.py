@@ -14,7 +14,7 @@ from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds
-from hyprefix.runner.decode_graph import MAX_GRAPH_BATCH, DecodeGraphs
+from hyprefix.runner.decode_graph import DecodeGraphs
 from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
@@ -67,7 +67,7 @@ class ModelRunner:
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
         # the model runs its decode steps in one kernel call of its own (``decode_logits``).
-        self.decode_graphs = DecodeGraphs(model, MAX_GRAPH_BATCH) \
+        self.decode_graphs = DecodeGraphs(model) \
             if compile_enabled and model.decode_graph_capable and not model.decode_kernel else None
         # One context entered each step: the decorator form builds a new one every call (~30 us
         # of a small model's ~5 ms step on a 2-core Xeon).
@@ -101,9 +101,9 @@ class ModelRunner:
                 layer.restore(src, dst)
 
     def warmup(self) -> bool:
-        """Run one throwaway step big enough for the compiled kernels, then one decode
-        step (the compiled decode graph), so they compile now rather than inside the first
-        request (which would hold every client).
+        """Run one throwaway step big enough for the compiled kernels, then a decode step of
+        one row and one of two (the compiled decode graphs), so they compile now rather than
+        inside the first requests (which would hold every client).
         It writes K/V into the first blocks and live state slot 0, which nothing reads
         before its owner writes them. Returns whether it ran."""
         tokens = COMPILE_MIN_TOKENS
@@ -117,11 +117,16 @@ class ModelRunner:
                            params=SamplingParams(temperature=0, max_tokens=1), state_slot=0 if live else -1,
                            window_blocks=list(range(num_blocks)) if self.has_window_pool else None)
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
+        names = ["warmup"]
         if self.decode_graphs is not None and not self.has_window_pool:
-            # and the compiled batch-1 decode step, which the first request's decode would compile
-            step = ScheduledSeq("warmup", [0], tokens, list(range(num_blocks)), sample=True, params=seq.params)
-            self.execute(SchedulerOutput([step], 1))
-        self.sampler.forget(["warmup"])
+            # and the compiled decode steps (batch 1, then the batched graph with two rows, both
+            # writing the same K/V to the same slot), which the first requests' decodes would compile
+            for rows in (1, 2) if self.decode_graphs.batched else (1,):
+                names = [f"warmup{i}" if i else "warmup" for i in range(rows)]
+                steps = [ScheduledSeq(name, [0], tokens, list(range(num_blocks)), sample=True, params=seq.params)
+                         for name in names]
+                self.execute(SchedulerOutput(steps, rows))
+        self.sampler.forget(names)
         return True
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
