@@ -59,8 +59,9 @@ class DecodeGraphs:
         self.max_batch = None if self.batched else 1  # None: any batch size
         self.enabled = True
         # Dynamo keeps the compiled steps of every engine in this process on one code
-        # object (one per model and cache shape); past its limit compiling would fail.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # object (two per model and cache shape: batch 1 and batched); past its limit compiling
+        # would fail.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         # With the int8 or bf16 tile kernels each matmul is an extern call (four per layer): a C++ wrapper
         # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
         # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
