@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyprefix.runner.decode_graph import DecodeGraphs
+
 ASSETS = Path(__file__).resolve().parents[1] / "hyprefix" / "assets"
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2", "qwen3_5", "qwen3_next")
@@ -158,6 +160,15 @@ def save_tiny_checkpoint(model, out: Path) -> None:
 # ``test_cascade.py`` checks the path against the plain gathered one, and takes it with
 # the production thresholds on long prompts.
 TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2}
+
+
+@pytest.fixture(autouse=True)
+def _batched_decode_graphs(request, monkeypatch):
+    """Engines compile the batched decode graph only in tests marked ``batched_graphs``: its cold
+    compile costs 12-16 s for each engine shape (the tests of the graph, and one stress run,
+    cover it); every other test's batched decode steps run eagerly, as on devices without it."""
+    if request.node.get_closest_marker("batched_graphs") is None:
+        monkeypatch.setattr(DecodeGraphs, "batched_by_default", False)
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,7 @@ def test_bf16_tiles_off_the_kernel_multiply_the_plain_weight():
 
 
 @needs_kernel
+@pytest.mark.batched_graphs
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])  # tied head; untied head; q/k/v bias, tied
 def test_bf16_compiled_steps_read_tiles_and_match_eager(tiny_models, arch):
     """With compiled decode steps a bf16 model keeps each linear (and a tied head) as tiles

@@ -37,6 +37,7 @@ def _decode_batch(llm, prompts: list[list[int]]):
     return build_batch(seqs, kv.block_size, runner.device, runner.cascade_thresholds)
 
 
+@pytest.mark.batched_graphs
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
     """Batch 1 decodes through the compiled batch-1 step, batches 5 .. 2 through the batched
@@ -104,6 +105,7 @@ def test_compiled_step_is_called_without_dynamo(tiny_models):
     assert _graph_count() == 0
 
 
+@pytest.mark.batched_graphs
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_compiled_step_logits_equal_eager(tiny_models, arch):
     """One decode step of one row, then of 3, 2 and 6 rows (the batched graph, compiled once
@@ -124,6 +126,7 @@ def test_compiled_step_logits_equal_eager(tiny_models, arch):
     assert _graph_count() - before <= 1 and llm.engine.runner.decode_graphs.compiled_sizes == {1, BATCHED}
 
 
+@pytest.mark.batched_graphs
 def test_batched_graph_needs_an_extern_matmul_for_every_layer(tiny_models):
     """The batched graph exists where every matmul has a prepacked weight or int8 tiles; a
     layer left with only its plain weight (as on a GPU) keeps batched steps eager."""
@@ -156,6 +159,7 @@ def test_a_long_context_of_one_row_stays_on_the_compiled_step(tiny_models):
     assert (compiled - eager).abs().max().item() < 1e-4
 
 
+@pytest.mark.batched_graphs
 def test_gemma3_decodes_through_compiled_steps(gemma3_model):
     """Gemma 3 (embedding scale, sliding-window layers sharing the main pool, 1+w norms,
     tanh-GELU MLP) through the compiled steps equals transformers."""
@@ -169,6 +173,7 @@ def test_gemma3_decodes_through_compiled_steps(gemma3_model):
     assert graphs.enabled and graphs.compiled_sizes == {1, BATCHED}
 
 
+@pytest.mark.batched_graphs
 def test_steps_outside_the_graphs_run_eagerly(tiny_models):
     """Ten requests on one shared 48-token prefix: their decodes read it once through a
     cascade plan, eagerly (not eligible); the engine with graphs gives the same tokens as
@@ -213,6 +218,7 @@ def test_compile_failure_falls_back_to_eager(tiny_models, caplog):
     assert any("compiled decode steps are off" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.batched_graphs
 def test_a_batched_compile_failure_keeps_the_batch_1_graph(tiny_models, caplog):
     """If the batched graph fails to compile (or specialises its batch size), batched steps
     run eagerly with one warning and batch 1 keeps its graph; the tokens stay transformers'."""
@@ -292,7 +298,7 @@ def test_int8_close_to_float32(tiny_models, enforce_eager):
         # (the model's layers op by op) against the kernel's step.
         # Batches of 1 and 3 rows: the batched graph multiplies the int8 tiles too.
         runner = llm.engine.runner
-        graphs = runner.decode_graphs or DecodeGraphs(runner.model)
+        graphs = runner.decode_graphs or DecodeGraphs(runner.model, batched=True)
         assert (runner.decode_graphs is None) == model.decode_kernel
         assert graphs.batched == (layout is Int8Tiles)
         prompts = random_prompts((33, 9, 20), seed=5)

@@ -30,7 +30,9 @@ def make_prompt(rng: random.Random, prefixes: list[list[int]], block_size: int) 
 
 
 @pytest.mark.parametrize(("arch", "seed", "block_size", "num_kv_blocks", "budget", "max_num_seqs", "swa_ratio"),
-                         [("qwen3", 0, 4, 40, 24, 8, None), ("qwen3", 1, 16, 20, 40, 10, None),
+                         [("qwen3", 0, 4, 40, 24, 8, None),
+                          # this one through the compiled batched decode graph too
+                          pytest.param("qwen3", 1, 16, 20, 40, 10, None, marks=pytest.mark.batched_graphs),
                           # every layer has a 24-token window, in a pool of its own that is too small
                           ("mistral", 2, 4, 60, 12, 8, 0.3)])
 def test_prefix_cache_stress_matches_cache_off(tiny_models, arch, seed, block_size, num_kv_blocks, budget,
@@ -68,6 +70,8 @@ def test_prefix_cache_stress_matches_cache_off(tiny_models, arch, seed, block_si
                   enable_prefix_caching=False, **TINY_CASCADE)
     verify(llm, ref_llm, run, NUM_REQUESTS)
     stats = engine.get_stats()
+    graphs = engine.runner.decode_graphs  # where the batched graph is on (one case), batched steps went through it
+    assert graphs is not None and (not graphs.batched or 2 in graphs.compiled_sizes)
 
     # The traffic exercised what it was meant to.
     assert stats["prefix_cache_hits"] > 0 and stats["prefill_skipped_tokens"] > 0

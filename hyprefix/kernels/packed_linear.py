@@ -35,9 +35,9 @@ def _build() -> bool:
 
 
 def _fake_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((x.shape[0], packed.shape[0]))
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _fake_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
                   up_bias: torch.Tensor | None, activation: str, algorithm: str) -> torch.Tensor:
-    return x.new_empty((x.shape[0], gate.shape[0]))
+    return x.new_empty((*x.shape[:-1], gate.shape[0]))

@@ -109,6 +109,7 @@ def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_b
     """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
     attr, scalars, algorithm) and the product fused into the two prepacked matmuls."""
     if torch.compiler.is_compiling():
+        assert not epilogue[1], "the compiled gate/up op passes no activation scalars"
         return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2])
     h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
     return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")

@@ -16,15 +16,17 @@ symbolic size so a growing context never recompiles:
 - every larger batch, one graph with a symbolic batch size (``batched``), where the model's
   matmuls are oneDNN's prepacked GEMMs (or the int8 tile kernel) as extern calls
   (``kernels/packed_linear.cpp``) and Inductor fuses what lies between them. It exists where
-  every matmul of the model has such a kernel (a CPU with prepacked weights); elsewhere
-  batched steps run eagerly. Inductor's own loops with a symbolic batch size took 900 ms a
-  step at batch 8 on SmolLM2-135M (eager ~125 ms then), and a static graph per batch size
-  would cost a cold compile each.
+  every matmul of the model has such a kernel (a CPU with prepacked weights or int8 tiles)
+  and the paged decode-attention kernel runs; elsewhere batched steps run eagerly.
+  Inductor's own loops with a symbolic batch size took 900 ms a step at batch 8 on
+  SmolLM2-135M (eager ~125 ms then), and a static graph per batch size would cost a cold
+  compile each.
 A step qualifies when it is decode only, reads no prefix shared by several rows through a
 cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
 ignored), no sliding-window pool and no recurrent state (hybrids stay eager); any other step
-runs eagerly. If compiling fails (no C++ compiler, an unsupported op) the graphs are
-switched off with a warning and every step runs eagerly.
+runs eagerly. If compiling fails (no C++ compiler, an unsupported op) that graph is switched
+off with a warning: after a batch-1 failure every decode step runs eagerly, after a batched
+failure only the batched steps do.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.kernels import packed_linear
+from hyprefix.kernels import decode_attention, packed_linear
 from hyprefix.models.layers import GatedMLP, Linear
 from hyprefix.models.quant import Int8Tiles, uses_tile_kernels
 
@@ -51,10 +53,15 @@ KERNELS_DIR = Path(__file__).parent.parent / "kernels"
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, batched: bool = True) -> None:
+    # Whether engines compile the batched graph where they can (a seam for the test suite, where
+    # each engine shape would cost 12-16 s of cold compile; only the tests of the graph turn it on).
+    batched_by_default = True
+
+    def __init__(self, model: torch.nn.Module, batched: bool | None = None) -> None:
         """``batched``: compile the graph of batches of two or more rows too, where the model
-        allows it (``batched_graph_capable``)."""
+        allows it (``batched_graph_capable``); None: ``batched_by_default``."""
         self.model = model
+        batched = self.batched_by_default if batched is None else batched
         self.batched = batched and batched_graph_capable(model)
         self.max_batch = None if self.batched else 1  # None: any batch size
         self.enabled = True
@@ -129,15 +136,19 @@ class DecodeGraphs:
                                                              tuple[torch.Tensor, torch.Tensor]]:
         """Compile the step for these arguments' shapes (the table width symbolic; with
         ``batched`` the row count too) and run it once. Returns the step to call as
-        ``step(self, *args)`` from then on: the bytecode Dynamo made for it, called directly,
-        as vLLM dispatches to its compiled code, which skips Dynamo's frame evaluation and
-        guards (~0.7 ms a step for SmolLM2 Q8_0 on a 2-core Zen 4). That is sound because
-        nothing a guard checks changes between this engine's calls: the model, its K/V
-        tensors and every shape but the symbolic ones are fixed. The batched graph is run a
-        second time with one more row before it is kept: had Dynamo specialised the row count
-        anyway, that would compile again, and the batched graph is refused. Where no bytecode
-        was made in this call (another engine of the same shapes compiled it earlier in this
-        process), the step goes through Dynamo."""
+        ``step(self, *args)`` from then on.
+
+        Batch 1: the bytecode Dynamo made for it, called directly, as vLLM dispatches to its
+        compiled code, which skips Dynamo's frame evaluation and guards (~0.7 ms a step for
+        SmolLM2 Q8_0 on a 2-core Zen 4). That is sound because nothing a guard checks changes
+        between this engine's calls: the model, its K/V tensors and every shape but the table
+        width are fixed. Where no bytecode was made in this call (another engine of the same
+        shapes compiled it earlier in this process), the step goes through Dynamo.
+
+        Batched: always through Dynamo, whose guards check each call's row count against
+        what the graph was compiled for (1-2 % of a batched step). It runs a second time with
+        one more row before it is kept: had Dynamo specialised the row count anyway, that
+        would compile again, and the batched graph is refused rather than compiled per size."""
         captured: list[CodeType] = []
         thread = threading.get_ident()
 
@@ -157,7 +168,7 @@ class DecodeGraphs:
         try:
             mark(args)
             out = compiled(self, *args)
-            if batched:  # row 0 again: the same K/V written to the same slot, the same logits
+            if batched:  # row 0 again: its K/V written again to its slot (equal up to rounding)
                 with torch.inference_mode(args[0].is_inference()):  # tensors of the same kind (a guard)
                     more = tuple(torch.cat([t, t[:1]]) for t in args[:_STEP_INPUTS])
                 made = len(captured)
@@ -167,10 +178,9 @@ class DecodeGraphs:
                     raise RuntimeError("the batched graph specialised its batch size")
         finally:
             hook.remove()
-        if captured:
+        if captured and not batched:
             step = FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step")
-            # the batched graph's flat inputs hold its row count beside the width: keep the bytecode
-            return (step if batched else _direct_call(step, self, args) or step), out
+            return _direct_call(step, self, args) or step, out
 
         def through_dynamo(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
             mark(step_args)
@@ -195,14 +205,19 @@ BATCHED = 2  # the key of the graph of every batch of two or more rows
 
 
 def batched_graph_capable(model: torch.nn.Module) -> bool:
-    """Whether every matmul of ``model`` has an extern kernel for a symbolic batch size: a
-    prepacked oneDNN weight (``kernels/packed_linear.cpp``, which must build) or int8 tiles."""
+    """Whether every matmul of ``model`` has an extern kernel for a symbolic batch size (a
+    prepacked oneDNN weight, ``kernels/packed_linear.cpp``, which must build, or int8 tiles)
+    and each row's K/V is read in place (``kernels/decode_attention.cpp``): without that
+    kernel the graph would gather every row's blocks padded to the longest table, where the
+    eager cascade path reads a long row on its own."""
     mlp_packed = {id(m.gate_up) for m in model.modules() if isinstance(m, GatedMLP) and m._packed is not None}
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    any_packed = bool(mlp_packed) or any(m._packed is not None for m in linears)
-    tied_head_ok = getattr(model, "lm_head", None) is not None \
-        or getattr(model, "_packed_head", None) is not None or isinstance(getattr(model, "_int8_head", None), Int8Tiles)
-    return (bool(linears) and tied_head_ok
+    packed_head = getattr(model, "_packed_head", None) is not None
+    any_packed = bool(mlp_packed) or packed_head or any(m._packed is not None for m in linears)
+    tied_head_ok = getattr(model, "lm_head", None) is not None or packed_head \
+        or isinstance(getattr(model, "_int8_head", None), Int8Tiles)
+    dtype = getattr(model, "dtype", None)
+    return (bool(linears) and tied_head_ok and dtype is not None and decode_attention.available(dtype)
             and all(isinstance(m.int8, Int8Tiles) or m._packed is not None or id(m) in mlp_packed for m in linears)
             and (not any_packed or packed_linear.available()))
 

@@ -104,8 +104,8 @@ class ModelRunner:
         """Run one throwaway step big enough for the compiled kernels, then a decode step of
         one row and one of two (the compiled decode graphs), so they compile now rather than
         inside the first requests (which would hold every client).
-        It writes K/V into the first blocks and live state slot 0, which nothing reads
-        before its owner writes them. Returns whether it ran."""
+        It writes K/V into the first blocks (twice as many for the batched graph) and live
+        state slot 0, which nothing reads before its owner writes them. Returns whether it ran."""
         tokens = COMPILE_MIN_TOKENS
         num_blocks = -(-(tokens + 1) // self.block_size)  # room for one decode token after the prompt
         if not self.kernels.compile_enabled or any(k.shape[0] < num_blocks for k, _ in self.kv_caches):
@@ -119,12 +119,14 @@ class ModelRunner:
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
         names = ["warmup"]
         if self.decode_graphs is not None and not self.has_window_pool:
-            # and the compiled decode steps (batch 1, then the batched graph with two rows, both
-            # writing the same K/V to the same slot), which the first requests' decodes would compile
-            for rows in (1, 2) if self.decode_graphs.batched else (1,):
+            # and the compiled decode steps, which the first requests' decodes would compile: batch
+            # 1, then the batched graph with two rows on blocks of their own (rows on the same
+            # blocks would share a prefix, which a cascade plan reads eagerly)
+            room = min(k.shape[0] for k, _ in self.kv_caches) // num_blocks
+            for rows in (1, 2) if self.decode_graphs.batched and room >= 2 else (1,):
                 names = [f"warmup{i}" if i else "warmup" for i in range(rows)]
-                steps = [ScheduledSeq(name, [0], tokens, list(range(num_blocks)), sample=True, params=seq.params)
-                         for name in names]
+                steps = [ScheduledSeq(name, [0], tokens, list(range(i * num_blocks, (i + 1) * num_blocks)),
+                                      sample=True, params=seq.params) for i, name in enumerate(names)]
                 self.execute(SchedulerOutput(steps, rows))
         self.sampler.forget(names)
         return True
