@@ -63,7 +63,6 @@ class DecodeGraphs:
         self.model = model
         batched = self.batched_by_default if batched is None else batched
         self.batched = batched and batched_graph_capable(model)
-        self.max_batch = None if self.batched else 1  # None: any batch size
         self.enabled = True
         # Dynamo keeps the compiled steps of every engine in this process on one code
         # object (two per model and cache shape: batch 1 and batched); past its limit compiling
@@ -82,6 +81,11 @@ class DecodeGraphs:
         # The batched graph calls many extern kernels: the C++ wrapper calls them for less.
         self._batched_options = {**self._options, "cpp_wrapper": True}
         self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # 1 or BATCHED -> its step
+
+    @property
+    def max_batch(self) -> int | None:
+        """The most rows a compiled step takes: 1, or None (any) with the batched graph."""
+        return None if self.batched else 1
 
     @property
     def compiled_sizes(self) -> set[int]:
@@ -121,7 +125,7 @@ class DecodeGraphs:
         except Exception as exc:
             which = "batched compiled decode steps are" if key == BATCHED else "compiled decode steps are"
             if key == BATCHED:  # the batch-1 graph stays
-                self.batched, self.max_batch = False, 1
+                self.batched = False
             else:
                 self.enabled = False
             log.warning("%s off (compiling failed: %s: %s); they run eagerly", which,
