@@ -50,6 +50,11 @@ class EngineArgs:
     # this many tokens (runner/cascade.py).
     cascade_min_saved_tokens: int = 256
     cascade_min_solo_run_tokens: int = 256
+    # Where decode steps have a fast path (the int8 decode kernel, a compiled decode graph),
+    # which reads every row's K/V whole, a shared prefix is read once (on the eager path) only
+    # when reading every row whole would move at least this many times the bytes (weights +
+    # K/V) of the shared plan; 0 always shares (runner/cascade.py, FastPathCost).
+    cascade_min_traffic_ratio: float = 4.0
     log_stats_interval: float = 5.0
     revision: str | None = None
     # KV cache events over ZMQ (kv_events.py), vLLM's flag: a JSON object such as
@@ -74,7 +79,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("kv_cache_memory_gb", "mamba_cache_memory_gb"):
+        for name in ("kv_cache_memory_gb", "mamba_cache_memory_gb", "cascade_min_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.swa_full_tokens_ratio > 0:

@@ -24,6 +24,7 @@ from hyprefix.errors import RequestError
 from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
 from hyprefix.models.loader import gguf_parsed_once, load_model, load_tokenizer
+from hyprefix.openmp import release_workers
 from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyprefix.request import Request
 from hyprefix.runner.cascade import CascadeThresholds
@@ -132,7 +133,8 @@ class Engine:
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
                                   num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
-                                                                       args.cascade_min_solo_run_tokens))
+                                                                       args.cascade_min_solo_run_tokens,
+                                                                       args.cascade_min_traffic_ratio))
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * pools.bytes_per_block,
@@ -155,6 +157,9 @@ class Engine:
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
         freeze_startup_heap()
+        # Loading ran parallel work on this thread; the thread that steps the engine may be
+        # another, and two OpenMP pools would slow every step (``openmp.py``).
+        release_workers()
 
     @property
     def model_facts(self) -> ModelFacts:
@@ -181,6 +186,7 @@ class Engine:
         if self.runner.warmup():
             log.info("warmed up the compiled kernels in %.1fs", time.perf_counter() - t0)
             freeze_startup_heap()
+        release_workers()  # as after loading
 
     def _window_pool_window(self, layout) -> int | None:
         """The widest sliding window when the sliding layers get a pool of their own
@@ -461,6 +467,7 @@ class Engine:
             "prefill_computed_tokens": sched.prefill_computed_tokens,
             "prefill_skipped_tokens": sched.prefill_skipped_tokens,
             "decode_tokens": sched.decode_tokens,
+            **{f"decode_steps_{path}": count for path, count in self.runner.decode_steps.items()},
             "num_preemptions": sched.num_preemptions,
             "sibling_waits": sched.sibling_waits,
             "kv_blocks_total": cache["kv_blocks_total"],

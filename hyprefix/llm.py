@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine, PromptInput
+from hyprefix.openmp import release_workers
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
 
@@ -90,6 +91,8 @@ class LLM:
             raise
         finally:
             bar.close()
+            # The next call may come from another thread: leave no OpenMP pool behind (``openmp.py``).
+            release_workers()
         return [done[i] for i in ids]
 
     def get_stats(self) -> dict[str, int | float]:

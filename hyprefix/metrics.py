@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from hyprefix.outputs import RequestOutput
+from hyprefix.outputs import DECODE_PATHS, RequestOutput
 
 # (name, stats key, help)
 _ENGINE_COUNTERS = (
@@ -40,6 +40,7 @@ _ENGINE_GAUGES = (
     ("kv_blocks_free", "kv_blocks_free", "Unreferenced KV blocks holding no cached prefix."),
     ("mamba_checkpoints_used", "mamba_checkpoints_used", "State checkpoints in use (Mamba2, DeltaNet)."),
     ("mamba_checkpoints_capacity", "mamba_checkpoints_capacity", "State checkpoint slots (Mamba2, DeltaNet)."),
+    ("mamba_checkpoint_bytes", "mamba_checkpoint_bytes", "Bytes of one state checkpoint (0: no recurrent layers)."),
     ("swa_blocks_total", "swa_blocks_total", "Blocks in the sliding-window layers' own KV pool."),
     ("swa_blocks_used", "swa_blocks_used", "Sliding-window KV blocks referenced by requests."),
     ("swa_blocks_cached", "swa_blocks_cached", "Unreferenced sliding-window KV blocks still findable by hash."),
@@ -65,6 +66,12 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(f"hyprefix:{name}", doc, labels=names)
             family.add_metric(values, float(stats.get(key, 0)))
             yield family
+        family = CounterMetricFamily(
+            "hyprefix:decode_steps", "Decode-only steps by the path that ran them: kernel (one call of the "
+            "model's own decode kernel), graph (a compiled decode step) or eager.", labels=[*names, "path"])
+        for path in DECODE_PATHS:
+            family.add_metric([*values, path], float(stats.get(f"decode_steps_{path}", 0)))
+        yield family
         for name, key, doc in _ENGINE_GAUGES:
             family = GaugeMetricFamily(f"hyprefix:{name}", doc, labels=names)
             family.add_metric(values, float(stats.get(key, 0)))

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from hyprefix.sampling import SamplingParams
 
+# The paths a decode-only step can take in the runner: the model's own one-call decode kernel,
+# a compiled decode graph, or the eager forward. Counted per step (``Engine.get_stats``).
+DECODE_PATHS = ("kernel", "graph", "eager")
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:

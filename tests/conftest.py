@@ -159,7 +159,7 @@ def save_tiny_checkpoint(model, out: Path) -> None:
 # blocks in place. Engines run the production thresholds unless a test passes these;
 # ``test_cascade.py`` checks the path against the plain gathered one, and takes it with
 # the production thresholds on long prompts.
-TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2}
+TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2, "cascade_min_traffic_ratio": 0.0}
 
 
 @pytest.fixture(autouse=True)

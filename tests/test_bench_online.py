@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from test_server import launch_server
+from test_server import MODEL, launch_server
 
 from hyprefix.bench.online import chunk_token_times, metrics_counters
 from hyprefix.cli import main
@@ -54,13 +54,22 @@ def test_chunk_token_times_spread_a_chunk_over_the_gap_before_it():
 
 
 def test_online_flags_are_checked(capsys):
+    nobody = "http://127.0.0.1:9"
     assert main(["bench", "--workload", "random", "--max-concurrency", "2"]) == 2
     assert "--url" in capsys.readouterr().err
-    assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9", "--kv-cache-memory-gb", "1"]) == 2
-    assert main(["bench", "--workload", "throughput", "--url", "http://127.0.0.1:9"]) == 2
-    assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9"]) == 2  # nobody listens there
-    assert main(["bench", "--workload", "random", "--url", "http://127.0.0.1:9", "--dtype", "float32"]) == 2
+    assert main(["bench", "--workload", "random", "--url", nobody, "--kv-cache-memory-gb", "1"]) == 2
+    assert main(["bench", "--workload", "random", "--url", nobody]) == 2  # nobody listens there
+    assert main(["bench", "--workload", "random", "--url", nobody, "--dtype", "float32"]) == 2
     assert "--dtype" in capsys.readouterr().err  # the server runs its own dtype
+    assert main(["bench", "--workload", "throughput", "--url", nobody, "--max-concurrency", "2"]) == 2
+    assert "does not take --max-concurrency" in capsys.readouterr().err  # batch sizes say how many at once
+    assert main(["bench", "--workload", "random", "--url", nobody, "--arms", "server,hyprefix"]) == 2
+    assert "--model" in capsys.readouterr().err  # an in-process arm beside a server names its model
+    assert main(["bench", "--workload", "random", "--url", f"llama.cpp={nobody}"]) == 2
+    assert "server arm names must" in capsys.readouterr().err  # the in-process llama.cpp arm's name
+    assert main(["bench", "--workload", "random", "--url", nobody, "--url", f"other={nobody}", "--arms",
+                 "server,other@float32", "--model", "demo-dense-tiny"]) == 2
+    assert "arms must be distinct names" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +122,32 @@ def test_multi_turn_against_the_server(server, tmp_path: Path, capsys, extra):
     assert stats["prefill_computed_tokens"] + stats["prefill_skipped_tokens"] == stats["prefix_cache_queries"]
     assert stats["cached_tokens_per_request_sum"] == stats["prefix_cache_hits"]  # usage agrees with /metrics
     assert stats["cache_at_start"]["kv_blocks_cached"] == 0  # reset before the run
+
+
+def test_served_and_offline_arms_in_one_run(server, tmp_path: Path, capsys):
+    """``--url`` beside an in-process arm on the same model: both run interleaved, and the
+    report sets the server against the offline engine; throughput takes ``--url`` too."""
+    out = tmp_path / "mixed.json"
+    common = ["--log-level", "WARNING", "bench", "--url", server, "--arms", "server,hyprefix", "--model",
+              "demo-dense-tiny", "--enforce-eager", "--repeats", "1", "--out", str(out)]
+    assert main([*common, "--workload", "random", "--num-requests", "3", "--prompt-len", "20",
+                 "--output-len", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert f"server = {MODEL} at {server}" in printed and "driver on" in printed
+    result = json.loads(out.read_text())
+    assert result["arm_order"] == ["server", "hyprefix"] and result["dtype"] == "auto -> float32"
+    ratios = {r["name"] for r in result["ratios"]}
+    assert {"time server / hyprefix", "TTFT p50 server / hyprefix", "TPOT p50 server / hyprefix"} <= ratios
+    agreement = result["arms"]
+    assert agreement["server"]["random"]["output_tokens"] == agreement["hyprefix"]["random"]["output_tokens"] == 9
+    assert main([*common, "--workload", "throughput", "--prompt-len", "24", "--decode-prompt-len", "8",
+                 "--decode-tokens", "4", "--batch-sizes", "1,3"]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["arms"]["server"]) == {"prefill", "decode@1", "decode@3"}
+    ratios = {r["name"]: r["value"] for r in result["ratios"]}
+    assert {"prefill server / hyprefix", "decode server B=1 / hyprefix B=1",
+            "decode server B=3 / hyprefix B=3"} <= set(ratios) and all(v > 0 for v in ratios.values())
+    assert "prefill % of" in capsys.readouterr().out  # the in-process arm's dtype gives the peak
 
 
 def test_random_workload_at_a_request_rate(server, tmp_path: Path):
@@ -269,3 +304,24 @@ def test_a_server_without_prefix_cache_counters_has_no_hit_rate(tmp_path: Path, 
     assert "0.0 %" not in printed
     stats = json.loads(out.read_text())["arms"]["server"]["random"]["stats"]
     assert stats["prefix_cache_hit_rate"] is None
+
+
+def test_a_hybrid_server_report(tmp_path: Path, capsys):
+    """``bench --url`` against a server running a hybrid model prints its checkpoint rows and
+    writes the JSON (it once failed on a counter only the in-process arm had); a server that
+    exports no checkpoint size prints "-" there."""
+    out = tmp_path / "hybrid.json"
+    args = ["--log-level", "WARNING", "bench", "--workload", "multi-turn", "--repeats", "1", "--conversations", "2",
+            "--turns", "2", "--system-len", "16", "--message-len", "8", "--output-len", "3", "--out", str(out)]
+    with launch_server(tmp_path / "server.log", model_args=("--model", "demo-hybrid-tiny")) as (url, _):
+        assert main([*args, "--url", url]) == 0
+    printed = capsys.readouterr().out
+    assert "mamba checkpoints used / capacity" in printed and "Mamba checkpoint (MiB)" in printed
+    stats = json.loads(out.read_text())["arms"]["server"]["multi-turn"]["stats"]
+    assert stats["mamba_checkpoints_capacity"] > 0 and stats["mamba_checkpoint_bytes"] > 0
+    page = ("# TYPE vllm:mamba_checkpoints_capacity gauge\nvllm:mamba_checkpoints_capacity 8\n"
+            "# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total 1\n")
+    with fake_server(metrics=page) as (url, _):
+        assert main([*RANDOM, "--url", url, "--out", str(out)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Mamba checkpoint (MiB)"))
+    assert row.split()[-1] == "-"

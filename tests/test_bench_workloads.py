@@ -222,7 +222,8 @@ def test_summary_of_a_request_workload_on_synthetic_timings() -> None:
     ratios = {r["name"]: r["value"] for r in s["ratios"]}
     assert ratios == pytest.approx({
         "time hyprefix-nocache / hyprefix": 3.0, "TTFT p50 hyprefix-nocache / hyprefix": 4.0,
-        "TTFT p90 hyprefix-nocache / hyprefix": 2.5, "prefill computed / ideal (hyprefix)": 1.0,
+        "TTFT p90 hyprefix-nocache / hyprefix": 2.5, "TPOT p50 hyprefix-nocache / hyprefix": 1.0,
+        "prefill computed / ideal (hyprefix)": 1.0,
         f"prefill computed / ideal ({COMPARE_ARM})": 1.2, "prefix hit rate model / compare-model": 0.75 / 0.7})
     assert s["output_agreement"] == [{"case": "rl-burst", "arms": ["hyprefix", "hyprefix-nocache"], "of": 12,
                                       "identical": 12, "same_first_token": 12, "first_difference_at": {}}]

@@ -3,16 +3,19 @@ drives against the plain gathered path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import TINY_CASCADE, hf_greedy, random_prompts
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.config import EngineArgs
-from hyprefix.runner.cascade import CascadeThresholds, Segment
+from hyprefix.runner.cascade import CascadeThresholds, FastPathCost, Segment
 from hyprefix.runner.cascade import plan_segments as plan_any
 
-PRODUCTION = CascadeThresholds(EngineArgs().cascade_min_saved_tokens, EngineArgs().cascade_min_solo_run_tokens)
+PRODUCTION = CascadeThresholds(EngineArgs().cascade_min_saved_tokens, EngineArgs().cascade_min_solo_run_tokens,
+                               EngineArgs().cascade_min_traffic_ratio)
 
 def plan_segments(tables: list[list[int]], lens: list[int], block_size: int, min_saved_tokens: int):
     """The grouping alone: lone rows never become segments of their own."""
@@ -161,12 +164,13 @@ def test_math_attention_with_lse_matches_the_fused_cpu_kernel(dtype, tol):
 
 
 def test_engine_takes_the_cascade_path_with_production_thresholds(tiny_models):
-    """Prompts long enough for the production thresholds (the engine's default): two
-    requests for one 300-token prompt share its 18 full blocks (saving 288 >= 256 K/V
-    rows), and a 290-token prompt reads its 18 private blocks (288 >= 256 tokens) as a
-    segment of its own; greedy tokens equal transformers'."""
+    """Prompts long enough for the production thresholds (the engine's default) on the eager
+    path (no fast decode path to weigh the plan against): two requests for one 300-token
+    prompt share its 18 full blocks (saving 288 >= 256 K/V rows), and a 290-token prompt
+    reads its 18 private blocks (288 >= 256 tokens) as a segment of its own; greedy tokens
+    equal transformers'."""
     path, hf = tiny_models["qwen3"]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16, enforce_eager=True)
     assert llm.engine.runner.cascade_thresholds == PRODUCTION
     model = llm.engine.runner.model
     forward, plans = model.forward, []
@@ -180,3 +184,77 @@ def test_engine_takes_the_cascade_path_with_production_thresholds(tiny_models):
     for prompt, out in zip([shared, shared, alone], outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, params.max_tokens)
     llm.check_invariants()
+
+
+def _decode_seqs(tables: list[list[int]], lens: list[int]) -> list:
+    from hyprefix.outputs import ScheduledSeq
+    from hyprefix.sampling import SamplingParams
+
+    return [ScheduledSeq(request_id=str(i), token_ids=[1], start_pos=n - 1, block_table=t, sample=True,
+                         params=SamplingParams()) for i, (t, n) in enumerate(zip(tables, lens, strict=True))]
+
+
+def test_fast_path_weighs_the_bytes_a_shared_plan_saves():
+    """``FastPathCost.worth_sharing``: reading every row whole must move at least
+    ``min_traffic_ratio`` times the bytes of the shared plan (weights included)."""
+    shared = [Segment(rows=[0, 1, 2, 3], blocks=[1, 2, 3, 4]), Segment(rows=[3], blocks=[9])]
+    lens = [80, 80, 80, 80]  # 320 tokens whole; the plan saves 3 x 64 = 192 of them
+    cost = FastPathCost(weight_bytes=0, kv_bytes_per_token=10, min_traffic_ratio=2.5, max_rows=None)
+    assert cost.worth_sharing(shared, lens, 16)  # 3200 bytes whole >= 2.5 x 1280
+    assert not FastPathCost(0, 10, 2.6, None).worth_sharing(shared, lens, 16)
+    assert not FastPathCost(1000, 10, 2.5, None).worth_sharing(shared, lens, 16)  # the weights dilute it
+    assert FastPathCost(1000, 10, 2.5, 3).worth_sharing(shared, lens, 16)  # 4 rows: eager anyway
+    assert FastPathCost(10**9, 10, 0.0, None).worth_sharing(shared, lens, 16)  # 0: always share
+
+
+def test_build_batch_drops_a_shared_plan_the_fast_path_beats():
+    """Four rows on a 4-block shared prefix: kept without a fast path, dropped for a plan
+    without groups (but with the rows' own long runs) when the fast path moves too few
+    bytes more, kept when it moves enough more; a step with a prefill keeps it (no fast path
+    takes it)."""
+    from hyprefix.runner.batch import build_batch
+
+    tables = [[1, 2, 3, 4, 10 + r, 20 + r, 30 + r] for r in range(4)]
+    lens = [100] * 4
+    seqs = _decode_seqs(tables, lens)
+    thresholds = CascadeThresholds(min_saved_tokens=0, min_solo_run_tokens=32, min_traffic_ratio=0.0)
+
+    def groups(batch) -> list[list[int]]:
+        plan = batch.decode_cascade
+        return [] if plan is None else [g.rows.tolist() for g in plan.segments]
+
+    cpu = torch.device("cpu")
+    assert groups(build_batch(seqs, 16, cpu, thresholds)) == [[0, 1, 2, 3], [0], [1], [2], [3]]
+    slow = FastPathCost(weight_bytes=100, kv_bytes_per_token=1, min_traffic_ratio=4.0, max_rows=None)
+    kept = groups(build_batch(seqs, 16, cpu, thresholds, slow))  # 500 bytes whole, 308 shared: 1.6x < 4
+    assert kept == [[0], [1], [2], [3]]  # every row reads its whole table: its own run of 6 blocks
+    cheap = FastPathCost(weight_bytes=0, kv_bytes_per_token=1, min_traffic_ratio=1.5, max_rows=None)
+    assert groups(build_batch(seqs, 16, cpu, thresholds, cheap))[0] == [0, 1, 2, 3]  # 400 / 208 >= 1.5
+    prefill = dataclasses.replace(_decode_seqs([[40, 41]], [20])[0], token_ids=[1] * 20, start_pos=0)
+    assert groups(build_batch([*seqs, prefill], 16, cpu, thresholds, slow))[0] == [0, 1, 2, 3]
+
+
+def test_multi_turn_decodes_stay_on_the_fast_path(tiny_models):
+    """Conversations that share a system prompt decode in the one-call int8 kernel (the cascade
+    plan would save too few bytes to pay for the eager path), and equal an eager engine that
+    reads the shared prefix once."""
+    from hyprefix.kernels import decode_layers
+
+    if not decode_layers.available():
+        pytest.skip("the decode_layers kernel does not run here")
+    path, _ = tiny_models["llama"]
+    system = random_prompts((64,), seed=3)[0]
+    prompts = [system + tail for tail in random_prompts((9, 12, 7, 15), seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fast = LLM(str(path), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=True,
+               cascade_min_saved_tokens=0)
+    shared = LLM(str(path), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=True,
+                 cascade_min_saved_tokens=0, cascade_min_traffic_ratio=0.0)
+    shared.engine.runner.model.decode_kernel = False  # the eager path, which takes the shared plan
+    for llm in (fast, shared):
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the system prompt cached
+    outs = [llm.generate(prompts[1:], params, use_tqdm=False) for llm in (fast, shared)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    stats = fast.get_stats()
+    assert stats["decode_steps_kernel"] == 2 * (params.max_tokens - 1) and stats["decode_steps_eager"] == 0
+    fast.check_invariants()

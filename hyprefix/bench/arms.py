@@ -44,11 +44,16 @@ def split_arm(name: str) -> tuple[str, str | None]:
     return base, (dtype if sep else None)
 
 
-def check_arm_names(names: Sequence[str], allowed: Sequence[str]) -> None:
-    bad = [a for a in names if split_arm(a)[0] not in allowed or split_arm(a)[1] not in (None, *ARM_DTYPES)]
+def check_arm_names(names: Sequence[str], allowed: Sequence[str], servers: Sequence[str] = ()) -> None:
+    """``servers``: the names of the ``--url`` arms (no @DTYPE: a server runs its own)."""
+    clash = [s for s in servers if s in ARM_BASES or split_arm(s)[0] in ARM_BASES or servers.count(s) > 1]
+    if clash:
+        raise ValueError(f"server arm names must be distinct and differ from {', '.join(ARM_BASES)}: {clash[0]}")
+    bad = [a for a in names if a not in servers and (split_arm(a)[0] not in allowed
+                                                     or split_arm(a)[1] not in (None, *ARM_DTYPES))]
     if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"arms must be distinct names from {', '.join(allowed)}, each optionally with @DTYPE "
-                         f"({', '.join(ARM_DTYPES)}), got {','.join(names)}")
+        raise ValueError(f"arms must be distinct names from {', '.join([*servers, *allowed])}, each but a server "
+                         f"optionally with @DTYPE ({', '.join(ARM_DTYPES)}), got {','.join(names)}")
 
 
 @dataclass

@@ -27,6 +27,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _server_url(text: str) -> tuple[str | None, str]:
+    """``NAME=URL`` or ``URL`` -> (NAME or None, URL)."""
+    name, sep, url = text.partition("=")
+    if sep and "://" not in name:
+        if not name.strip() or not url.strip():
+            raise argparse.ArgumentTypeError(f"expected [NAME=]URL, got {text!r}")
+        return name.strip(), url.strip()
+    return None, text.strip()
+
+
+def server_arm_names(urls: list[tuple[str | None, str]]) -> list[str]:
+    """The arm name of each ``--url``: its own, else server, server-2, ..."""
+    from hyprefix.bench.arms import SERVER_ARM
+
+    return [name or (SERVER_ARM if i == 0 else f"{SERVER_ARM}-{i + 1}") for i, (name, _) in enumerate(urls)]
+
+
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
@@ -114,8 +131,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                      help="int8 quantization of the hyprefix arms (transformers stays in --dtype)")
 
     online = bench.add_argument_group(
-        "online driver (request workloads against a running OpenAI-compatible server, instead of in-process arms)")
-    online.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
+        "online driver (the workload sent to running OpenAI-compatible servers, alone or beside in-process arms)")
+    online.add_argument("--url", action="append", type=_server_url, default=None, metavar="[NAME=]URL",
+                        help="server base URL, e.g. http://127.0.0.1:8000; repeat for several servers, each an arm "
+                             "named NAME (default: server, server-2, ...); in-process arms named in --arms run beside "
+                             "them on --model")
     online.add_argument("--served-model", default=None,
                         help="model name to request (default: the first one the server lists)")
     online.add_argument("--max-concurrency", type=_positive(int), default=None,
@@ -157,11 +177,17 @@ def build_workload(ns: argparse.Namespace) -> Any:
     others = dict.fromkeys(d for dests in WORKLOAD_FLAGS.values() for d in dests if d not in flags)
     _refuse(f"--workload {ns.workload} does not take", ns, list(others))
     if ns.workload == "throughput":
-        _refuse("--workload throughput does not take", ns, ("compare_model", *ONLINE_FLAGS))
+        _refuse("--workload throughput does not take", ns, ("compare_model", "request_rate", "max_concurrency"))
     if ns.plot:
         require("matplotlib")  # say so now, not after the whole run
     if ns.url:
-        _refuse("--url benchmarks the server's own configuration; it does not take", ns, ENGINE_FLAGS)
+        servers = server_arm_names(ns.url)
+        local = [a for a in ns.arms or () if a not in servers]
+        if not local:
+            _refuse("--url benchmarks the server's own configuration; it does not take", ns, ENGINE_FLAGS)
+        elif ns.model is None:
+            raise ValueError(f"--arms {','.join(local)} beside --url: name their model with --model (the one the "
+                             "server runs, for a like-for-like comparison)")
     else:
         _refuse("these flags need --url (offline arms submit each round at once, with the model's vocabulary):",
                 ns, ONLINE_FLAGS)
@@ -178,7 +204,7 @@ def run_bench(ns: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, SERVER_ARM, EngineArm, check_arm_names, load_arm, run_arms
+    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, EngineArm, check_arm_names, load_arm, run_arms
     from hyprefix.bench.env import (
         CpuMeter,
         environment,
@@ -195,9 +221,10 @@ def run_bench(ns: argparse.Namespace) -> int:
 
     workload = build_workload(ns)
     throughput = workload.name == "throughput"
-    names = ns.arms or ([SERVER_ARM] if ns.url else ["hyprefix", "transformers"] if throughput
-                        else ["hyprefix", "hyprefix-nocache", "transformers"])
-    check_arm_names(names, [SERVER_ARM] if ns.url else ARM_BASES)
+    server_names = server_arm_names(ns.url or [])
+    names = ns.arms or (server_names or ["hyprefix", "transformers"] if throughput
+                        else server_names or ["hyprefix", "hyprefix-nocache", "transformers"])
+    check_arm_names(names, ARM_BASES, servers=server_names)
     if ns.compare_model and "hyprefix" not in names:
         raise ValueError("--compare-model compares prefix hit rates with the hyprefix arm: add it to --arms")
     torch.set_num_threads(ns.threads or usable_cores())  # one process: every arm runs with the same thread count
@@ -206,14 +233,19 @@ def run_bench(ns: argparse.Namespace) -> int:
     meter = CpuMeter()
     meter.start()
 
-    server = None
+    servers: dict[str, Any] = {}
     if ns.url:
         from hyprefix.bench.online import ServerArm, tokenizer_vocab_size
 
         vocab = ns.vocab_size or (tokenizer_vocab_size(ns.tokenizer) if ns.tokenizer else None)
-        server = ServerArm(ns.url, ns.served_model, vocab_size=vocab, needs_answers=workload.num_rounds > 1,
-                           max_concurrency=ns.max_concurrency, request_rate=ns.request_rate, seed=ns.seed)
-        model, label = server.model, f"{server.model} at {server.url}"
+        for name, (_, url) in zip(server_names, ns.url, strict=True):
+            if name in names:
+                servers[name] = ServerArm(url, ns.served_model, vocab_size=vocab, name=name,
+                                          needs_answers=workload.num_rounds > 1, max_concurrency=ns.max_concurrency,
+                                          request_rate=ns.request_rate, seed=ns.seed)
+    if ns.model is None and servers:
+        first = next(iter(servers.values()))
+        model, label = first.model, ", ".join(f"{s.model} at {s.url}" for s in servers.values())
     else:
         model, label = resolve_model(ns.model)
     compare = resolve_model(ns.compare_model) if ns.compare_model else None
@@ -233,8 +265,8 @@ def run_bench(ns: argparse.Namespace) -> int:
             progress(f"load {name}")
             path = compare[0] if compare and name == COMPARE_ARM else model
             try:
-                arms[name] = server or load_arm(name, path, workload, dtype=ns.dtype or "auto", seed=ns.seed,
-                                                engine_kwargs=engine_kwargs)
+                arms[name] = servers.get(name) or load_arm(name, path, workload, dtype=ns.dtype or "auto",
+                                                           seed=ns.seed, engine_kwargs=engine_kwargs)
             except Exception as exc:  # transformers may not support the architecture, llama_cpp may be missing
                 if not name.startswith(("transformers", "llama.cpp")):
                     raise
@@ -244,13 +276,15 @@ def run_bench(ns: argparse.Namespace) -> int:
             raise ValueError(f"no arm could run: {skipped}")
         vocab = min((arm.vocab_size for arm in arms.values() if arm.vocab_size), default=workload.vocab_size)
         workload = replace(workload, vocab_size=vocab)
-        plain = next((n for n in arms if "@" not in n), next(iter(arms)))  # an arm at --dtype, where there is one
-        dtype = None if server else arms[plain].info()["dtype"]
+        local = [n for n in arms if n not in servers]
+        plain = next((n for n in local if "@" not in n), local[0] if local else None)  # an arm at --dtype, if any
+        dtype = arms[plain].info()["dtype"] if plain is not None else None
         facts = next((arm.facts for arm in arms.values() if isinstance(arm, EngineArm)), None)
         peak = bandwidth = None
         if throughput:
-            progress(f"{dtype} matmul peak")
-            peak = measure_matmul_peak(TORCH_DTYPES[dtype])
+            if dtype is not None:  # the servers' dtype is theirs to know
+                progress(f"{dtype} matmul peak")
+                peak = measure_matmul_peak(TORCH_DTYPES[dtype])
             rates = measure_read_rates()
         runs, failed = run_arms(arms, workload, ns.repeats, progress=progress,
                                 read_rate=read_rate_now if throughput else None)
@@ -263,7 +297,7 @@ def run_bench(ns: argparse.Namespace) -> int:
     # the whole process's peak: every arm's weights and caches (ru_maxrss is KiB on Linux)
     env.update(load_average_at_end=load_average(), max_rss_gib=round(getrusage(RUSAGE_SELF).ru_maxrss / 2**20, 2))
     arm_info = {name: arm.info() for name, arm in arms.items()}
-    if server is not None:
+    for server in servers.values():
         server.close()
     requested = ns.dtype or "auto"
     result = {
@@ -280,7 +314,8 @@ def run_bench(ns: argparse.Namespace) -> int:
         "memory_bandwidth": bandwidth,
         **summarise(runs, workload, models, skipped, facts=facts, peak=peak, bandwidth=bandwidth,
                     decode_bytes={name: arm.decode_weight_bytes for name, arm in arms.items()
-                                  if isinstance(getattr(arm, "decode_weight_bytes", None), int)}),
+                                  if isinstance(getattr(arm, "decode_weight_bytes", None), int)},
+                    servers=[n for n in names if n in servers]),
     }
     print(format_result(result))
     if ns.out:

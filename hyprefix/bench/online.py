@@ -43,12 +43,12 @@ def tokenizer_vocab_size(name: str) -> int:
 
 
 class ServerArm:
-    name = SERVER_ARM
     in_process = False
 
-    def __init__(self, url: str, model: str | None = None, *, vocab_size: int | None = None,
+    def __init__(self, url: str, model: str | None = None, *, name: str = SERVER_ARM, vocab_size: int | None = None,
                  needs_answers: bool = False, max_concurrency: int | None = None, request_rate: float | None = None,
                  seed: int = 0, timeout: float = 3600.0) -> None:
+        self.name = name
         self.url = url.rstrip("/")
         self.max_concurrency, self.request_rate, self.timeout, self.seed = max_concurrency, request_rate, timeout, seed
         self.vocab_size = vocab_size

@@ -101,20 +101,24 @@ def _request_rows(result: dict[str, Any], names: list[str]) -> list[list[str]]:
         rows += [["mamba checkpoints used / capacity", *per_arm(
                      lambda a: f"{stat('mamba_checkpoints_used')(a)} / {stat('mamba_checkpoints_capacity')(a)}")],
                  ["hybrid hit tokens lost", *per_arm(stat("hybrid_hit_tokens_lost"))]]
-        rows.append(["Mamba checkpoint (MiB)", *per_arm(
-            lambda a: _fmt(a["stats"]["mamba_checkpoint_bytes"] / 2**20) if a.get("stats") else "-")])
+        rows.append(["Mamba checkpoint (MiB)", *per_arm(  # a server's /metrics may not say
+            lambda a: _fmt(a["stats"]["mamba_checkpoint_bytes"] / 2**20)
+            if (a.get("stats") or {}).get("mamba_checkpoint_bytes") is not None else "-")])
     return rows
 
 
 def format_result(result: dict[str, Any]) -> str:
     env, names, workload = result["environment"], result["arm_order"], result["workload"]
     models = result["models"]
-    online = "server" in result.get("arm_info", {})
+    servers = {name: info for name, info in result.get("arm_info", {}).items() if info.get("engine") == "server"}
+    online = bool(servers)
     dtype = f" ({result['dtype']})" if result.get("dtype") else ""
     repeats = max((s["repeats"] for cases in result["arms"].values() for s in cases.values()), default=0)
     out = [f"hyprefix bench --workload {workload}: {models['model']}{dtype}"]
     if models.get("compare_model"):
         out.append(f"compare-hyprefix = the hyprefix arm on {models['compare_model']}")
+    if servers and (len(servers) > 1 or len(servers) < len(names)):
+        out += [f"{name} = {info['served_model']} at {info['url']}" for name, info in servers.items()]
     out += [f"{'driver on ' if online else ''}{env['cpu_model']} ({env['cpu_kind']}), {env['torch_num_threads']} "
             f"threads, torch {env['torch']}, transformers {env['transformers']}; median (min-max) of {repeats} "
             f"repeat(s); latency percentiles over every request of every repeat",

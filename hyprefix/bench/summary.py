@@ -4,7 +4,8 @@ their output agreement.
 Per arm and case: run times (median, min-max over repeats) and rates, decode tokens/s,
 latency percentiles over every request of every repeat, the engine's counters and prefill
 tokens computed vs the ideal. Ratios are measured values only (the issues' targets live in
-the source tree's ``tools/``). Outputs must agree exactly between hyprefix with and without
+the source tree's ``tools/``); ``--url`` arms are set against the offline ``hyprefix`` arm and
+against the first server (``server_pairs``). Outputs must agree exactly between hyprefix with and without
 the cache; transformers is compared on greedy requests. Prefill FLOPs from
 ``Engine.model_facts``: ``2·P·L`` (every linear layer but the LM head) + ``2·V·H`` (the LM
 head, last token) + ``4·layers·L²/2·width`` (causal attention); the Mamba scan is left out.
@@ -103,7 +104,16 @@ def summarise_case(runs: Sequence[WorkloadRun], case: Workload) -> dict[str, Any
     return summary
 
 
-def _throughput_ratios(arms: dict[str, dict[str, Any]], workload: Any) -> list[dict[str, Any]]:
+def server_pairs(arms: Sequence[str], servers: Sequence[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator) pairs of the ``--url`` arms: each server over the offline
+    ``hyprefix`` arm (what serving costs), and each later server over the first (another
+    engine's server against ours, when ours is named first)."""
+    pairs = [(s, "hyprefix") for s in servers if "hyprefix" in arms]
+    return pairs + [(s, servers[0]) for s in servers[1:]]
+
+
+def _throughput_ratios(arms: dict[str, dict[str, Any]], workload: Any,
+                       servers: Sequence[str] = ()) -> list[dict[str, Any]]:
     def rate(arm: str, case: str) -> float | None:
         key = "prompt_tokens_per_s" if case == "prefill" else "decode_tokens_per_s"
         s = arms.get(arm, {}).get(case, {}).get(key)
@@ -116,6 +126,10 @@ def _throughput_ratios(arms: dict[str, dict[str, Any]], workload: Any) -> list[d
         if b != 1 and 1 in workload.batch_sizes:
             pairs.append((f"decode hyprefix B={b} / transformers B=1", ("hyprefix", f"decode@{b}"),
                           ("transformers", "decode@1")))
+    for num, den in server_pairs(list(arms), servers):
+        pairs.append((f"prefill {num} / {den}", (num, "prefill"), (den, "prefill")))
+        pairs += [(f"decode {num} B={b} / {den} B={b}", (num, f"decode@{b}"), (den, f"decode@{b}"))
+                  for b in workload.batch_sizes]
     explicit = [a for a in arms if split_arm(a)[0] == "hyprefix" and split_arm(a)[1] is not None]
     if explicit:
         fastest = max(explicit, key=lambda a: rate(a, "prefill") or 0.0)
@@ -124,15 +138,17 @@ def _throughput_ratios(arms: dict[str, dict[str, Any]], workload: Any) -> list[d
              "denominator": " ".join(den)} for name, num, den in pairs if rate(*num) and rate(*den)]
 
 
-def _request_ratios(arms: dict[str, dict[str, Any]], case: str) -> list[dict[str, Any]]:
+def _request_ratios(arms: dict[str, dict[str, Any]], case: str, servers: Sequence[str] = ()) -> list[dict[str, Any]]:
     s = {name: cases[case] for name, cases in arms.items()}
     out = []
-    for num, den in RATIO_PAIRS:
+    for num, den in [*RATIO_PAIRS, *server_pairs(list(arms), servers)]:
         if num in s and den in s:
             out.append({"name": f"time {num} / {den}", "value": ratio(s[num]["total_seconds"]["median"],
                                                                        s[den]["total_seconds"]["median"])})
             out += [{"name": f"TTFT {q} {num} / {den}",
                      "value": ratio(s[num]["ttft_seconds"][q], s[den]["ttft_seconds"][q])} for q in ("p50", "p90")]
+            out.append({"name": f"TPOT p50 {num} / {den}",
+                        "value": ratio(s[num]["tpot_seconds"]["p50"], s[den]["tpot_seconds"]["p50"])})
     for name in ("hyprefix", COMPARE_ARM):
         if s.get(name, {}).get("computed_vs_ideal") is not None:
             out.append({"name": f"prefill computed / ideal ({name})", "value": s[name]["computed_vs_ideal"]})
@@ -164,7 +180,7 @@ def agreement(runs: Runs, cases: dict[str, Workload]) -> list[dict[str, Any]]:
 
 def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: dict[str, str] | None = None,
               facts: Any = None, peak: Any = None, bandwidth: Any = None,
-              decode_bytes: dict[str, int] | None = None) -> dict[str, Any]:
+              decode_bytes: dict[str, int] | None = None, servers: Sequence[str] = ()) -> dict[str, Any]:
     """Per-arm, per-case summaries, ratios between arms, agreement and contention. ``models``
     maps each arm to its model label; ``facts`` (``ModelFacts``) and ``peak`` (``measure_matmul_peak``)
     give the throughput workload's prefill FLOP rate; with ``bandwidth`` (``env.read_bandwidth``)
@@ -177,8 +193,8 @@ def summarise(runs: Runs, workload: Workload, models: dict[str, str], skipped: d
     result: dict[str, Any] = {
         "workload": workload.name, "workload_config": workload.to_dict(), "description": workload.describe(),
         "cases": list(cases), "arms": arms, "arm_order": list(arms), "skipped_arms": skipped or {},
-        "ratios": (_throughput_ratios(arms, workload) if workload.name == "throughput"
-                   else _request_ratios(arms, workload.name)),
+        "ratios": (_throughput_ratios(arms, workload, servers) if workload.name == "throughput"
+                   else _request_ratios(arms, workload.name, servers)),
         "output_agreement": agreement(runs, cases),
         "disturbed_runs": {"count": sum(c is not None and c > DISTURBED_CORES for c in contention),
                            "of": len(contention), "threshold_other_cores": DISTURBED_CORES},

@@ -141,6 +141,10 @@ class CausalLM(nn.Module):
         Returns whether they will."""
         return False
 
+    def takes_decode_kernel(self, batch) -> bool:
+        """Whether ``forward`` runs this step's layers in the one-call decode kernel."""
+        return False
+
     def decode_logits(self, batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Float32 logits and greedy tokens of a decode-only step whose every row samples, in one

@@ -130,9 +130,12 @@ class LlamaForCausalLM(CausalLM):
             self.decode_kernel = True
         return self.decode_kernel
 
+    def takes_decode_kernel(self, batch: ForwardBatch) -> bool:
+        return self.decode_kernel and _reads_tables_whole(batch)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
-        if self.decode_kernel and _reads_tables_whole(batch) and not torch.compiler.is_compiling():
+        if self.takes_decode_kernel(batch) and not torch.compiler.is_compiling():
             return torch.ops.hyprefix.decode_model_hidden(self._decode_model_for(kv_caches)[0], *_step_inputs(batch))
         x, residual = self.embed(batch.input_ids), None
         rope = self.rotary.tables(batch.positions)

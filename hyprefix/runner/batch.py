@@ -8,17 +8,22 @@ multi-token sequences (prefill chunks), each contiguous; attention relies on it.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from hyprefix.forward import DecodeCascade, DecodeSegment, ForwardBatch, PrefillSpan, WindowKV
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner import cascade
-from hyprefix.runner.cascade import CascadeThresholds
+from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
-                thresholds: CascadeThresholds) -> ForwardBatch:
-    """``thresholds``: when decode blocks are read as cascade segments (``cascade.py``)."""
+                thresholds: CascadeThresholds, fast_path: FastPathCost | None = None) -> ForwardBatch:
+    """``thresholds``: when decode blocks are read as cascade segments (``cascade.py``).
+    ``fast_path``: the runner's fast decode path, which takes a decode-only step only when no
+    prefix is read once for several rows: a plan that shares prefixes is dropped for one that
+    does not unless it is ``FastPathCost.worth_sharing``."""
     decodes = [s for s in seqs if s.num_tokens == 1]
     prefills = [s for s in seqs if s.num_tokens > 1]
     ordered = decodes + prefills
@@ -63,6 +68,13 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         decode_tables = as_long(_pad(tables))
         decode_lens = as_long(lens)
         segments, covered = cascade.plan_segments(tables, lens, block_size, thresholds)
+        fast = (fast_path is not None and not prefills and all_write and len(sample_seqs) == len(decodes)
+                and decodes[0].window_blocks is None and decodes[0].state_slot < 0)
+        if fast and any(len(g.rows) > 1 for g in segments) and not fast_path.worth_sharing(segments, lens,
+                                                                                           block_size):
+            unshared = CascadeThresholds(min_saved_tokens=sys.maxsize,
+                                         min_solo_run_tokens=thresholds.min_solo_run_tokens)
+            segments, covered = cascade.plan_segments(tables, lens, block_size, unshared)
         if segments:
             decode_cascade = DecodeCascade(
                 segments=[DecodeSegment(rows=as_long(g.rows), blocks=as_long(g.blocks),

@@ -28,6 +28,31 @@ class CascadeThresholds:
     # get an attention call of their own, instead of a place in the padded batch, when
     # they hold at least this many tokens.
     min_solo_run_tokens: int
+    # Where the runner has a fast decode path, a plan that shares prefixes (and so runs the step
+    # eagerly) is kept only when reading every row whole would move at least this many times its
+    # bytes (``FastPathCost``); 0 keeps every plan.
+    min_traffic_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class FastPathCost:
+    """What a decode step costs on the runner's fast path (the model's one-call decode kernel or
+    a compiled decode graph), which reads every row's whole table in place and cannot take a
+    cascade plan: a plan that shares prefixes sends the step down the eager path, whose per-op
+    overhead must be paid for by the K/V reads it saves (``worth_sharing``)."""
+
+    weight_bytes: int  # what one decode step reads of the weights
+    kv_bytes_per_token: int  # K + V of one token over every attention layer
+    min_traffic_ratio: float  # ``CascadeThresholds.min_traffic_ratio``
+    max_rows: int | None  # the most decode rows the fast path takes (None: any)
+
+    def worth_sharing(self, segments: list[Segment], context_lens: list[int], block_size: int) -> bool:
+        """Whether the shared segments of a plan save enough K/V reads to leave the fast path."""
+        if self.max_rows is not None and len(context_lens) > self.max_rows:
+            return True  # the step runs eagerly anyway
+        saved = sum((len(s.rows) - 1) * len(s.blocks) * block_size for s in segments if len(s.rows) > 1)
+        whole = self.weight_bytes + self.kv_bytes_per_token * sum(context_lens)
+        return whole >= self.min_traffic_ratio * (whole - self.kv_bytes_per_token * saved)
 
 
 @dataclass(frozen=True)

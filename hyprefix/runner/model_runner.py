@@ -11,9 +11,9 @@ import torch
 from hyprefix.kernels import decode_attention
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
-from hyprefix.outputs import ScheduledSeq, SchedulerOutput
+from hyprefix.outputs import DECODE_PATHS, ScheduledSeq, SchedulerOutput
 from hyprefix.runner.batch import build_batch
-from hyprefix.runner.cascade import CascadeThresholds
+from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 from hyprefix.runner.decode_graph import DecodeGraphs
 from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
 from hyprefix.runner.sampler import Sampler
@@ -69,9 +69,12 @@ class ModelRunner:
         # the model runs its decode steps in one kernel call of its own (``decode_logits``).
         self.decode_graphs = DecodeGraphs(model) \
             if compile_enabled and model.decode_graph_capable and not model.decode_kernel else None
-        # One context entered each step: the decorator form builds a new one every call (~30 us
-        # of a small model's ~5 ms step on a 2-core Xeon).
+        # One context entered each step: the decorator form builds a new one every call.
         self._inference_mode = torch.inference_mode()
+        # Decode-only steps by the path that ran them (``DECODE_PATHS``).
+        self.decode_steps = dict.fromkeys(DECODE_PATHS, 0)
+        self._step_bytes = (model.decode_weight_bytes() if layout.num_layers else 0,
+                            self.kv_bytes_per_block(model, dtype, 1))
 
     @property
     def kernels(self) -> Kernels:
@@ -131,6 +134,16 @@ class ModelRunner:
         self.sampler.forget(names)
         return True
 
+    def _fast_path(self) -> FastPathCost | None:
+        """The fast decode path's cost model while one exists (``runner/cascade.py``)."""
+        if self.model.decode_kernel:
+            max_rows = None
+        elif self.decode_graphs is not None and self.decode_graphs.enabled:
+            max_rows = self.decode_graphs.max_batch
+        else:
+            return None
+        return FastPathCost(*self._step_bytes, self.cascade_thresholds.min_traffic_ratio, max_rows)
+
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         self.sampler.forget(output.finished_ids)
         if output.is_empty:
@@ -140,10 +153,14 @@ class ModelRunner:
 
     def _execute(self, output: SchedulerOutput) -> dict[str, int]:
         self._apply_state_ops(output.state_ops)
-        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds)
+        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
         whole = self.model.decode_logits(batch, self.kv_caches)
+        path = "kernel" if whole is not None or self.model.takes_decode_kernel(batch) else "eager"
         if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
             whole = self.decode_graphs.logits(batch, self.kv_caches)
+            path = "graph" if whole is not None else path
+        if not batch.prefills and batch.num_decode:
+            self.decode_steps[path] += 1
         if whole is not None:
             logits, greedy = whole
         else:
