@@ -114,6 +114,16 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def reads_tables_whole(self, apart_from_sharing: bool = False) -> bool:
+        """A decode-only step whose every row samples and reads its K/V through its own whole
+        block table: no prefill, every K/V written, no sliding-window pool, no recurrent state,
+        and (unless ``apart_from_sharing``) no prefix read once for several rows by a cascade
+        plan (a plan of only single-row segments reads no fewer bytes). The fast decode paths
+        (the one-call decode kernel, the compiled decode graphs) take exactly these steps."""
+        return (not self.prefills and self.num_decode > 0 and self.write_index is None and self.window_kv is None
+                and self.decode_state_slots is None and len(self.sample_seqs) == self.num_decode
+                and (apart_from_sharing or self.decode_cascade is None or not self.decode_cascade.shares_prefix))
+
     def kv_view(self, window: int | None) -> WindowKV | None:
         """The sliding-window pool's tables for a layer with ``window`` (None: the main tables)."""
         return self.window_kv if window is not None else None

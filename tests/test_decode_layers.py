@@ -10,7 +10,6 @@ from test_decode_graph import _decode_batch
 
 from hyprefix import LLM
 from hyprefix.kernels import decode_layers
-from hyprefix.models.llama import _reads_tables_whole
 from hyprefix.models.quant import Int8Weight
 
 pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="the decode_layers kernel does not run here")
@@ -24,7 +23,7 @@ def _both_paths(llm, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor],
     model = runner.model
     our_last_logits(llm, [p[:-1] for p in prompts])  # fills their K/V (freed blocks keep it)
     batch = _decode_batch(llm, prompts)
-    assert model.decode_kernel and _reads_tables_whole(batch)
+    assert model.decode_kernel and batch.reads_tables_whole()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     results = []
     for kernel in (True, False):

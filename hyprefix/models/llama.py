@@ -131,7 +131,7 @@ class LlamaForCausalLM(CausalLM):
         return self.decode_kernel
 
     def takes_decode_kernel(self, batch: ForwardBatch) -> bool:
-        return self.decode_kernel and _reads_tables_whole(batch)
+        return self.decode_kernel and batch.reads_tables_whole()
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
@@ -145,7 +145,7 @@ class LlamaForCausalLM(CausalLM):
 
     def decode_logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not (self.decode_kernel and _reads_tables_whole(batch) and len(batch.sample_seqs) == batch.num_decode):
+        if not self.takes_decode_kernel(batch):
             return None
         model, with_head = self._decode_model_for(kv_caches)
         return torch.ops.hyprefix.decode_model_logits(model, *_step_inputs(batch)) if with_head else None
@@ -160,13 +160,6 @@ class LlamaForCausalLM(CausalLM):
 
     def map_layer(self, idx: int, rest: str) -> Target:
         return map_attention_or_mlp(f"layers.{idx}", rest, self.layers[0].attn, self.config.intermediate_size)
-
-
-def _reads_tables_whole(batch: ForwardBatch) -> bool:
-    """A decode-only step whose rows each read their K/V through their own whole table: no
-    prefix shared by several rows through a cascade plan, no sliding-window pool of its own."""
-    return (not batch.prefills and batch.num_decode > 0 and batch.write_index is None and batch.window_kv is None
-            and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix))
 
 
 def _step_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:

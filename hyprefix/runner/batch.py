@@ -68,24 +68,9 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         decode_tables = as_long(_pad(tables))
         decode_lens = as_long(lens)
         segments, covered = cascade.plan_segments(tables, lens, block_size, thresholds)
-        fast = (fast_path is not None and not prefills and all_write and len(sample_seqs) == len(decodes)
-                and decodes[0].window_blocks is None and decodes[0].state_slot < 0)
-        if fast and any(len(g.rows) > 1 for g in segments) and not fast_path.worth_sharing(segments, lens,
-                                                                                           block_size):
-            unshared = CascadeThresholds(min_saved_tokens=sys.maxsize,
-                                         min_solo_run_tokens=thresholds.min_solo_run_tokens)
-            segments, covered = cascade.plan_segments(tables, lens, block_size, unshared)
-        if segments:
-            decode_cascade = DecodeCascade(
-                segments=[DecodeSegment(rows=as_long(g.rows), blocks=as_long(g.blocks),
-                                        first_block=min(g.blocks) if g.contiguous else None)
-                          for g in segments],
-                tail_tables=as_long(_pad([t[n:] for t, n in zip(tables, covered, strict=True)])),
-                tail_start=as_long([n * block_size for n in covered]),
-                context_lens=decode_lens,
-                block_size=block_size)
+        decode_cascade = _decode_cascade(segments, covered, tables, decode_lens, block_size, device)
 
-    return ForwardBatch(
+    batch = ForwardBatch(
         seqs=ordered,
         input_ids=as_long(input_ids),
         positions=as_long(positions),
@@ -105,6 +90,27 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         if ordered and ordered[0].window_blocks is not None else None,
         decode_state_range=_slot_range(decode_slots),
     )
+    if (fast_path is not None and decode_cascade is not None and decode_cascade.shares_prefix
+            and batch.reads_tables_whole(apart_from_sharing=True)
+            and not fast_path.worth_sharing(segments, lens, block_size)):
+        unshared = CascadeThresholds(min_saved_tokens=sys.maxsize, min_solo_run_tokens=thresholds.min_solo_run_tokens)
+        segments, covered = cascade.plan_segments(tables, lens, block_size, unshared)
+        batch.decode_cascade = _decode_cascade(segments, covered, tables, decode_lens, block_size, device)
+    return batch
+
+
+def _decode_cascade(segments: list[cascade.Segment], covered: list[int], tables: list[list[int]],
+                    context_lens: torch.Tensor, block_size: int, device: torch.device) -> DecodeCascade | None:
+    """The tensors of a cascade plan (``cascade.plan_segments``), or None for an empty one."""
+    if not segments:
+        return None
+    return DecodeCascade(
+        segments=[DecodeSegment(rows=_long(g.rows, device), blocks=_long(g.blocks, device),
+                                first_block=min(g.blocks) if g.contiguous else None) for g in segments],
+        tail_tables=_long(_pad([t[n:] for t, n in zip(tables, covered, strict=True)]), device),
+        tail_start=_long([n * block_size for n in covered], device),
+        context_lens=context_lens,
+        block_size=block_size)
 
 
 def _slot_range(slots: list[int]) -> tuple[int, int] | None:

@@ -96,11 +96,8 @@ class DecodeGraphs:
         """A decode-only step of at most ``max_batch`` rows (None: any) that reads no prefix shared by
         several rows once (a cascade plan of only single-row segments, a long context's own
         run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
-        return (self.enabled and not batch.prefills and batch.num_decode > 0
-                and (self.max_batch is None or batch.num_decode <= self.max_batch)
-                and (batch.decode_cascade is None or not batch.decode_cascade.shares_prefix)
-                and batch.window_kv is None and batch.decode_state_slots is None
-                and batch.write_index is None and len(batch.sample_seqs) == batch.num_decode)
+        return (self.enabled and batch.reads_tables_whole()
+                and (self.max_batch is None or batch.num_decode <= self.max_batch))
 
     def logits(self, batch: ForwardBatch,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
