@@ -14,13 +14,17 @@ from hyprefix.server.limits import ServerLimits
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per ``EngineArgs`` field (``--no-enable-prefix-caching`` for booleans)."""
+    group = parser.add_argument_group("engine (EngineArgs; the same names as LLM(...) keyword arguments)")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = f.metadata["help"] + ("" if f.default is None else " (default: %(default)s)")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float, "int | None": int, "str": str, "str | None": str}.get(str(f.type), str)
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default)
+        group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                           help=text)
 
 
 def add_replica_flags(parser: argparse.ArgumentParser) -> None:
@@ -123,13 +127,13 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyprefix", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model without --model)")
     add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) clients use (default: --model, or hyprefix-demo)")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
@@ -148,18 +152,19 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")
     add_engine_flags(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("make-demo-model", help="write a deterministic random-weight demo model")
     demo.add_argument("--arch", default="dense", choices=["dense", "hybrid", "deltanet"],
                       help="dense: Qwen3-style; hybrid: NemotronH-style (Mamba2); deltanet: Qwen3.5-style")
-    demo.add_argument("--size", default="tiny", choices=["tiny", "bench"])
-    demo.add_argument("--out", required=True)
+    demo.add_argument("--size", default="tiny", choices=["tiny", "bench"],
+                      help="tiny: for tests and the quick start; bench: the benchmark shapes (default: %(default)s)")
+    demo.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")
     demo.set_defaults(func=cmd_make_demo_model)
 
     from hyprefix.bench.cli import add_bench_parser

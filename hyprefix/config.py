@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)
@@ -19,47 +19,61 @@ class EngineArgs:
     steps (``runner/decode_graph.py``).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    kv_cache_memory_gb: float = 2.0
-    num_kv_blocks: int | None = None
-    max_kv_blocks: int = 1 << 16
-    mamba_cache_memory_gb: float = 1.0
-    max_mamba_checkpoints: int = 4096
+    model: str | None = field(default=None, metadata={"help": (
+        "local Hugging Face directory, GGUF file, hub id or demo alias (default: the built-in hybrid demo model)")})
+    tokenizer: str | None = field(default=None, metadata={"help": (
+        "tokenizer directory or hub id (default: the model's)")})
+    dtype: str = field(default="auto", metadata={"help": (
+        "weights and activations: auto = the checkpoint's dtype where this device computes it natively, else the "
+        "fastest correct one; float32, bfloat16, float16 run as asked"), "choices": DTYPES})
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:1, ..."})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (the unit of prefix caching)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": (
+        "share KV blocks between requests with the same prefix (content-hashed blocks)")})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": (
+        "token budget of one step: the largest prefill chunk, decodes included")})
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences running at once"})
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "longest prompt + output, in tokens (default: the model's max_position_embeddings)")})
+    kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "KV pool budget, GiB"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": (
+        "KV pool size in blocks; overrides --kv-cache-memory-gb")})
+    max_kv_blocks: int = field(default=1 << 16, metadata={"help": "cap on the KV pool, in blocks"})
+    mamba_cache_memory_gb: float = field(default=1.0, metadata={"help": (
+        "hybrid models: budget of the recurrent-state checkpoint pool (Mamba2, Gated DeltaNet), GiB; 0 disables "
+        "hybrid prefix hits")})
+    max_mamba_checkpoints: int = field(default=4096, metadata={"help": "cap on recurrent-state checkpoint slots"})
     # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
-    # their own holding this many tokens per token of the full-attention pool; a
-    # running request gives back the blocks that left its window. With
-    # disable_hybrid_swa_memory they share the main pool and keep every block.
-    swa_full_tokens_ratio: float = 0.8
-    disable_hybrid_swa_memory: bool = False
-    seed: int = 0
-    # Quantization of the linear layers and LM head: None or "int8" (int8 weights: a GGUF's Q8_0
-    # blocks as they are, per-channel scales for float weights; activations quantized per 32
-    # at run time: models/quant.py).
-    quantization: str | None = None
-    enforce_eager: bool = False
-    # Decode attention reads a shared prefix once for its group when that saves at least
-    # this many K/V rows, and a row's private blocks in place when they hold at least
-    # this many tokens (runner/cascade.py).
-    cascade_min_saved_tokens: int = 256
-    cascade_min_solo_run_tokens: int = 256
-    # Where decode steps have a fast path (the int8 decode kernel, a compiled decode graph),
-    # which reads every row's K/V whole, a shared prefix is read once (on the eager path) only
-    # when reading every row whole would move at least this many times the bytes (weights +
-    # K/V) of the shared plan; 0 always shares (runner/cascade.py, FastPathCost).
-    cascade_min_traffic_ratio: float = 4.0
-    log_stats_interval: float = 5.0
-    revision: str | None = None
-    # KV cache events over ZMQ (kv_events.py), vLLM's flag: a JSON object such as
-    # '{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'; None: off.
-    kv_events_config: str | None = None
+    # their own; a running request gives back the blocks that left its window.
+    swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": (
+        "sliding-window layers' own KV pool, in tokens per token of the full-attention pool")})
+    disable_hybrid_swa_memory: bool = field(default=False, metadata={"help": (
+        "keep sliding-window layers' K/V in the main pool (every block kept)")})
+    seed: int = field(default=0, metadata={"help": "seed of requests sampled without a seed of their own"})
+    # models/quant.py: a GGUF's Q8_0 blocks as they are, per-channel scales for float weights;
+    # activations quantized per 32 at run time.
+    quantization: str | None = field(default=None, metadata={"help": (
+        "int8: int8 linear layers and LM head (a GGUF's Q8_0 blocks kept; activations quantized per 32 at run "
+        "time)"), "choices": QUANTIZATIONS})
+    enforce_eager: bool = field(default=False, metadata={"help": (
+        "no torch.compile: neither the kernels of large steps nor the compiled decode steps (faster start-up, "
+        "slower steps)")})
+    # runner/cascade.py
+    cascade_min_saved_tokens: int = field(default=256, metadata={"help": (
+        "decode attention reads a shared prefix once for its group when that saves at least this many K/V rows")})
+    cascade_min_solo_run_tokens: int = field(default=256, metadata={"help": (
+        "decode attention reads a row's private blocks in place when they hold at least this many tokens")})
+    cascade_min_traffic_ratio: float = field(default=4.0, metadata={"help": (
+        "where decode steps have a fast path (the int8 decode kernel, a compiled decode graph), a shared prefix "
+        "is read once (eagerly) only when reading every row whole would move at least this many times the bytes "
+        "of the shared plan; 0 always shares")})
+    log_stats_interval: float = field(default=5.0, metadata={"help": (
+        "seconds between engine log lines while busy (0: off)")})
+    revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
+    # kv_events.py, vLLM's flag.
+    kv_events_config: str | None = field(default=None, metadata={"help": (
+        "publish KV cache events over ZMQ: a JSON object such as "
+        "'{\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (default: off)")})
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATIONS):

@@ -93,7 +93,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                            description="Benchmark hyprefix against plain transformers (or a running server) on one "
                                        "workload. The report prints measured values and ratios (the source tree's "
                                        "tools/bench_targets.py checks an --out file against the issues' targets).")
-    bench.add_argument("--workload", choices=list(WORKLOAD_CLASSES), default="throughput")
+    bench.add_argument("--workload", choices=list(WORKLOAD_CLASSES), default="throughput",
+                       help="what to run: throughput (prefill and decode rates), shared-prefix, rl-burst, "
+                            "multi-turn, random (docs/benchmarks.md; default: %(default)s)")
     bench.add_argument("--model", default=None,
                        help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
                             "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-qwen3.5-0.8b (Qwen3.5-0.8B-shaped, "
