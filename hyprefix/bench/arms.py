@@ -46,7 +46,7 @@ def split_arm(name: str) -> tuple[str, str | None]:
 
 def check_arm_names(names: Sequence[str], allowed: Sequence[str], servers: Sequence[str] = ()) -> None:
     """``servers``: the names of the ``--url`` arms (no @DTYPE: a server runs its own)."""
-    clash = [s for s in servers if s in ARM_BASES or split_arm(s)[0] in ARM_BASES or servers.count(s) > 1]
+    clash = [s for s in servers if split_arm(s)[0] in ARM_BASES or servers.count(s) > 1]
     if clash:
         raise ValueError(f"server arm names must be distinct and differ from {', '.join(ARM_BASES)}: {clash[0]}")
     bad = [a for a in names if a not in servers and (split_arm(a)[0] not in allowed

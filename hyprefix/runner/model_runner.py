@@ -155,7 +155,7 @@ class ModelRunner:
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
         whole = self.model.decode_logits(batch, self.kv_caches)
-        path = "kernel" if whole is not None or self.model.takes_decode_kernel(batch) else "eager"
+        path = "kernel" if self.model.takes_decode_kernel(batch) else "eager"  # decode_logits' own condition
         if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
             whole = self.decode_graphs.logits(batch, self.kv_caches)
             path = "graph" if whole is not None else path
