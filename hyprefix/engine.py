@@ -455,7 +455,7 @@ class Engine:
 
     # ------------------------------------------------------------------- stats
     def get_stats(self) -> dict[str, int | float]:
-        """Cumulative token counters and current pool usage (see README)."""
+        """Cumulative token counters and current pool usage (docs/architecture.md, "Stats")."""
         sched = self.scheduler
         cache = self.cache.stats()
         return {
