@@ -199,3 +199,60 @@ def test_reset_reaches_every_replica_and_the_router(cluster):
     assert sum(per_replica(metrics, "hyprefix:kv_blocks_cached").values()) == 0
     assert len(per_replica(metrics, "hyprefix:kv_blocks_cached")) == 2  # one series per replica
     assert complete(client, bases[0])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _niceness_of_threads(cmdline_part: str) -> dict[int, set[int]]:
+    """pid -> the niceness of each of its threads, for processes whose command line has ``cmdline_part``."""
+    import os
+
+    found: dict[int, set[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if cmdline_part.encode() not in f.read():
+                    continue
+            found[int(pid)] = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="raising a thread's priority needs root (CAP_SYS_NICE); test_renice covers the refusal")
+def test_engine_replicas_run_at_normal_priority(cluster):
+    """Ray starts its workers at niceness 15 (this test's cluster keeps that default): a
+    replica's engine would lose its CPU to every ordinary process beside it."""
+    client, _ = cluster
+    complete(client, prompt(11, 8))  # the engine threads have started
+    replicas = _niceness_of_threads("ServeReplica:hyprefix-test:EngineReplica")
+    assert len(replicas) == 2
+    assert all(nice == {0} for nice in replicas.values()), replicas
+
+
+RENICE_CHILD = """
+import logging, os, threading
+logging.basicConfig(level=logging.WARNING)
+os.nice(5)
+from hyprefix.replicas.app import _renice_to_normal
+_renice_to_normal()
+seen = []
+t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))
+t.start(); t.join()
+print("NICE", os.getpriority(os.PRIO_PROCESS, 0), seen[0])
+"""
+
+
+def test_renice():
+    """A replica process started nicer runs at niceness 0 (threads started after it
+    inherit it), or, where raising priority is refused, says so in a warning."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", RENICE_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if os.geteuid() == 0:
+        assert "NICE 0 0" in done.stdout
+    else:
+        assert "NICE 5 5" in done.stdout
+        assert "could not lower it" in done.stderr

@@ -89,6 +89,7 @@ class EngineReplica:
         import torch
 
         torch.set_num_threads(max(1, int(config.replica_cpus or 1)))
+        _renice_to_normal()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         args = config.engine
         if config.router == "prefix":
@@ -162,6 +163,23 @@ class EngineReplica:
         if backend is not None:
             backend.async_engine.shutdown()
             self.engine.close()
+
+
+def _renice_to_normal() -> None:
+    """Run this replica's threads (the engine thread starts from one of them and inherits
+    it) at niceness 0 where Ray started the worker nicer (its ``worker_niceness``, 15 unless
+    ``run_replicas`` started the cluster): a nice engine loses its CPU to every ordinary
+    process beside it. Raising priority may be refused (no CAP_SYS_NICE): then a warning."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness <= 0:
+        return
+    try:
+        for tid in os.listdir("/proc/self/task"):  # Linux: niceness is per thread
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except (OSError, ValueError) as exc:
+        log.warning("this engine replica runs at niceness %d (Ray's worker_niceness) and could not lower it (%s): "
+                    "ordinary processes on its CPUs come first; start the cluster with RAY_worker_niceness=0",
+                    niceness, exc)
 
 
 def _replica_events_config(user: str | None) -> str:
@@ -329,7 +347,10 @@ def run_replicas(config: ReplicasConfig, host: str = "127.0.0.1", port: int = 80
     import ray
 
     t0 = time.perf_counter()
-    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    # Ray starts its workers at niceness 15 (worker_niceness), so every process at 0 on the
+    # same CPUs (a client, Ray's own daemons) would take an engine's CPU first.
+    system = {"worker_niceness": 0} if address is None else None
+    ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
     try:
         serve.start(http_options={"host": host, "port": port},
                     logging_config={"enable_access_log": config.access_log})
