@@ -14,7 +14,7 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
 
     For a transformers fast tokenizer that overrides neither ``decode`` nor ``_decode``, that call
     is exactly its ``tokenizers`` backend's ``decode(ids, skip_special_tokens=True)``; calling the
-    backend directly skips ~20 us of argument handling, twice per generated token."""
+    backend directly skips transformers' argument handling, twice per generated token."""
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     backend = getattr(tokenizer, "_tokenizer", None)

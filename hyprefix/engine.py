@@ -523,9 +523,9 @@ class Engine:
 
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (the imports, the model, its config and
-    tokenizer: ~370k objects for a GGUF Llama) out of the cyclic collector's reach, as vLLM's
-    engine does after start-up. Each full collection otherwise walks them all: ~150 ms, a pause
-    of ~30 decode steps of a small model, at moments set by allocation counts. Objects frozen
+    tokenizer: hundreds of thousands of objects) out of the cyclic collector's reach, as vLLM's
+    engine does after start-up. Each full collection otherwise walks them all, a pause of many
+    decode steps at moments set by allocation counts. Objects frozen
     here that die later are still freed by their reference counts; only a cycle among them
     stays until the process ends."""
     gc.collect()

@@ -437,8 +437,8 @@ def run_arms(arms: dict[str, Arm], workload: Workload, repeats: int, progress: C
     """Warm every arm up on every case, then run the interleaved repeats. Returns the runs
     (arm -> case -> repeats) and the arms skipped (transformers failing) with the reason.
     With ``read_rate`` (GB/s), each batch-1 decode run records the rate measured right
-    before it: a shared machine's read rate swings (30 to 58 GB/s within one run on a
-    2-core Zen 4), so a decode step is set against the rate of its own moment."""
+    before it: a shared machine's read rate swings within one run, so a decode step is set
+    against the rate of its own moment."""
     cases = workload.cases()
     skipped: dict[str, str] = {}
     for name in list(arms):

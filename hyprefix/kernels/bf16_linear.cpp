@@ -8,9 +8,7 @@
 // both products into the 16 rows' float32 sums; no horizontal sums. Each thread takes a run of
 // whole tiles (and then the others' last ones) and prefetches kAhead bytes ahead of its reads.
 // Why not the plain [N, K] rows: a 4-row GEMV over them reads 4 short streams at once (2 KB
-// rows), and each new block restarts the hardware prefetcher. On a 2-core Xeon (AMX), over
-// 1.2 GB of bf16 weights in 4 KiB pages, that read 22-23 GB/s, these tiles 27-28, `sum` over
-// float32 26-27; in huge pages (as the runner keeps weights) the tiles read 31-32, `sum` 29.
+// rows), and each new block restarts the hardware prefetcher; one stream a tile reads faster.
 //
 // Arithmetic: float32 sums of exact bf16 products (VDPBF16PS rounds each pair's sum to float32,
 // denormal inputs read as zero), split over 4 interleaved accumulators per row and added at
@@ -33,7 +31,7 @@ namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int kUnroll = 4;       // pairs of columns in flight per row: VDPBF16PS latency over its throughput
-constexpr int64_t kAhead = 2048;  // prefetch distance in bytes (1-2 KB measured best, 256 B ~5 % slower)
+constexpr int64_t kAhead = 2048;  // prefetch distance in bytes (docs/perf-log.md)
 
 // Rows m0..m0+MB-1 of x (as int32 pairs, `pairs` per row) times one tile: 16 sums per row.
 template <int MB>
@@ -135,10 +133,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, 
       }
     }
   };
-  // Each thread starts on an even run of tiles and, done with it, takes the others' last tiles:
-  // in a Qwen3-0.6B-shaped step on a 2-core Xeon the first thread otherwise waited ~10 % of the
-  // step at the end of these loops; 1.015-1.025x faster a step (one process, alternating).
-  // Chunks from one shared counter instead were 1.015x slower than static runs.
+  // Each thread starts on an even run of tiles and, done with it, takes the others' last tiles,
+  // so no thread waits at the end of these loops for a slower one. (Chunks from one shared
+  // counter instead were slower than static runs.)
   const int threads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   std::vector<Range> ranges(threads);
   for (int t = 0; t < threads; ++t) ranges[t].set(num_tiles * t / threads, num_tiles * (t + 1) / threads);

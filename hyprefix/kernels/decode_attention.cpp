@@ -12,7 +12,7 @@
 //
 // A task is one row and one run of whole blocks of its visible keys, every KV head: a block's
 // K (then V) rows of all heads lie together, so the task reads each block as one contiguous
-// stretch of memory (software prefetch of the next block measured slower). Per KV head, the
+// stretch of memory (software prefetch of the next block did not pay here). Per KV head, the
 // group's query heads (GQA) share each K/V row load: scores q_g . k_j for the run (float32),
 // their max, exp and sum, then sum_j p_gj v_j, with the query vectors and the output
 // accumulators in registers for a head dim of 64, 128 or 256. Threads take runs from a shared

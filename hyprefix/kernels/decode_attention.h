@@ -18,9 +18,8 @@ using Vec = at::vec::Vectorized<float>;
 
 // Below this many (key, KV head) pairs in a call, one thread does it all. In a decode step the
 // K/V is cold (the weights streamed through the caches since its last read) and one thread
-// read it at ~10 GB/s (SmolLM2 at 128-160 tokens, 2-core Zen 4), so short contexts split too.
-// Thresholds of 64 to 384 pairs and 4 or 8 runs a thread measured even within noise (±0.5 ms a
-// step); always-serial was slowest at 512 tokens.
+// alone reads it latency-bound, so short contexts split too. The threshold and runs per thread
+// are flat optima (docs/perf-log.md); always-serial was slowest.
 constexpr int64_t kSerialWork = 192;
 constexpr int64_t kRunsPerThread = 4;
 // Query heads per pass over a KV head's rows: their vectors and accumulators stay in registers.
@@ -129,9 +128,7 @@ inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
 // The row at next + offset (a head's D values) into L1, where next is set: the same head's row of
 // the task's next block, fetched while this block's rows are computed. A block's rows start cold
 // (the weights streamed through the caches since the last step read them) and a task's loads
-// alone keep few misses in flight (SmolLM2 Q8_0 batch 1, 2-core Xeon: attention 109.8 -> 84.4 us
-// a layer at 1,024 tokens, 56.5 -> 46.3 at 512, the step 0.898x and 0.944x; even at 128, where
-// a task holds one or two blocks).
+// alone keep few misses in flight; it pays even where a task holds one or two blocks.
 template <int64_t D, typename T>
 inline void prefetch_row(const T* next, int64_t offset) {
   if (next == nullptr) return;

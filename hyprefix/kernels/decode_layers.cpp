@@ -16,23 +16,20 @@
 // with the int8 kernel of int8_tiles.h and the attention of decode_attention.h), so the results
 // agree to float32 rounding. What it saves is the time between those ops: a batch-1 decode step
 // of a small model is ~150 kernel calls, and each call's dispatch, allocation and thread wake-up
-// left the memory idle (SmolLM2-135M Q8_0 on a 2-core Zen 4: the worker thread spun 45 % of the
-// step; one call a layer still left ~10 us between calls); and passing the ~370 weight tensors
-// on every call cost ~0.3 ms of a ~5 ms step, which holding them here saves.
+// leaves the memory idle (one call a layer still left gaps between calls); and passing the
+// hundreds of weight tensors on every call costs time, which holding them here saves.
 //
 // The threads stay in one region, six barriers a layer, one after each step whose result every
-// thread reads: each thread computes its share of every matmul (even runs of 16-row tiles; chunks
-// taken from a shared counter measured 1.02-1.13x slower) and finishes its own columns at once
+// thread reads: each thread computes its share of every matmul (even runs of 16-row tiles, not
+// chunks taken from a shared counter, which were slower) and finishes its own columns at once
 // (RoPE and the K/V write of its heads after q/k/v; silu(gate) * up and its int8 groups after
 // gate_up, whose share is matching gate and up columns); attention tasks go to whichever thread
 // is free, then each thread merges the heads of its int8 groups; and the small row-wide steps
 // (the residual add, RMSNorm, the activations' int8 quantization) each thread does whole, on its
 // own copy of res, rather than one thread while the others wait. While a thread runs attention
 // tasks it also pulls its shares of the next weights (o_proj, then gate_up) into its L2, a few
-// lines per K/V row: the attention waits on its loads' latency and leaves bandwidth idle
-// (SmolLM2 Q8_0 batch 1 on a 2-core Xeon: o_proj 10.9 -> 2.7 us a layer, gate/up 57.0 -> 54.3,
-// attention 14.3 -> 21.1, the step 0.979x; a budget of 1 MB a thread was 1.015x, so it stays
-// well inside L2).
+// lines per K/V row: the attention waits on its loads' latency and leaves bandwidth idle. The
+// budget stays well inside L2 (a larger one evicted what it fetched).
 //
 // Not traced by torch.compile: the K/V caches it writes are held here, not arguments.
 #include "decode_attention.h"

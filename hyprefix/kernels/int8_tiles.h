@@ -18,10 +18,8 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 // Each group's weight lines are prefetched this many bytes ahead of their loads: the tile is one
-// stream, and the hardware prefetchers alone left each core's reads latency-bound. Batch-1
-// decode on a 2-core Xeon (AMX), one process per setting, alternating, medians of 6 x 64
-// tokens: SmolLM2-135M Q8_0 5.56 / 5.29 -> 4.82 / 5.00 ms a token, a Qwen3-0.6B-shaped int8
-// model 26.3 / 25.3 -> 23.3 / 22.3 ms (4 KB ahead: 24.2 / 23.8). Only a tile's first block of
+// stream, and the hardware prefetchers alone left each core's reads latency-bound (the distance
+// was chosen on batch-1 decode: docs/perf-log.md). Only a tile's first block of
 // rows prefetches: prefill's later blocks reread the tile from cache.
 constexpr int64_t kAheadBytes = 2048;
 

@@ -32,8 +32,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 using at::native::cpublas::brgemm;
 
-// Keys per block and GEMM rows per task: 128 and 128 measured best of {128, 256}^2 on a Zen 4,
-// natively and under AVX2 limits (float32 AVX2: 37 vs 40-45 ms for the Qwen3-0.6B shape).
+// Keys per block and GEMM rows per task: the best of {128, 256}^2, natively and under AVX2
+// limits (docs/perf-log.md).
 constexpr int64_t kKeyBlock = 128;
 constexpr int64_t kRows = 128;
 

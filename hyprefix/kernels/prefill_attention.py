@@ -1,8 +1,7 @@
 """``torch.ops.hyprefix.prefill_attention``: causal (optionally sliding-window) attention of
 a prefill chunk over its keys, a flash-attention loop on oneDNN's brgemm micro-kernel
-(``prefill_attention.cpp`` has the blocking and the layouts). On a 2-core Zen 4 it runs the
-Qwen3-0.6B shape (1,024 tokens, 16 query / 8 KV heads of 128) at 2.4-2.8x torch's SDPA in
-bfloat16 and 1.3-1.4x in float32.
+(``prefill_attention.cpp`` has the blocking and the layouts); it replaces torch's SDPA in
+prefill where it runs (``docs/benchmarks.md``).
 
 ``available(dtype)`` says whether it runs here: ``hardware.DeviceCaps.flash_prefill`` (an x86
 CPU with AVX2 or AVX-512; bfloat16 only where it is native), the build for this ISA worked,

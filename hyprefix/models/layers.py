@@ -85,9 +85,8 @@ def mkldnn_packing_available(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout. On CPU at small batch: bf16 1.3-3x faster
-    than the plain path; float32 1.1-2.7x faster than MKL's sgemm at M=1..16 and
-    1.04-1.25x at prefill sizes (``docs/`` has the numbers)."""
+    """The weight in oneDNN's blocked layout, which oneDNN's prepacked matmul reads faster
+    than the plain layout on CPU, at decode and prefill sizes (``docs/perf-log.md``)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 

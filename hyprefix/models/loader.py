@@ -165,8 +165,7 @@ def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
     own numbers (no float detour), under transformers' names and with the row permutation
     transformers undoes on load (Llama's q/k) applied to values and scales. The float16
     scales are widened to float32 (exactly): a compiled step reads one per 32 weights, and
-    Inductor's C++ (built without F16C) converts a float16 scalar in ~20 instructions
-    (SmolLM2's 49152 x 576 head alone: 1.77 vs 1.27 ms, AMD EPYC Zen 4)."""
+    Inductor's C++ (built without F16C) converts a float16 scalar in a slow software loop."""
     import gguf
     import numpy as np
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -226,9 +225,8 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """transformers parses a GGUF file's metadata on every read (config, weights,
-    tokenizer): ~15 s apiece for Gemma 3's 262k-token vocabulary; and while mapping tensor
-    names it builds gguf's name table again for every submodule of the model (794 tables
-    for SmolLM2: its Q8_0 load took 12.1 s with them, 3.9 s with one, on a 2-core Xeon).
+    tokenizer), slow for a large vocabulary such as Gemma 3's; and while mapping tensor
+    names it builds gguf's name table again for every submodule of the model.
     Inside this block one parse per file and one table per (architecture, layer count)
     serve every call (dropped at its end); the tables are only read."""
     import gguf

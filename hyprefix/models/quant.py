@@ -15,14 +15,11 @@ computed in the model dtype. A K that is not a multiple of 32 keeps float activa
 ``reduction_linear`` is how every other matmul is written inside a compiled decode step
 (``runner/decode_graph.py``): a sum over K for each (output, row) with the weight row
 outermost, so Inductor turns it into one loop that streams each weight row once for all
-rows of a small batch, with int8 -> float and the scales folded into the loads. On a
-2-core AMD EPYC Zen 4 it read 28-30 GB/s (float32, M = 1..2) where oneDNN's prepacked
-GEMV read 20-28 and MKL's 11; int8 at M = 1 read 17-27 GB/s of int8 where the tiled VNNI
-kernel reads 44 (SmolLM2's 49152 x 576 head). Under ATen's AVX2 ISA a SmolLM2 Q8_0 batch-1
-step through this loop took 96 ms; through the kernel's AVX2 build, 9.5. It is compute-bound sooner than a GEMM
-(bf16 from M = 4). bf16 weights go to ``Bf16Tiles`` where ``kernels/bf16_linear.cpp`` runs (native
-bf16 with AVX512-BF16): a Qwen3-0.6B-shaped bf16 step read its 1.2 GB at ~22 GB/s through this
-loop and ~27 through the tiles on a 2-core Xeon: 65.0 -> 51.8 ms a step (``hyprefix bench``).
+rows of a small batch, with int8 -> float and the scales folded into the loads. It is
+compute-bound sooner than a GEMM, and int8 weights read faster through the tiled kernel, which
+takes them wherever it builds (the AVX2 build included). bf16 weights go to ``Bf16Tiles``
+where ``kernels/bf16_linear.cpp`` runs (native bf16 with AVX512-BF16), which reads them
+faster than this loop (``docs/perf-log.md``).
 """
 
 from __future__ import annotations
@@ -179,7 +176,7 @@ def int8_buffers(module: torch.nn.Module, prefix: str = "") -> Int8Weight | Int8
 def set_int8_buffers(module: torch.nn.Module, weight: Int8Weight, prefix: str = "") -> None:
     """Keep int8 weights as non-persistent buffers of ``module`` (as the int8 kernel's tiles
     where it runs): they move with it, and a compiled step guards them like parameters (a
-    dataclass attribute cost ~1 ms of Dynamo guard lookups per SmolLM2 step)."""
+    dataclass attribute costs Dynamo guard lookups every step)."""
     if tiles_fit(weight):
         tiled = Int8Tiles.pack(weight)
         module.register_buffer(f"{prefix}tiles", tiled.tiles, persistent=False)

@@ -18,9 +18,8 @@ symbolic size so a growing context never recompiles:
   (``kernels/packed_linear.cpp``) and Inductor fuses what lies between them. It exists where
   every matmul of the model has such a kernel (a CPU with prepacked weights or int8 tiles)
   and the paged decode-attention kernel runs; elsewhere batched steps run eagerly.
-  Inductor's own loops with a symbolic batch size took 900 ms a step at batch 8 on
-  SmolLM2-135M (eager ~125 ms then), and a static graph per batch size would cost a cold
-  compile each.
+  Inductor's own loops with a symbolic batch size ran far slower than eager, and a static
+  graph per batch size would cost a cold compile each (``docs/perf-log.md``).
 A step qualifies when it is decode only, reads no prefix shared by several rows through a
 cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
 ignored), no sliding-window pool and no recurrent state (hybrids stay eager); any other step
@@ -54,7 +53,7 @@ KERNELS_DIR = Path(__file__).parent.parent / "kernels"
 
 class DecodeGraphs:
     # Whether engines compile the batched graph where they can (a seam for the test suite, where
-    # each engine shape would cost 12-16 s of cold compile; only the tests of the graph turn it on).
+    # each engine shape would cost a cold compile of its own; only the tests of the graph turn it on).
     batched_by_default = True
 
     def __init__(self, model: torch.nn.Module, batched: bool | None = None) -> None:
@@ -69,11 +68,9 @@ class DecodeGraphs:
         # would fail.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         # With the int8 or bf16 tile kernels each matmul is an extern call (four per layer): a C++ wrapper
-        # calls them for less than Inductor's Python one (SmolLM2 Q8_0 on a 2-core Zen 4:
-        # 9.9 vs 10.6 ms a step, one process, alternating), for ~30 s more of cold compile.
+        # calls them for less than Inductor's Python one, for a longer cold compile.
         # No size/stride asserts on the graph's inputs: the step is called without Dynamo's
-        # guards anyway (``_compile``), and its 300+ inputs' asserts cost 0.44 ms of a 7.5 ms
-        # SmolLM2 Q8_0 step (7.46 vs 7.02 ms, one process, alternating, 2-core Zen 4).
+        # guards anyway (``_compile``), and asserting its 300+ inputs every step costs time.
         # The kernel sources' hash in Inductor's cache key: a step it compiled against another
         # build of our extern kernels (another op schema) would crash if loaded from its cache.
         self._options = {"size_asserts": False, "post_grad_custom_post_pass": _KERNEL_SOURCES_KEY,
@@ -102,9 +99,8 @@ class DecodeGraphs:
     def logits(self, batch: ForwardBatch,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Float32 logits [D, vocab] of a qualifying step and their argmax [D] (the greedy
-        tokens: Inductor's argmax loop ran in ~20 us where ``Tensor.argmax`` took ~65 on
-        SmolLM2's 49,152 logits, 2-core Zen 4), or None when the graphs are off (compiling
-        failed): the caller runs the step eagerly."""
+        tokens, from Inductor's argmax loop, cheaper than ``Tensor.argmax`` after the step),
+        or None when the graphs are off (compiling failed): the caller runs the step eagerly."""
         tables = batch.decode_block_tables
         assert tables is not None and batch.decode_context_lens is not None
         if tables.shape[1] < 2:  # a width of 1 would be specialised: pad (the mask hides it)
@@ -140,14 +136,14 @@ class DecodeGraphs:
         ``step(self, *args)`` from then on.
 
         Batch 1: the bytecode Dynamo made for it, called directly, as vLLM dispatches to its
-        compiled code, which skips Dynamo's frame evaluation and guards (~0.7 ms a step for
-        SmolLM2 Q8_0 on a 2-core Zen 4). That is sound because nothing a guard checks changes
-        between this engine's calls: the model, its K/V tensors and every shape but the table
-        width are fixed. Where no bytecode was made in this call (another engine of the same
-        shapes compiled it earlier in this process), the step goes through Dynamo.
+        compiled code, which skips Dynamo's frame evaluation and guards. That is sound
+        because nothing a guard checks changes between this engine's calls: the model, its
+        K/V tensors and every shape but the table width are fixed. Where no bytecode was made
+        in this call (another engine of the same shapes compiled it earlier in this process),
+        the step goes through Dynamo.
 
         Batched: always through Dynamo, whose guards check each call's row count against
-        what the graph was compiled for (1-2 % of a batched step). It runs a second time with
+        what the graph was compiled for (a small part of a batched step). It runs a second time with
         one more row before it is kept: had Dynamo specialised the row count anyway, that
         would compile again, and the batched graph is refused rather than compiled per size."""
         captured: list[CodeType] = []
@@ -244,13 +240,13 @@ _STEP_INPUTS = 5  # input_ids, positions, slot_mapping, tables, context_lens: ne
 def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs: DecodeGraphs,
                  args: tuple) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The compiled step called straight with its flat inputs, without the bytecode Dynamo
-    made to gather them (SmolLM2 Q8_0, 2-core Zen 4: ~0.26 ms of a 6.5 ms step spent
-    reading 372 tensors through module attributes). One recorded run of ``step`` (a decode
-    step run twice writes the same K/V twice) gives the flat inputs: each must be one of
-    this step's input tensors, the block tables' width (the one symbolic size), or a
-    tensor that lives as long as the engine (the model's parameters and buffers, the K/V
-    caches); the outputs must be the compiled function's own. Anything else (another
-    torch's bytecode, a graph that takes other values) returns None and ``step`` stays."""
+    made to gather them (reading every weight through module attributes, every step). One
+    recorded run of ``step`` (a decode step run twice writes the same K/V twice) gives the
+    flat inputs: each must be one of this step's input tensors, the block tables' width (the
+    one symbolic size), or a tensor that lives as long as the engine (the model's parameters
+    and buffers, the K/V caches); the outputs must be the compiled function's own. Anything
+    else (another torch's bytecode, a graph that takes other values) returns None and
+    ``step`` stays."""
     names = [n for n in step.__code__.co_names if n.startswith("__compiled_fn")]
     if len(names) != 1 or not callable(compiled_fn := step.__globals__.get(names[0])):
         return None

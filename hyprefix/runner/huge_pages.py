@@ -42,8 +42,8 @@ class HugePageArena:
     """One private anonymous mapping advised for huge pages, starting on a 2 MiB boundary,
     zero-filled by the kernel. Each tensor ``take`` gives has a storage of its own (as
     torch sees it) and is no view: a compiled step that writes K/V into tensors that
-    alias one storage, or into views, copies the whole tensors every step (SmolLM2 with a
-    3 GB pool: 800 ms a step). The mapping lives as long as any of its tensors."""
+    alias one storage, or into views, copies the whole tensors every step. The mapping
+    lives as long as any of its tensors."""
 
     def __init__(self, nbytes: int) -> None:
         # whole huge pages from the aligned start, wherever the kernel put the mapping
