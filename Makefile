@@ -24,12 +24,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP) lint
-	$(BIN)/python tools/fetch_test_models.py
+	$(BIN)/python tools/models/fetch_test_models.py
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/hyprefix bench --workload throughput --repeats 3 --out bench-out/throughput.json
-	$(BIN)/python tools/bench_targets.py bench-out/throughput.json
+	$(BIN)/python tools/bench/bench_targets.py bench-out/throughput.json
 
 clean:
 	rm -rf $(VENV)

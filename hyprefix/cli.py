@@ -5,53 +5,39 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 
-from hyprefix.config import EngineArgs
-from hyprefix.server.limits import ServerLimits
+from hyprefix.config import DEPRECATED_NAMES, EngineArgs
+from hyprefix.server.args import ServerArgs, add_server_flags, server_args
+
+
+class _StoreNamed(argparse._StoreAction):
+    """Stores as usual; warns when given under a deprecated name (``DEPRECATED_NAMES``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string in _DEPRECATED_FLAGS:
+            logging.getLogger("hyprefix").warning("%s is deprecated; use %s", option_string, self.option_strings[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+_DEPRECATED_FLAGS = {"--" + old.replace("_", "-") for old in DEPRECATED_NAMES}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per ``EngineArgs`` field (``--no-enable-prefix-caching`` for booleans)."""
+    """One ``--flag`` per ``EngineArgs`` field (``--no-enable-prefix-caching`` for booleans);
+    a deprecated name of a field is a second spelling of its flag."""
     group = parser.add_argument_group("engine (EngineArgs; the same names as LLM(...) keyword arguments)")
+    old_names = {new: old for old, new in DEPRECATED_NAMES.items()}
     for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-") for name in (f.name, old_names.get(f.name)) if name]
         text = f.metadata["help"] + ("" if f.default is None else " (default: %(default)s)")
         if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float, "int | None": int, "str": str, "str | None": str}.get(str(f.type), str)
-        group.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                           help=text)
-
-
-def add_replica_flags(parser: argparse.ArgumentParser) -> None:
-    from hyprefix.routing.policy import RoutingRule
-
-    group = parser.add_argument_group("replicas (Ray Serve; needs the 'replicas' extra)")
-    group.add_argument("--replicas", type=int, default=0, metavar="N",
-                       help="serve with N engine replicas on Ray Serve behind one app (default: 0, one engine in "
-                            "this process, no Ray)")
-    group.add_argument("--replica-router", choices=["prefix", "pow2"], default="prefix",
-                       help="prefix: to the replica holding the longest cached prefix (from its KV events), "
-                            "balanced against load; pow2: Ray Serve's power-of-two choices (blind to prefixes)")
-    group.add_argument("--replica-cpus", type=float, default=None,
-                       help="Ray CPUs per replica, also its torch threads (default: the cluster's CPUs / N)")
-    group.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster ('auto': the one `ray start --head` started here) instead of "
-                            "starting a local one")
-    rule = RoutingRule()
-    group.add_argument("--routing-balance-abs", type=int, default=rule.balance_abs,
-                       help="route to the least loaded replica when the most loaded has more than this many "
-                            "requests more... (SGLang's --balance-abs-threshold; default: %(default)s)")
-    group.add_argument("--routing-balance-rel", type=float, default=rule.balance_rel,
-                       help="...and more than this many times as many (SGLang's --balance-rel-threshold; "
-                            "default: %(default)s)")
-    group.add_argument("--routing-min-match", type=float, default=rule.min_match,
-                       help="else to the longest cached prefix if it covers at least this fraction of the "
-                            "prompt's blocks, else least loaded (SGLang's --cache-threshold; default: %(default)s)")
+        group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                           help=text, action=_StoreNamed)
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
@@ -79,22 +65,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    env_keys = [key for key in os.environ.get("HYPREFIX_API_KEY", "").split(",") if key]
-    api_keys = ns.api_key or env_keys or None
-    limits = ServerLimits(**{name: getattr(ns, name) for name, *_ in ServerLimits.flags()})
-    if ns.replicas:
-        return _serve_replicas(ns, api_keys, limits)
+    engine, server = engine_args(ns), server_args(ns)
+    if server.replicas:
+        return _serve_replicas(engine, server)
     from hyprefix.server import run_server
 
-    run_server(engine_args(ns), host=ns.host, port=ns.port, model_names=ns.served_model_name, api_key=api_keys,
-               cache_per_key=ns.cache_per_key,
-               access_log=ns.access_log, log_level=ns.log_level, limits=limits)
+    run_server(engine, server, log_level=ns.log_level)
     return 0
 
 
-def _serve_replicas(ns: argparse.Namespace, api_keys: list[str] | None, limits: ServerLimits) -> int:
+def _serve_replicas(engine: EngineArgs, server: ServerArgs) -> int:
     from hyprefix.replicas import require_ray
-    from hyprefix.routing.policy import RoutingRule
 
     try:
         require_ray()
@@ -103,11 +84,7 @@ def _serve_replicas(ns: argparse.Namespace, api_keys: list[str] | None, limits: 
         return 2
     from hyprefix.replicas.app import ReplicasConfig, run_replicas
 
-    config = ReplicasConfig(engine=engine_args(ns), num_replicas=ns.replicas, router=ns.replica_router,
-                            rule=RoutingRule(ns.routing_balance_abs, ns.routing_balance_rel, ns.routing_min_match),
-                            replica_cpus=ns.replica_cpus, model_names=ns.served_model_name, api_key=api_keys,
-                            cache_per_key=ns.cache_per_key, limits=limits, access_log=ns.access_log)
-    run_replicas(config, host=ns.host, port=ns.port, address=ns.ray_address)
+    run_replicas(ReplicasConfig(engine=engine, server=server))
     return 0
 
 
@@ -125,29 +102,15 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return run_bench(ns)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (``hyprefix.flag_docs`` renders its tables from it)."""
     parser = argparse.ArgumentParser(prog="hyprefix", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the demo model without --model)")
     add_engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="model name(s) clients use (default: --model, or hyprefix-demo)")
-    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: "
-                            "$HYPREFIX_API_KEY, comma-separated)")
-    serve.add_argument("--cache-per-key", action="store_true",
-                       help="each API key is a tenant: its requests share cached prefixes only with requests "
-                            "made with the same key, whatever cache_salt they send")
-    serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                       help="log one line per HTTP request")
-    for name, kind, default, help_text in ServerLimits.flags():
-        serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
-                           help=f"{help_text} (default: %(default)s)")
-    add_replica_flags(serve)
+    add_server_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")
@@ -170,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     from hyprefix.bench.cli import add_bench_parser
 
     add_bench_parser(sub, cmd_bench)
+    return parser
 
-    ns = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)

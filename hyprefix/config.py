@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import warnings
+from dataclasses import InitVar, dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)
+# deprecated EngineArgs names (keyword arguments and --flags) -> their current ones
+DEPRECATED_NAMES = {"mamba_cache_memory_gb": "state_cache_memory_gb",
+                    "max_mamba_checkpoints": "max_state_checkpoints"}
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,11 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata={"help": (
         "KV pool size in blocks; overrides --kv-cache-memory-gb")})
     max_kv_blocks: int = field(default=1 << 16, metadata={"help": "cap on the KV pool, in blocks"})
-    mamba_cache_memory_gb: float = field(default=1.0, metadata={"help": (
+    state_cache_memory_gb: float = field(default=1.0, metadata={"help": (
         "hybrid models: budget of the recurrent-state checkpoint pool (Mamba2, Gated DeltaNet), GiB; 0 disables "
-        "hybrid prefix hits")})
-    max_mamba_checkpoints: int = field(default=4096, metadata={"help": "cap on recurrent-state checkpoint slots"})
+        "hybrid prefix hits (deprecated name: mamba_cache_memory_gb)")})
+    max_state_checkpoints: int = field(default=4096, metadata={"help": (
+        "cap on recurrent-state checkpoint slots (deprecated name: max_mamba_checkpoints)")})
     # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
     # their own; a running request gives back the blocks that left its window.
     swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": (
@@ -75,13 +80,24 @@ class EngineArgs:
         "publish KV cache events over ZMQ: a JSON object such as "
         "'{\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (default: off)")})
 
-    def __post_init__(self) -> None:
+    # Deprecated names of state_cache_memory_gb and max_state_checkpoints (they govern Gated
+    # DeltaNet state as well as Mamba2's): accepted with a warning, not fields of their own.
+    mamba_cache_memory_gb: InitVar[float | None] = None
+    max_mamba_checkpoints: InitVar[int | None] = None
+
+    def __post_init__(self, mamba_cache_memory_gb: float | None, max_mamba_checkpoints: int | None) -> None:
+        for old, value in (("mamba_cache_memory_gb", mamba_cache_memory_gb),
+                           ("max_mamba_checkpoints", max_mamba_checkpoints)):
+            if value is not None:
+                new = DEPRECATED_NAMES[old]
+                warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+                object.__setattr__(self, new, value)
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks",
-                     "max_mamba_checkpoints"):
+                     "max_state_checkpoints"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -93,7 +109,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("kv_cache_memory_gb", "mamba_cache_memory_gb", "cascade_min_traffic_ratio"):
+        for name in ("kv_cache_memory_gb", "state_cache_memory_gb", "cascade_min_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.swa_full_tokens_ratio > 0:

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.events import EventLog
-from hyprefix.cache.kv import KVCacheManager
-from hyprefix.cache.recurrent import RecurrentStateCache
-from hyprefix.cache.sliding import SlidingWindowKV
-from hyprefix.cache.state_pool import StatePool
+from hyprefix.cache.plan import build_cache, plan_pools
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
 from hyprefix.errors import RequestError
@@ -53,14 +48,6 @@ class ModelFacts:
     state_bytes_per_sequence: int  # state of every recurrent layer (Mamba2, Gated DeltaNet; 0 for dense models)
     decode_weight_bytes: int = 0  # weights one decode step reads (linears and LM head as stored, norms)
     quantization: str | None = None
-
-
-@dataclass(frozen=True)
-class _PoolSizes:
-    num_blocks: int  # main pool
-    num_window_blocks: int  # sliding-window layers' own pool (0: none)
-    bytes_per_block: int
-    bytes_per_window_block: int
 
 
 @dataclass
@@ -108,24 +95,22 @@ class Engine:
         self.max_model_len = args.max_model_len or loaded.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
 
-        window = self._window_pool_window(loaded.model.kv_layout)
-        pools = self._kv_pool_sizes(loaded.model, window)
-        num_blocks, num_window_blocks = pools.num_blocks, pools.num_window_blocks
+        layout = loaded.model.kv_layout
         state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
-        num_ckpts = self._checkpoint_slots(state_bytes) if state_bytes else 0
+
+        def kv_bytes_per_block(which: str) -> int:
+            return ModelRunner.kv_bytes_per_block(loaded.model, self.dtype, args.block_size, which)
+
+        plan = plan_pools(args, [layout.window(i) for i in range(layout.num_layers)], self.max_model_len,
+                          kv_bytes_per_block, state_bytes)
+        window, num_blocks, num_window_blocks = plan.window, plan.num_blocks, plan.num_window_blocks
+        num_ckpts = plan.num_checkpoints
         events_config = KVEventsConfig.parse(args.kv_events_config)
         self.cache_events = EventLog(enabled=events_config is not None)
-        kinds: list[CacheKind] = []
-        if loaded.model.kv_layout.num_layers:
-            kinds.append(AttentionKV())
-        if window is not None:
-            kinds.append(SlidingWindowKV(num_window_blocks, args.block_size, window, args.enable_prefix_caching))
-        if loaded.model.state_layout is not None:
-            kinds.append(RecurrentStateCache(StatePool(args.max_num_seqs, num_ckpts, self.cache_events),
-                                             args.block_size))
-        kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity,
-                            self.cache_events)
-        self.cache = CacheCoordinator(kv, kinds)
+        self.cache = build_cache(num_blocks, args.block_size, args.enable_prefix_caching, loaded.identity,
+                                 self.cache_events, args.max_num_seqs, attention=bool(layout.num_layers),
+                                 window=window, window_blocks=num_window_blocks,
+                                 checkpoints=num_ckpts if loaded.model.state_layout is not None else None)
         self.state_bytes_per_slot = state_bytes
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
@@ -137,8 +122,8 @@ class Engine:
                                                                        args.cascade_min_traffic_ratio))
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
-        self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * pools.bytes_per_block,
-                             "swa_pool": num_window_blocks * pools.bytes_per_window_block,
+        self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
+                             "swa_pool": num_window_blocks * plan.bytes_per_window_block,
                              "live_states": num_live * state_bytes, "checkpoint_pool": num_ckpts * state_bytes}
         log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
@@ -187,57 +172,6 @@ class Engine:
             log.info("warmed up the compiled kernels in %.1fs", time.perf_counter() - t0)
             freeze_startup_heap()
         release_workers()  # as after loading
-
-    def _window_pool_window(self, layout) -> int | None:
-        """The widest sliding window when the sliding layers get a pool of their own
-        (some layer has a window shorter than the longest request), else None."""
-        windows = [layout.window(i) for i in range(layout.num_layers) if layout.window(i) is not None]
-        if not windows or self.args.disable_hybrid_swa_memory or max(windows) >= self.max_model_len:
-            return None
-        return max(windows)
-
-    def _kv_pool_sizes(self, model, window: int | None) -> _PoolSizes:
-        """Blocks of the main pool (full-attention layers, or every attention layer
-        without a window pool) and of the sliding-window pool, from the memory budget:
-        the window pool holds ``swa_full_tokens_ratio`` tokens per main-pool token, and
-        at least what one request needs to make progress (its window and a chunk)."""
-        args = self.args
-        window_pool = window is not None
-        per_block = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size,
-                                                   "full" if window_pool else "all")
-        per_window = ModelRunner.kv_bytes_per_block(model, self.dtype, args.block_size, "window") if window_pool else 0
-        ratio = args.swa_full_tokens_ratio if window_pool else 0.0
-        budget = int(args.kv_cache_memory_gb * 2**30)
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        elif per_block == 0:  # no full-attention layers: the main blocks only index the cache
-            num_blocks = args.max_kv_blocks
-        else:
-            num_blocks = min(int(budget // (per_block + ratio * per_window)), args.max_kv_blocks)
-        num_window = 0
-        if window is not None:
-            bs = args.block_size
-            least = -(-(window - 1) // bs) + 2 + -(-args.max_num_batched_tokens // bs)
-            if per_block == 0 and args.num_kv_blocks is None:
-                num_window = budget // per_window
-            else:
-                num_window = max(math.ceil(num_blocks * ratio), least)
-        if num_blocks < 1 or (window_pool and num_window < 1):
-            raise ValueError(f"kv_cache_memory_gb={args.kv_cache_memory_gb} is too small for one KV block "
-                             f"({per_block + per_window} bytes)")
-        return _PoolSizes(num_blocks, num_window, per_block, per_window)
-
-    def _checkpoint_slots(self, state_bytes: int) -> int:
-        """Recurrent-state checkpoint slots the budget pays for (0 disables hybrid hits)."""
-        args = self.args
-        if not args.enable_prefix_caching or args.mamba_cache_memory_gb <= 0:
-            return 0
-        slots = min(int(args.mamba_cache_memory_gb * 2**30) // state_bytes, args.max_mamba_checkpoints)
-        if slots == 0:
-            log.warning("mamba_cache_memory_gb=%s is smaller than one state checkpoint (%.2f MiB): no "
-                        "checkpoints, so hybrid prefix hits are disabled", args.mamba_cache_memory_gb,
-                        state_bytes / 2**20)
-        return slots
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

@@ -15,7 +15,7 @@ thread) had two pools, twice the CPUs in threads, and every decode step's barrie
 The contract that keeps one pool alive: a thread that is done driving an engine (it built
 one, or ``LLM.generate`` returned) calls ``release_workers()``. The next thread to step the
 engine creates its pool on its first parallel region, at the cost of starting the workers
-again. ``tests/test_openmp.py`` checks that the thread that builds an engine, or runs
+again. ``tests/engine/test_threads.py`` checks that the thread that builds an engine, or runs
 ``LLM.generate``, leaves no workers behind.
 
 libgomp 9 and later (and the one torch ships) implement OpenMP 5.0's

@@ -55,11 +55,6 @@ class SchedulerOutput:
         return not self.seqs
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    sampled: dict[str, int]
-
-
 @dataclass
 class RequestMetrics:
     """Lifecycle timestamps (``time.time()`` seconds) of a request."""

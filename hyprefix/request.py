@@ -69,10 +69,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
-
     def tokens_in(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

@@ -81,7 +81,7 @@ WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "message_len": (int, "multi-turn: user message length (default 64)"),
     "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
 }
-ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "mamba_cache_memory_gb", "max_num_batched_tokens",
+ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "state_cache_memory_gb", "max_num_batched_tokens",
                 "enforce_eager", "quantization")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
@@ -92,7 +92,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     bench = sub.add_parser("bench", help="benchmark hyprefix against plain transformers",
                            description="Benchmark hyprefix against plain transformers (or a running server) on one "
                                        "workload. The report prints measured values and ratios (the source tree's "
-                                       "tools/bench_targets.py checks an --out file against the issues' targets).")
+                                       "tools/bench/bench_targets.py checks an --out file against the issues' "
+                                       "targets).")
     bench.add_argument("--workload", choices=list(WORKLOAD_CLASSES), default="throughput",
                        help="what to run: throughput (prefill and decode rates), shared-prefix, rl-burst, "
                             "multi-turn, random (docs/benchmarks.md; default: %(default)s)")
@@ -124,7 +125,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     eng = bench.add_argument_group("engine arms (every in-process workload)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
                      help="KV pool (default: room for every token of the workload)")
-    eng.add_argument("--mamba-cache-memory-gb", type=float, default=None, help="Mamba checkpoint pool (default 1)")
+    eng.add_argument("--state-cache-memory-gb", "--mamba-cache-memory-gb", dest="state_cache_memory_gb", type=float,
+                     default=None, help="recurrent-state checkpoint pool of hybrid models, GiB (default 1; "
+                                        "--mamba-cache-memory-gb is its deprecated name)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="token budget per step (default 2048; throughput: a whole prompt or decode batch)")
     eng.add_argument("--enforce-eager", action="store_true",

@@ -7,7 +7,7 @@ A model's layers keep their past in one of a few kinds of cache:
 - sliding-window attention KV (``SlidingWindowKV``, ``sliding.py``): K/V of the
   sliding layers in a pool of their own, given back as it leaves the window; a
   request can resume where the window before the position is still cached;
-- recurrent state, Mamba2 now and Gated DeltaNet next (``RecurrentStateCache``):
+- recurrent state, Mamba2 and Gated DeltaNet alike (``RecurrentStateCache``):
   one live state per running request, and checkpoints of it keyed by block hash;
   a request can resume only where a checkpoint was taken.
 

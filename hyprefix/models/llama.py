@@ -155,7 +155,7 @@ class LlamaForCausalLM(CausalLM):
         """The kernel's model over these caches and whether it has the LM head: built on the first
         step that reads them (a different list of caches builds it again), after ``use_decode_kernel``."""
         if self._decode_model is None or self._decode_model[0] is not kv_caches:
-            self._decode_model = (kv_caches, *decode_layers.build(self, kv_caches))
+            self._decode_model = (kv_caches, *_build_decode_model(self, kv_caches))
         return self._decode_model[1:]
 
     def map_layer(self, idx: int, rest: str) -> Target:
@@ -192,3 +192,25 @@ def map_attention_or_mlp(prefix: str, rest: str, attn: Attention | None, interme
         "post_attention_layernorm": "post_norm",
     }
     return f"{prefix}.{renamed.get(module, module)}.{leaf}", None, None
+
+
+def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.ScriptObject, bool]:
+    """The ``DecodeModel`` (``kernels/decode_layers``) of a model whose layers fit it
+    (``use_decode_kernel``) over these caches, one (K, V) a layer, and whether it has the
+    LM head (int8 tiles), so ``decode_model_logits`` runs. It holds the weights as they are now."""
+    head = model.lm_head.int8 if model.lm_head is not None else model._int8_head
+    tiled = isinstance(head, Int8Tiles)
+    first = model.layers[0].attn
+    out = torch.classes.hyprefix.DecodeModel(
+        model.embed.weight, model.norm.weight, head.tiles if tiled else None, head.scales if tiled else None,
+        model.rotary.cos, model.rotary.sin, first.num_heads, model.norm.eps, first.qk_norm_eps, first.scale)
+    for layer, (k, v) in zip(model.layers, kv_caches, strict=True):
+        attn, mlp = layer.attn, layer.mlp
+        out.add_layer(layer.input_norm.weight, *_weight(attn.qkv), attn.qk_norm_weight, *_weight(attn.o_proj),
+                      layer.post_norm.weight, *_weight(mlp.gate_up), *_weight(mlp.down), k, v, attn.window or 0)
+    return out, tiled
+
+
+def _weight(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return linear.int8.tiles, linear.int8.scales, linear.bias

@@ -32,47 +32,36 @@ from hyprefix.replicas.router import METADATA_KEY, ROUTING_KWARG
 from hyprefix.routing.policy import RoutingRule
 from hyprefix.routing.request_key import RequestHasher, RoutingKey
 from hyprefix.server.api import DEMO_MODEL_NAME, build_openai_app
+from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import Answer, LocalBackend
-from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, sse
 from hyprefix.server.serving import as_api_error, engine_salt, finalize_on_gc
 from hyprefix.text import chat_token_ids
 
 log = logging.getLogger("hyprefix.replicas")
 
-ROUTERS = ("prefix", "pow2")
-
-
 @dataclass
 class ReplicasConfig:
-    """What ``build_replicas_app`` deploys. ``router``: ``prefix`` (ours) or ``pow2``
-    (Ray Serve's default power-of-two-choices, blind to prefixes: the baseline)."""
+    """What ``build_replicas_app`` deploys: ``server.replicas`` engines of ``engine``, routed by
+    ``server.replica_router`` (``prefix``, ours, or ``pow2``, Ray Serve's default
+    power-of-two-choices, blind to prefixes: the baseline), served with ``server``'s options."""
 
     engine: EngineArgs = field(default_factory=EngineArgs)
-    num_replicas: int = 2
-    router: str = "prefix"
-    rule: RoutingRule = field(default_factory=RoutingRule)
-    replica_cpus: float | None = None  # Ray CPUs per engine replica (None: the cluster's, shared out)
+    server: ServerArgs = field(default_factory=lambda: ServerArgs(replicas=2))
     max_ongoing_requests: int = 1024  # per replica; the engine queues what it cannot batch
-    model_names: list[str] | None = None
-    api_key: str | list[str] | None = None
-    cache_per_key: bool = False
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    access_log: bool = True  # Serve's line per request (proxy, ingress, replica)
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"replica router must be one of {ROUTERS}, got {self.router!r}")
-        if self.replica_cpus is not None and not self.replica_cpus > 0:
-            raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
-        if self.cache_per_key and not self.api_key:
-            raise ValueError("--cache-per-key needs --api-key")
+        if self.server.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.server.replicas}")
 
     @property
     def names(self) -> list[str]:
-        return self.model_names or [self.engine.model or DEMO_MODEL_NAME]
+        return self.server.model_names or [self.engine.model or DEMO_MODEL_NAME]
+
+    @property
+    def rule(self) -> RoutingRule:
+        s = self.server
+        return RoutingRule(s.routing_balance_abs, s.routing_balance_rel, s.routing_min_match)
 
 
 def _error_item(error: APIError) -> dict[str, Any]:
@@ -88,16 +77,16 @@ class EngineReplica:
     def __init__(self, config: ReplicasConfig) -> None:
         import torch
 
-        torch.set_num_threads(max(1, int(config.replica_cpus or 1)))
+        torch.set_num_threads(max(1, int(config.server.replica_cpus or 1)))
         _renice_to_normal()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         args = config.engine
-        if config.router == "prefix":
+        if config.server.replica_router == "prefix":
             args = dataclasses.replace(args, kv_events_config=_replica_events_config(args.kv_events_config))
         engine = Engine(args)
         engine.warmup()
         self.engine = engine
-        self.backend = LocalBackend(engine, config.names, config.limits, replica=self.replica_id)
+        self.backend = LocalBackend(engine, config.names, config.server.limits, replica=self.replica_id)
         self._started = False
 
     def _start(self) -> None:
@@ -301,29 +290,31 @@ class Ingress:
         self.backend = ReplicaSetBackend(engines, await engines.describe.remote())
 
     def __serve_build_asgi_app__(self) -> Any:
-        c = self.config
-        return build_openai_app(self.backend, c.api_key, c.limits, c.cache_per_key)
+        s = self.config.server
+        return build_openai_app(self.backend, s.api_keys, s.limits, s.cache_per_key)
 
 
 def build_replicas_app(config: ReplicasConfig) -> Any:
     """The Ray Serve application: ``serve.run(build_replicas_app(config), route_prefix="/")``
     after ``ray.init`` (how ``hyprefix serve --replicas N`` runs it)."""
-    if config.replica_cpus is None:
-        config = dataclasses.replace(config, replica_cpus=default_replica_cpus(config.num_replicas))
+    server = config.server
+    if server.replica_cpus is None:
+        server = dataclasses.replace(server, replica_cpus=default_replica_cpus(server.replicas))
+        config = dataclasses.replace(config, server=server)
     router = None
-    if config.router == "prefix":
+    if server.replica_router == "prefix":
         rule = config.rule
         router = RequestRouterConfig(
             request_router_class="hyprefix.replicas.router:PrefixAwareRequestRouter",
             request_router_kwargs={"balance_abs": rule.balance_abs, "balance_rel": rule.balance_rel,
                                    "min_match": rule.min_match})
     options: dict[str, Any] = {"request_router_config": router} if router is not None else {}
-    logging = {"enable_access_log": config.access_log}
+    logging = {"enable_access_log": server.access_log}
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=config.num_replicas, max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.replica_cpus}, logging_config=logging, **options)
+        num_replicas=server.replicas, max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": server.replica_cpus}, logging_config=logging, **options)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress").options(
-        num_replicas=1, max_ongoing_requests=4 * config.num_replicas * config.max_ongoing_requests,
+        num_replicas=1, max_ongoing_requests=4 * server.replicas * config.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0}, logging_config=logging)
     return ingress.bind(engines.bind(config), config)
 
@@ -336,27 +327,28 @@ def default_replica_cpus(num_replicas: int) -> float:
     return max(0.5, (cpus or os.cpu_count() or 1) / num_replicas)
 
 
-def run_replicas(config: ReplicasConfig, host: str = "127.0.0.1", port: int = 8000,
-                 address: str | None = None) -> None:
-    """Start (or join, with ``address``) a Ray cluster, deploy the app with Serve's HTTP
-    proxy on ``host:port`` and serve until SIGINT/SIGTERM (blocking)."""
+def run_replicas(config: ReplicasConfig) -> None:
+    """Start (or join, with ``server.ray_address``) a Ray cluster, deploy the app with Serve's
+    HTTP proxy on ``server.host:server.port`` and serve until SIGINT/SIGTERM (blocking)."""
     import signal
     import threading
     import time
 
     import ray
 
+    server = config.server
     t0 = time.perf_counter()
     # Ray starts its workers at niceness 15 (worker_niceness), so every process at 0 on the
     # same CPUs (a client, Ray's own daemons) would take an engine's CPU first.
-    system = {"worker_niceness": 0} if address is None else None
-    ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
+    system = {"worker_niceness": 0} if server.ray_address is None else None
+    ray.init(address=server.ray_address, include_dashboard=False, configure_logging=False, _system_config=system)
     try:
-        serve.start(http_options={"host": host, "port": port},
-                    logging_config={"enable_access_log": config.access_log})
+        serve.start(http_options={"host": server.host, "port": server.port},
+                    logging_config={"enable_access_log": server.access_log})
         serve.run(build_replicas_app(config), name="hyprefix", route_prefix="/")
         log.info("serving %s on http://%s:%d with %d engine replicas (%s router), ready in %.1fs",
-                 ", ".join(config.names), host, port, config.num_replicas, config.router, time.perf_counter() - t0)
+                 ", ".join(config.names), server.host, server.port, server.replicas, server.replica_router,
+                 time.perf_counter() - t0)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -24,6 +24,7 @@ from hyprefix import __version__
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
+from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import LocalBackend, ServingBackend
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
@@ -292,15 +293,15 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, model_names: list[str] | None = None,
-               api_key: str | list[str] | None = None, access_log: bool = True, log_level: str = "info",
-               limits: ServerLimits | None = None, cache_per_key: bool = False) -> None:
+def run_server(args: EngineArgs, server: ServerArgs | None = None, log_level: str = "info") -> None:
     """Load the model, then serve until SIGINT/SIGTERM (blocking)."""
+    server = server or ServerArgs()
     engine = Engine(args)
     engine.warmup()
-    app = build_app(engine, model_names, api_key, limits, cache_per_key)
-    names = ", ".join(model_names or [args.model or DEMO_MODEL_NAME])
-    log.info("serving %s on http://%s:%d (API key %s)", names, host, port, "required" if api_key else "off")
-    config = uvicorn.Config(app, host=host, port=port, access_log=access_log, log_level=log_level.lower(),
-                            timeout_graceful_shutdown=10)
+    app = build_app(engine, server.model_names, server.api_keys, server.limits, server.cache_per_key)
+    names = ", ".join(server.model_names or [args.model or DEMO_MODEL_NAME])
+    log.info("serving %s on http://%s:%d (API key %s)", names, server.host, server.port,
+             "required" if server.api_key else "off")
+    config = uvicorn.Config(app, host=server.host, port=server.port, access_log=server.access_log,
+                            log_level=log_level.lower(), timeout_graceful_shutdown=10)
     _Server(config, app.state.async_engine).run()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,6 @@ class ServerLimits:
             raise ValueError(f"max_request_body_mb must be a number > 0, got {self.max_request_body_mb!r}")
         if not (math.isfinite(self.stream_stall_timeout) and self.stream_stall_timeout >= 0):
             raise ValueError(f"stream_stall_timeout must be a number >= 0, got {self.stream_stall_timeout!r}")
-
-    @classmethod
-    def flags(cls) -> list[tuple[str, type, object, str]]:
-        """(field name, type, default, help) of every limit, for the command line."""
-        kinds = {"int": int, "float": float}
-        return [(f.name, kinds[str(f.type)], f.default, f.metadata["help"]) for f in fields(cls)]
 
     @property
     def max_body_bytes(self) -> int:

@@ -1,0 +1,160 @@
+"""Tiny random-weight HF checkpoints for tests (built with transformers), and the engine
+arguments that make tiny prompts take the cascade path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).resolve().parents[2] / "hyprefix" / "assets"
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+HYBRID_ARCHS = ("nemotron_h", "bamba", "mamba2", "qwen3_5", "qwen3_next")
+DELTANET_ARCHS = ("qwen3_5", "qwen3_next")  # Gated DeltaNet hybrids
+GEMMA3_WINDOW = 20  # the tiny Gemma 3's sliding window
+
+
+def _tiny_config(arch: str):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.2, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+    )
+    if arch == "llama":
+        # llama3 RoPE scaling, untied head
+        return LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False)
+    if arch == "qwen2":
+        # q/k/v bias, tied embeddings, linear RoPE scaling
+        return Qwen2Config(**common, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    if arch == "qwen3":
+        # QK-norm, explicit head_dim different from hidden/heads
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        # a sliding window short enough that test prompts cross it
+        return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    if arch == "gemma3":
+        # sliding and full layers, one KV head, heads * head_dim != hidden, attention scale
+        # unlike head_dim ** -0.5, linear RoPE scaling on the full layers only
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 5, "num_attention_heads": 2, "num_key_value_heads": 1},
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    raise ValueError(arch)
+
+
+def _tiny_hybrid_config(arch: str):
+    from transformers import BambaConfig, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                  initializer_range=0.2, tie_word_embeddings=False)
+    # initializer_range 0.1: at 0.2 the tiny model amplifies float32 rounding so much that
+    # transformers' own chunked and recurrent delta rules disagree by up to 4e-4 on a
+    # 130-token prompt; at 0.1 they agree within 6e-6 (logits up to ~4).
+    deltanet = dict(initializer_range=0.1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4, intermediate_size=128, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "qwen3_5":
+        # Gated DeltaNet (2 key heads, each serving 2 value heads) and gated attention with
+        # partial rotary; tied embeddings as in the small Qwen3.5 models
+        return Qwen3_5TextConfig(**{**common, "tie_word_embeddings": True, **deltanet}, num_hidden_layers=4,
+                                 layer_types=["linear_attention", "linear_attention", "full_attention",
+                                              "linear_attention"])
+    if arch == "qwen3_next":
+        # MoE on every layer but layer 2 (dense MLP), a shared expert with its gate,
+        # unnormalised top-k weights
+        return Qwen3NextConfig(**{**common, **deltanet}, num_hidden_layers=4,
+                               layer_types=["linear_attention", "full_attention", "linear_attention",
+                                            "full_attention"],
+                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[2],
+                               norm_topk_prob=False)
+    if arch == "nemotron_h":
+        # mamba / attention (no rope) / mamba / relu^2 MLP / attention / mamba
+        return NemotronHConfig(**common, hybrid_override_pattern="M*M-*M", num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                               ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, intermediate_size=128,
+                               max_position_embeddings=1024)
+    if arch == "bamba":
+        # partial rotary attention at layer 1, gated MLP after every mixer
+        return BambaConfig(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                           mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16, intermediate_size=128,
+                           max_position_embeddings=1024)
+    if arch == "mamba2":
+        return Mamba2Config(**common, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                            conv_kernel=4, chunk_size=16, expand=2)
+    raise ValueError(arch)
+
+
+def build_tiny_model(arch: str, out: Path, seed: int = 0):
+    """Write a tiny HF checkpoint (float32) with the project's tokenizer; returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _tiny_hybrid_config(arch) if arch in HYBRID_ARCHS else _tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch in DELTANET_ARCHS:
+        vary_deltanet_weights(model)
+    elif arch in HYBRID_ARCHS:
+        with torch.no_grad():  # HF leaves these at 1; vary them so a wrong index shows
+            for name, p in model.named_parameters():
+                if name.endswith(("dt_bias", ".D")) or "mixer.norm" in name or "mamba.norm" in name:
+                    p.uniform_(0.5, 1.5)
+    if arch == "gemma3":
+        with torch.no_grad():  # HF leaves Gemma norms at 0 (a scale of 1); vary them
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
+    if getattr(model.config, "attention_bias", False) or arch == "qwen2":
+        with torch.no_grad():  # make biases non-zero so they matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    save_tiny_checkpoint(model, out)
+    return model
+
+
+def vary_deltanet_weights(model) -> None:
+    """HF leaves dt_bias and the DeltaNet's gated norm at 1, its 1+w norms and the
+    attention biases at 0: vary them so a wrong index shows (a vision tower is left alone)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("dt_bias") or "linear_attn.norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+
+
+def save_tiny_checkpoint(model, out: Path) -> None:
+    """The HF model's checkpoint with the project's tokenizer and a chat template."""
+    model.save_pretrained(out)
+    shutil.copy(ASSETS / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    }))
+
+
+# Tiny test prompts share only a few blocks. With these engine arguments decodes take
+# the cascade path whenever they share any block, and read private runs of two or more
+# blocks in place. Engines run the production thresholds unless a test passes these;
+# ``tests/engine/test_cascade.py`` checks the path against the plain gathered one, and takes it with
+# the production thresholds on long prompts.
+TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2, "cascade_min_traffic_ratio": 0.0}
