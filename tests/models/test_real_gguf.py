@@ -202,3 +202,18 @@ def test_gemma3_greedy_equals_transformers_with_prefix_hits_across_the_window(ge
             if i == 1:
                 assert out.num_cached_tokens > GEMMA3_WINDOW, f"len {len(prompt)}: {out.num_cached_tokens} cached"
     gemma_llm.check_invariants()
+
+
+def test_bench_transformers_arm_loads_a_gguf_file(gguf_path, hf):
+    """``hyprefix bench --arms transformers --model FILE.gguf``: the anchor arm loads the file
+    as transformers does (``gguf_file=``), the same weights as the reference model here."""
+    import torch
+
+    from hyprefix.bench.arms import TransformersArm
+
+    arm = TransformersArm("transformers", str(gguf_path), "float32")
+    reference, _ = hf
+    assert arm.vocab_size == reference.config.vocab_size
+    ours, theirs = dict(arm.hf.named_parameters()), dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
