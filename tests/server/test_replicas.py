@@ -48,10 +48,24 @@ def cluster(tiny_models):
         serve.run(build_replicas_app(ReplicasConfig(engine=args, server=server)),
                   name="hyprefix-test", route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            _until_the_router_uses_both_replicas(client)
             yield client, path
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def _until_the_router_uses_both_replicas(client) -> None:
+    """``serve.run`` returns once both replicas run, but the ingress's router learns of them
+    (and of their KV event endpoints) a moment later: send new prefixes until both have
+    served one, so the tests see the routing they test."""
+    deadline = time.monotonic() + 60
+    for seed in range(1000, 2000):
+        complete(client, prompt(seed, BLOCK))
+        if sum(v > 0 for v in per_replica(samples(client), "hyprefix:prompt_tokens_total").values()) == 2:
+            return
+        assert time.monotonic() < deadline, "the router never used both replicas"
+        time.sleep(0.1)
 
 
 def complete(client, prompt, **kwargs) -> dict:
