@@ -8,6 +8,7 @@ import logging
 import sys
 
 from hyprefix.config import DEPRECATED_NAMES, EngineArgs
+from hyprefix.field_flags import add_field_flag
 from hyprefix.server.args import ServerArgs, add_server_flags, server_args
 
 
@@ -29,15 +30,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (EngineArgs; the same names as LLM(...) keyword arguments)")
     old_names = {new: old for old, new in DEPRECATED_NAMES.items()}
     for f in dataclasses.fields(EngineArgs):
-        flags = ["--" + name.replace("_", "-") for name in (f.name, old_names.get(f.name)) if name]
-        text = f.metadata["help"] + ("" if f.default is None else " (default: %(default)s)")
-        if f.type in ("bool", bool):
-            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
-            continue
-        kind = {"int": int, "float": float, "int | None": int, "str": str, "str | None": str}.get(str(f.type), str)
-        group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                           help=text, action=_StoreNamed)
+        aliases = (old_names[f.name],) if f.name in old_names else ()
+        add_field_flag(group, f, aliases, action=_StoreNamed)
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 from hyprefix.bench.env import CpuMeter, RssPeak
@@ -228,13 +227,12 @@ class TransformersArm:
         from transformers import AutoModelForCausalLM
 
         from hyprefix.hardware import DTYPES, device_caps
+        from hyprefix.models.loader import pretrained_location
 
         self.name, self.model, self.batched = name, model, batched
-        where: dict = {"pretrained_model_name_or_path": model}
-        if model.endswith(".gguf"):  # transformers dequantizes a GGUF file's weights on load
-            path = Path(model)
-            where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
-        self.hf = AutoModelForCausalLM.from_pretrained(**where, dtype="auto" if dtype == "auto" else DTYPES[dtype])
+        # a GGUF file: transformers dequantizes its weights on load
+        self.hf = AutoModelForCausalLM.from_pretrained(**pretrained_location(model),
+                                                       dtype="auto" if dtype == "auto" else DTYPES[dtype])
         if dtype == "auto":  # the engine's choice for this CPU given the checkpoint's dtype
             self.hf.to(device_caps("cpu").auto_dtype(self.hf.dtype)[0])
         self.hf.eval()

@@ -123,6 +123,15 @@ def gguf_architecture(path: Path) -> str:
     return str(field.contents())
 
 
+def pretrained_location(path: str | os.PathLike) -> dict[str, str]:
+    """``from_pretrained``'s location arguments: a checkpoint directory or hub id as it is; a
+    GGUF file as transformers reads one, its directory and ``gguf_file``."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    return {"pretrained_model_name_or_path": str(path)}
+
+
 def load_config(path: Path):
     from transformers import AutoConfig
 
@@ -133,7 +142,7 @@ def load_config(path: Path):
         raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; hyprefix loads GGUF "
                          f"files of {', '.join(GGUF_ARCHITECTURES)}")
     try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoConfig.from_pretrained(**pretrained_location(path))
     except ValueError as exc:
         raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
 
@@ -246,5 +255,5 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(**pretrained_location(path))
     return AutoTokenizer.from_pretrained(str(path))

@@ -8,11 +8,11 @@ CLI reads the flags here."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 from dataclasses import dataclass, field, fields
 
+from hyprefix.field_flags import add_field_flag
 from hyprefix.routing.policy import RoutingRule
 from hyprefix.server.limits import ServerLimits
 
@@ -109,21 +109,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerArgs):
         if f.name == "limits":
             for limit in fields(ServerLimits):
-                _add(group(f.metadata["group"]), limit, limit.metadata["help"])
+                add_field_flag(group(f.metadata["group"]), limit)
             continue
-        _add(group(f.metadata["group"]), f, f.metadata["help"])
-
-
-def _add(group: argparse._ArgumentGroup, f: dataclasses.Field, help_text: str) -> None:
-    flag = "--" + f.name.replace("_", "-")
-    shown = "" if f.default is None else " (default: %(default)s)"
-    if f.type in ("bool", bool):
-        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=help_text)
-        return
-    kwargs = {k: f.metadata[k] for k in ("choices", "metavar", "nargs") if k in f.metadata}
-    kind = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
-    group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text + shown, **kwargs)
+        add_field_flag(group(f.metadata["group"]), f)
 
 
 def server_args(ns: argparse.Namespace) -> ServerArgs:

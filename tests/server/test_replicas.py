@@ -4,6 +4,7 @@ engine replicas of a tiny Llama behind the OpenAI app, routed by prefix."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -220,8 +221,6 @@ def test_reset_reaches_every_replica_and_the_router(cluster):
 
 def _niceness_of_threads(cmdline_part: str) -> dict[int, set[int]]:
     """pid -> the niceness of each of its threads, for processes whose command line has ``cmdline_part``."""
-    import os
-
     found: dict[int, set[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -234,7 +233,7 @@ def _niceness_of_threads(cmdline_part: str) -> dict[int, set[int]]:
     return found
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="raising a thread's priority needs root (CAP_SYS_NICE); test_renice covers the refusal")
 def test_engine_replicas_run_at_normal_priority(cluster):
     """Ray starts its workers at niceness 15 (this test's cluster keeps that default): a
@@ -262,7 +261,6 @@ print("NICE", os.getpriority(os.PRIO_PROCESS, 0), seen[0])
 def test_renice():
     """A replica process started nicer runs at niceness 0 (threads started after it
     inherit it), or, where raising priority is refused, says so in a warning."""
-    import os
     import subprocess
     import sys
 
