@@ -168,7 +168,7 @@ def measure_matmul_peak(dtype: Any, m: int = 2048, k: int = 2048, n: int = 8192,
     import torch
 
     from hyprefix.hardware import device_caps
-    from hyprefix.models.layers import pack_weight, packed_linear
+    from hyprefix.models.weights import pack_weight, packed_linear
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)

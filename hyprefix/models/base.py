@@ -7,30 +7,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.models import fused
-from hyprefix.models.layers import (
-    Embedding,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    Rotary,
-    mkldnn_packing_available,
-    one_row,
-    pack_weight,
-    packed_linear,
-)
-from hyprefix.models.quant import (
-    Int8Tiles,
-    Int8Weight,
-    bf16_tiles,
-    int8_buffers,
-    quantize_int8,
-    reduction_linear,
-    set_int8_buffers,
-)
+from hyprefix.models.layers import Embedding, Linear, RMSNorm, Rotary
+from hyprefix.models.quant import Int8Weight
+from hyprefix.models.weights import MatrixForms
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -83,16 +65,13 @@ class CausalLM(nn.Module):
     kv_layout: KVLayout
     kernels: fused.Kernels
     state_layout = None  # recurrent layers' state shapes (models/recurrent_state.py)
-    _packed_head: torch.Tensor | None = None
     decode_kernel = False  # decode-only steps run in one kernel call (``use_decode_kernel``)
 
     @property
-    def _int8_head(self) -> Int8Weight | Int8Tiles | None:
-        """A tied LM head's int8 copy (module buffers, like ``Linear.int8``); None if float."""
-        return int8_buffers(self, "head_")
+    def head_forms(self) -> MatrixForms:
+        """The LM head's matrix forms: its own, or the embedding table's when tied."""
+        return self.lm_head.forms if self.lm_head is not None else self.embed.forms
 
-    def _use_int8_head(self, weight: Int8Weight) -> None:
-        set_int8_buffers(self, weight, "head_")
     # No class-level default for ``rotary``: it would shadow the registered submodule.
 
     def _init_head(self, cfg, dtype: torch.dtype, device: torch.device, max_positions: int, norm_eps: float,
@@ -123,17 +102,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the selected hidden states; float32 logits."""
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        int8_head = self._int8_head
-        if torch.compiler.is_compiling() and (one_row(hidden) or self._packed_head is None):
-            head = int8_head if int8_head is not None else bf16_tiles(self.embed)
-            return reduction_linear(hidden, head if head is not None else self.embed.weight, None).float()
-        if int8_head is not None:
-            return int8_head.matmul(hidden, None).float()
-        if self._packed_head is not None:
-            return packed_linear(hidden, self._packed_head, None).float()
-        return F.linear(hidden, self.embed.weight).float()
+        head = self.lm_head if self.lm_head is not None else self.embed.logits
+        return head(hidden).float()
 
     def use_decode_kernel(self) -> bool:
         """Once its weights are final: run decode-only steps in one kernel call where
@@ -160,27 +130,25 @@ class CausalLM(nn.Module):
         return self.state_layout is None
 
     def pack_weights(self, keep_plain: bool = False) -> None:
-        """Switch linears to prepacked oneDNN weights where the device allows it (CPU).
-        A tied LM head gets its own packed copy; the embedding keeps the plain one.
+        """Add prepacked oneDNN weights to the linears where the device allows it (CPU). A
+        tied LM head gets its own packed copy; the embedding keeps the plain one.
         ``keep_plain``: compiled decode steps will read the weights, so keep the plain ones
-        too, or their bf16 tiles instead where the bf16 kernel runs (``Linear.pack``; a tied
-        head's tiles then replace the embedding table, ``Embedding.use_tiles``)."""
-        for module in list(self.modules()):  # pre-order: an MLP packs before its gate_up child
-            if isinstance(module, Linear | GatedMLP):
+        too, or their bf16 tiles instead where the bf16 kernel runs (a tied head's tiles then
+        replace the embedding table and serve the lookups, ``Embedding.pack_head``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
                 module.pack(keep_plain)
-        if self.lm_head is None and self._int8_head is None and mkldnn_packing_available(self.embed.weight):
-            self._packed_head = pack_weight(self.embed.weight)
-            if keep_plain:  # compiled steps read the head as bf16 tiles, which serve the lookups too
-                self.embed.use_tiles()
+        if self.lm_head is None:
+            self.embed.pack_head(keep_plain)
 
     def quantize_weights(self) -> None:
         """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
         int8 copy; the embedding lookup keeps the float table)."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.int8 is None:
+            if isinstance(module, Linear) and module.forms.int8 is None:
                 module.quantize()
-        if self.lm_head is None and self._int8_head is None:
-            self._use_int8_head(quantize_int8(self.embed.weight))
+        if self.lm_head is None and self.embed.forms.int8 is None:
+            self.embed.forms.quantize(self.embed.weight)
 
     def load_int8_weights(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
         """Checkpoint int8 weights (GGUF Q8_0 blocks) straight into their linear layers,
@@ -198,7 +166,7 @@ class CausalLM(nn.Module):
             param_name, shard, sizes = target
             if param_name == "embed.weight":
                 if self.lm_head is None:
-                    self._use_int8_head(weight)
+                    self.embed.forms.use_int8(weight)
                     switched += 1
                 continue
             module_name, leaf = param_name.rsplit(".", 1)
@@ -217,24 +185,10 @@ class CausalLM(nn.Module):
         return switched
 
     def weight_memory_bytes(self) -> int:
-        """Bytes the weights hold in memory: parameters, int8 weights, bf16 tiles and prepacked copies."""
+        """Bytes the weights hold in memory: parameters, and each matrix's int8 weights, bf16
+        tiles and prepacked copies."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for module in self.modules():
-            if isinstance(module, Linear):
-                total += module.int8.nbytes if module.int8 is not None else 0
-                if module._packed is not None:
-                    total += module.in_features * module.out_features * self.dtype.itemsize
-            elif isinstance(module, GatedMLP) and module._packed is not None:
-                total += module.gate_up.in_features * module.gate_up.out_features * self.dtype.itemsize
-        total += self._int8_head.nbytes if self._int8_head is not None else 0
-        total += sum(t.nbytes for name, t in self.named_buffers() if name.endswith("bf16_tiles"))
-        if self._packed_head is not None:
-            total += self._embed_table_bytes()
-        return total
-
-    def _embed_table_bytes(self) -> int:
-        """The embedding table's size as a float matrix (wherever it is kept)."""
-        return self.embed.num_embeddings * self.embed.embedding_dim * self.dtype.itemsize
+        return total + sum(m.memory_bytes(self.dtype) for m in self.modules() if isinstance(m, MatrixForms))
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer and the LM head as
@@ -242,14 +196,11 @@ class CausalLM(nn.Module):
         total = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                float_bytes = module.in_features * module.out_features * self.dtype.itemsize
-                total += module.int8.nbytes if module.int8 is not None else float_bytes
+                total += module.forms.decode_bytes(self.dtype)
                 total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
             elif isinstance(module, RMSNorm):
                 total += module.weight.numel() * module.weight.element_size()
-        if self.lm_head is None:
-            total += self._int8_head.nbytes if self._int8_head is not None else self._embed_table_bytes()
-        return total
+        return total + (self.embed.forms.decode_bytes(self.dtype) if self.lm_head is None else 0)
 
     def map_name(self, name: str) -> Target | None:
         """Our parameter for an HF tensor name; None to skip the tensor. Names every

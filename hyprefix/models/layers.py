@@ -9,20 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyprefix.hardware import device_caps
 from hyprefix.kernels import bf16_linear as bf16_kernel
 from hyprefix.models.fused import Kernels
-from hyprefix.models.quant import (
-    Bf16Tiles,
-    Int8Tiles,
-    Int8Weight,
-    bf16_tiles,
-    int8_buffers,
-    quantize_int8,
-    reduction_linear,
-    set_bf16_tiles,
-    set_int8_buffers,
-)
+from hyprefix.models.quant import Int8Weight, quantize_int8
+from hyprefix.models.weights import MatrixForms, one_row, packed_gate_up
 
 
 class RMSNorm(nn.Module):
@@ -79,72 +69,23 @@ class Rotary(nn.Module):
                           self.rotary_dim)
 
 
-def mkldnn_packing_available(weight: torch.Tensor) -> bool:
-    """Whether this weight's dtype is prepacked on its device (``hardware.DeviceCaps.prepack``)."""
-    return device_caps(weight.device).prepack(weight.dtype)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout, which oneDNN's prepacked matmul reads faster
-    than the plain layout on CPU, at decode and prefill sizes (``docs/perf-log.md``)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
-def one_row(x: torch.Tensor) -> bool:
-    """Whether ``x`` has exactly one row for certain (a batch-1 graph's static size; a
-    batched graph's row count is symbolic)."""
-    rows = x.shape[0]
-    return isinstance(rows, int) and rows == 1
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # a batched decode graph: an extern call (``kernels/packed_linear.cpp``)
-        return torch.ops.hyprefix.packed_linear(x, packed, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
-                   up_bias: torch.Tensor | None, epilogue: tuple) -> torch.Tensor:
-    """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
-    attr, scalars, algorithm) and the product fused into the two prepacked matmuls."""
-    if torch.compiler.is_compiling():
-        assert not epilogue[1], "the compiled gate/up op passes no activation scalars"
-        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2])
-    h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
-    return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")
-
-
 class Linear(nn.Linear):
-    """nn.Linear that, after loading, can switch to a prepacked oneDNN weight on CPU
-    (for the dtypes ``hardware.DeviceCaps.prepack`` allows; other devices keep the plain
-    path) or to int8 weights (``quant.py``). Inside a compiled decode step it reads the
-    plain (or int8) weight through ``quant.reduction_linear``; ``pack(keep_plain=True)``
-    keeps the plain weight for that beside the packed copy, or its ``Bf16Tiles`` in its
-    place where the bf16 kernel takes it (``graph_weight``)."""
+    """nn.Linear whose matrix, after loading, may also (or instead) be held packed, as int8
+    or as bf16 tiles (``weights.MatrixForms``, ``forms``), which picks the form each step
+    multiplies. ``pack_halves``: pack the matrix as its two halves (a ``GatedMLP``'s gate_up,
+    which multiplies them itself)."""
 
-    _packed: torch.Tensor | None = None
-    owner_packs = False  # a GatedMLP's gate_up: the MLP packs it (as gate and up), ``pack`` leaves it
-
-    @property
-    def int8(self) -> Int8Weight | Int8Tiles | None:
-        """The int8 weights (module buffers, ``quant.set_int8_buffers``); None if float."""
-        return int8_buffers(self)
-
-    @property
-    def graph_weight(self) -> torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles:
-        """What a compiled decode step multiplies: the int8 weights, the bf16 tiles, or the plain weight."""
-        int8 = self.int8
-        if int8 is not None:
-            return int8
-        tiles = bf16_tiles(self)
-        return tiles if tiles is not None else self.weight
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None, pack_halves: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        self.forms = MatrixForms(out_features, in_features)
+        self.pack_halves = pack_halves
 
     def pack(self, keep_plain: bool = False) -> None:
-        if self._packed is None and not self.owner_packs and self.weight.numel() \
-                and mkldnn_packing_available(self.weight):
-            self._packed = pack_weight(self.weight)
-            if not keep_plain or set_bf16_tiles(self, self.weight):
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+        """Add the packed form where the device allows it; ``keep_plain``: compiled decode steps
+        read the matrix, so keep the plain weight (or bf16 tiles in its place)."""
+        if self.forms.pack(self.weight, keep_plain, self.pack_halves):
+            self._drop_plain()
 
     def quantize(self) -> None:
         """Switch to int8 weights quantized from the float weight."""
@@ -152,40 +93,38 @@ class Linear(nn.Linear):
 
     def use_int8(self, weight: Int8Weight) -> None:
         """Switch to these int8 weights [out_features, in_features]; the float one goes."""
-        if tuple(weight.qweight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"int8 weight of shape {tuple(weight.qweight.shape)} for a linear layer of "
-                             f"{self.out_features} x {self.in_features}")
-        set_int8_buffers(self, weight)
-        self._packed = None
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        self.forms.use_int8(weight)
+        self._drop_plain()
+
+    def _drop_plain(self) -> None:
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            if self._packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
-                return packed_linear(x, self._packed, self.bias)
-            return reduction_linear(x, self.graph_weight, self.bias)
-        int8 = self.int8
-        if int8 is not None:
-            return int8.matmul(x, self.bias)
-        if self._packed is not None:
-            return packed_linear(x, self._packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.forms.matmul(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding whose table can move into ``Bf16Tiles`` (``use_tiles``): a tied LM head's
-    copy for compiled decode steps then also serves the lookups, gathered from the tiles,
-    instead of a second plain copy."""
+    """nn.Embedding with the forms of its table as a tied LM head (``forms``: packed, int8,
+    bf16 tiles). Where compiled decode steps read the head as bf16 tiles, the tiles also
+    serve the lookups, gathered from them, instead of a second plain copy."""
 
-    def use_tiles(self) -> bool:
-        """Keep the table only as bf16 tiles where the kernel takes it; returns whether it does."""
-        if not set_bf16_tiles(self, self.weight):
-            return False
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
-        return True
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.forms = MatrixForms(num_embeddings, embedding_dim)
+
+    def pack_head(self, keep_plain: bool) -> None:
+        """The table's packed form for a tied LM head (and, with ``keep_plain``, its bf16 tiles,
+        which then replace the table); the lookups keep the plain table otherwise."""
+        if self.forms.pack(self.weight, keep_plain) and self.forms.bf16 is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: hidden @ table^T, in the form ``forms`` picks."""
+        return self.forms.matmul(hidden, self.weight, None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        tiles = bf16_tiles(self)
+        tiles = self.forms.bf16
         return super().forward(ids) if tiles is None else bf16_kernel.rows(tiles.tiles, ids, tiles.rows)
 
 
@@ -213,24 +152,14 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: {sorted(ACTIVATIONS)}")
         self.act, self._epilogue = ACTIVATIONS[activation]
         self.intermediate = intermediate
-        self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device)
-        self.gate_up.owner_packs = True
+        self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device, pack_halves=True)
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
-        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-
-    def pack(self, keep_plain: bool = False) -> None:
-        self.down.pack(keep_plain)
-        weight, bias = self.gate_up.weight, self.gate_up.bias
-        if self._packed is not None or not weight.numel() or not mkldnn_packing_available(weight):
-            return
-        gate_w, up_w = weight.split(self.intermediate)
-        gate_b, up_b = bias.split(self.intermediate) if bias is not None else (None, None)
-        self._packed = (pack_weight(gate_w), pack_weight(up_w), gate_b, up_b)
-        if not keep_plain or set_bf16_tiles(self.gate_up, weight):
-            weight.data = torch.empty(0, dtype=weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and not (torch.compiler.is_compiling() and one_row(x)):
-            return self.down(packed_gate_up(x, *self._packed, self._epilogue))
+        halves = self.gate_up.forms.packed_halves
+        if halves is not None and not (torch.compiler.is_compiling() and one_row(x)):
+            bias = self.gate_up.bias
+            gate_bias, up_bias = bias.split(self.intermediate) if bias is not None else (None, None)
+            return self.down(packed_gate_up(x, *halves, gate_bias, up_bias, self._epilogue))
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)

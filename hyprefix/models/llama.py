@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.attn, self.mlp
         return (self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
                 and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
-                and all(isinstance(linear.int8, Int8Tiles)
+                and all(isinstance(linear.forms.int8, Int8Tiles)
                         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))
 
 
@@ -199,7 +199,7 @@ def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Ten
     """The ``DecodeModel`` (``kernels/decode_layers``) of a model whose layers fit it
     (``use_decode_kernel``) over these caches, one (K, V) a layer, and whether it has the
     LM head (int8 tiles), so ``decode_model_logits`` runs. It holds the weights as they are now."""
-    head = model.lm_head.int8 if model.lm_head is not None else model._int8_head
+    head = model.head_forms.int8
     tiled = isinstance(head, Int8Tiles)
     first = model.layers[0].attn
     out = torch.classes.hyprefix.DecodeModel(
@@ -213,4 +213,5 @@ def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Ten
 
 
 def _weight(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    return linear.int8.tiles, linear.int8.scales, linear.bias
+    int8 = linear.forms.int8
+    return int8.tiles, int8.scales, linear.bias

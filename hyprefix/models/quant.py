@@ -123,7 +123,7 @@ def uses_tile_kernels(model: torch.nn.Module) -> bool:
 class Bf16Tiles:
     """A bfloat16 weight in ``kernels/bf16_linear.cpp``'s 16-row tiles: the copy a compiled
     decode step multiplies where that kernel runs, in place of the plain weight
-    (``set_bf16_tiles``); eager steps keep oneDNN's prepacked copy."""
+    (``weights.MatrixForms``); eager steps keep oneDNN's prepacked copy."""
 
     tiles: torch.Tensor  # bfloat16 [N/16, K/2, 16, 2]
     rows: int  # N
@@ -137,24 +137,6 @@ class Bf16Tiles:
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-def bf16_tiles(module: torch.nn.Module, prefix: str = "") -> Bf16Tiles | None:
-    """The tiles ``set_bf16_tiles`` gave ``module`` under ``prefix``; None if none."""
-    tiles = module._buffers.get(f"{prefix}bf16_tiles")
-    return None if tiles is None else Bf16Tiles(tiles, getattr(module, f"{prefix}bf16_rows"))
-
-
-def set_bf16_tiles(module: torch.nn.Module, weight: torch.Tensor, prefix: str = "") -> bool:
-    """Keep ``weight``'s bf16 tiles as a non-persistent buffer of ``module`` (it moves to huge
-    pages with it, and a compiled step reads it as a lasting input) where the kernel takes it:
-    bfloat16 on a CPU where ``bf16_linear`` runs, K even. Returns whether it did."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2 \
-            or not bf16_kernel.available():
-        return False
-    module.register_buffer(f"{prefix}bf16_tiles", bf16_kernel.pack(weight.detach()), persistent=False)
-    setattr(module, f"{prefix}bf16_rows", weight.shape[0])
-    return True
-
-
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to int8 per group of 32 along its last dim (the int8 kernel's
     quantization), dequantized back to x's dtype."""
@@ -162,29 +144,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     scale = groups.abs().amax(-1, keepdim=True) / 127.0
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     return (torch.round(groups * inverse) * scale).flatten(-2).to(x.dtype)
-
-
-def int8_buffers(module: torch.nn.Module, prefix: str = "") -> Int8Weight | Int8Tiles | None:
-    """The int8 weights ``set_int8_buffers`` gave ``module`` under ``prefix``; None if none."""
-    buffers = module._buffers
-    if f"{prefix}tiles" in buffers:
-        return Int8Tiles(buffers[f"{prefix}tiles"], buffers[f"{prefix}scales"], getattr(module, f"{prefix}int8_rows"))
-    qweight = buffers.get(f"{prefix}qweight")
-    return None if qweight is None else Int8Weight(qweight, buffers[f"{prefix}scales"])
-
-
-def set_int8_buffers(module: torch.nn.Module, weight: Int8Weight, prefix: str = "") -> None:
-    """Keep int8 weights as non-persistent buffers of ``module`` (as the int8 kernel's tiles
-    where it runs): they move with it, and a compiled step guards them like parameters (a
-    dataclass attribute costs Dynamo guard lookups every step)."""
-    if tiles_fit(weight):
-        tiled = Int8Tiles.pack(weight)
-        module.register_buffer(f"{prefix}tiles", tiled.tiles, persistent=False)
-        module.register_buffer(f"{prefix}scales", tiled.scales, persistent=False)
-        setattr(module, f"{prefix}int8_rows", tiled.rows)
-        return
-    module.register_buffer(f"{prefix}qweight", weight.qweight, persistent=False)
-    module.register_buffer(f"{prefix}scales", weight.scales, persistent=False)
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

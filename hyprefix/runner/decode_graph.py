@@ -42,8 +42,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import decode_attention, packed_linear
-from hyprefix.models.layers import GatedMLP, Linear
-from hyprefix.models.quant import Int8Tiles, uses_tile_kernels
+from hyprefix.models.layers import Linear
+from hyprefix.models.quant import uses_tile_kernels
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -207,16 +207,12 @@ def batched_graph_capable(model: torch.nn.Module) -> bool:
     and each row's K/V is read in place (``kernels/decode_attention.cpp``): without that
     kernel the graph would gather every row's blocks padded to the longest table, where the
     eager cascade path reads a long row on its own."""
-    mlp_packed = {id(m.gate_up) for m in model.modules() if isinstance(m, GatedMLP) and m._packed is not None}
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    packed_head = getattr(model, "_packed_head", None) is not None
-    any_packed = bool(mlp_packed) or packed_head or any(m._packed is not None for m in linears)
-    tied_head_ok = getattr(model, "lm_head", None) is not None or packed_head \
-        or isinstance(getattr(model, "_int8_head", None), Int8Tiles)
     dtype = getattr(model, "dtype", None)
-    return (bool(linears) and tied_head_ok and dtype is not None and decode_attention.available(dtype)
-            and all(isinstance(m.int8, Int8Tiles) or m._packed is not None or id(m) in mlp_packed for m in linears)
-            and (not any_packed or packed_linear.available()))
+    if not linears or dtype is None or not decode_attention.available(dtype):
+        return False
+    kernels = {linear.forms.batched_kernel for linear in linears} | {model.head_forms.batched_kernel}
+    return None not in kernels and ("packed" not in kernels or packed_linear.available())
 
 
 class KernelSourcesKey(CustomGraphPass):

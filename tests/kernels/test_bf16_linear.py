@@ -10,7 +10,7 @@ import torch
 from hyprefix import LLM
 from hyprefix.kernels import bf16_linear
 from hyprefix.models.layers import Embedding
-from hyprefix.models.quant import Bf16Tiles, bf16_tiles, reduction_linear
+from hyprefix.models.quant import Bf16Tiles, reduction_linear
 from tests.kernels.test_decode_graph import _compiled_and_eager_logits
 from tests.support.compare import our_last_logits, random_prompts
 
@@ -104,8 +104,10 @@ def test_bf16_compiled_steps_read_tiles_and_match_eager(tiny_models, arch):
     model, plain = llm.engine.runner.model, eager_only.engine.runner.model
     layer = model.layers[0]
     for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
-        tiles = bf16_tiles(linear)
-        assert tiles is not None and linear.weight.numel() == 0 and isinstance(linear.graph_weight, Bf16Tiles)
+        tiles = linear.forms.bf16
+        assert tiles is not None and linear.weight.numel() == 0
+        graph_weight = linear.forms.graph_weight(linear.weight)
+        assert isinstance(graph_weight, Bf16Tiles) and graph_weight.tiles is tiles.tiles
     for linear, reference in ((layer.attn.qkv, plain.layers[0].attn.qkv), (layer.mlp.down, plain.layers[0].mlp.down)):
         x = torch.randn(3, linear.in_features).to(torch.bfloat16)
         assert torch.equal(linear(x), reference(x))  # eager steps: the same prepacked matmul
@@ -116,7 +118,7 @@ def test_bf16_compiled_steps_read_tiles_and_match_eager(tiny_models, arch):
         ids = torch.tensor([0, 5, 4095])
         assert torch.equal(model.embed(ids), plain.embed(ids))
     else:
-        assert bf16_tiles(model.embed) is None and bf16_tiles(model.lm_head) is not None
+        assert model.embed.forms.bf16 is None and model.lm_head.forms.bf16 is not None
     prompts = random_prompts((33, 9, 20), seed=5)
     our_last_logits(llm, [p[:-1] for p in prompts])
     compiled, eager = _compiled_and_eager_logits(llm, prompts[:1])

@@ -135,14 +135,14 @@ def test_batched_graph_needs_an_extern_matmul_for_every_layer(tiny_models):
     model = llm.engine.runner.model
     assert batched_graph_capable(model)
     o_proj = model.layers[0].attn.o_proj
-    packed, o_proj._packed = o_proj._packed, None
+    packed, o_proj.forms.packed = o_proj.forms.packed, None
     try:
         assert not batched_graph_capable(model)
         graphs = DecodeGraphs(model)
         assert not graphs.batched and graphs.max_batch == 1
         assert not graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
     finally:
-        o_proj._packed = packed
+        o_proj.forms.packed = packed
 
 
 def test_a_long_context_of_one_row_stays_on_the_compiled_step(tiny_models):
@@ -284,7 +284,7 @@ def test_int8_close_to_float32(tiny_models, enforce_eager):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=enforce_eager)
     model = llm.engine.runner.model
     layout = Int8Tiles if device_caps("cpu").int8_isa else Int8Weight
-    assert type(model.layers[0].attn.qkv.int8) is layout and type(model._int8_head) is layout
+    assert type(model.layers[0].attn.qkv.forms.int8) is layout and type(model.embed.forms.int8) is layout
     assert llm.engine.model_identity != ref.engine.model_identity  # different K/V: never share cached blocks
     prompts = random_prompts((3, 17, 40), seed=9)
     ours, floats = our_last_logits(llm, prompts), our_last_logits(ref, prompts)

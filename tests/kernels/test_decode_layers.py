@@ -85,11 +85,11 @@ def test_decode_layers_take_per_group_scales(tiny_models):
     generator = torch.Generator().manual_seed(0)
     for layer in model.layers:
         for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
-            plain = linear.int8.plain()
+            plain = linear.forms.int8.plain()
             groups = plain.qweight.shape[1] // 32
             scales = (plain.scales[:, None] * (0.5 + torch.rand(plain.qweight.shape[0], groups, generator=generator)))
             linear.use_int8(Int8Weight(plain.qweight, scales.half().float()))
-    assert model.layers[0].attn.qkv.int8.scales.dim() == 3 and model.use_decode_kernel()
+    assert model.layers[0].attn.qkv.forms.int8.scales.dim() == 3 and model.use_decode_kernel()
     kernel, ops = _both_paths(llm, random_prompts((9, 33), seed=12))
     _assert_close(kernel, ops)
 

@@ -122,7 +122,8 @@ for dtype in ("auto", "bfloat16", "float32"):
     llm = LLM(sys.argv[1], dtype=dtype, num_kv_blocks=64)
     model = llm.engine.runner.model
     outs = llm.generate(prompts, params, use_tqdm=False)
-    report[dtype] = {"dtype": str(llm.engine.dtype), "mlp_packed": model.layers[0].mlp._packed is not None,
+    mlp_packed = model.layers[0].mlp.gate_up.forms.packed_halves is not None
+    report[dtype] = {"dtype": str(llm.engine.dtype), "mlp_packed": mlp_packed,
                      "tokens": [o.outputs[0].token_ids for o in outs]}
 import os
 from hyprefix.kernels import prefill_attention

@@ -14,7 +14,8 @@ import torch
 
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import int8_linear as kernel
-from hyprefix.models.quant import Int8Tiles, Int8Weight, quantize_activations, quantize_int8, set_int8_buffers
+from hyprefix.models.quant import Int8Tiles, Int8Weight, quantize_activations, quantize_int8
+from hyprefix.models.weights import MatrixForms
 
 KERNEL = bool(device_caps("cpu").int8_isa)
 
@@ -39,9 +40,10 @@ def _expected(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 def test_the_kernel_runs_where_the_cpu_has_a_build():
     assert kernel.available() == KERNEL
-    linear = torch.nn.Module()
-    set_int8_buffers(linear, _weight(20, 64, True, 0))
-    assert {"tiles", "scales"} <= set(linear._buffers) if KERNEL else {"qweight", "scales"} <= set(linear._buffers)
+    forms = MatrixForms(20, 64)
+    forms.use_int8(_weight(20, 64, True, 0))
+    assert {"tiles", "scales"} <= set(forms._buffers) if KERNEL else {"qweight", "scales"} <= set(forms._buffers)
+    assert isinstance(forms.int8, Int8Tiles if KERNEL else Int8Weight)
 
 
 @pytest.mark.parametrize("per_group", [True, False])

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import packed_linear as ops
-from hyprefix.models.layers import ACTIVATIONS, pack_weight, packed_gate_up, packed_linear
+from hyprefix.models.layers import ACTIVATIONS
+from hyprefix.models.weights import pack_weight, packed_gate_up, packed_linear
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the packed-linear ops did not build here")
 

@@ -45,8 +45,8 @@ def test_packed_tanh_gelu_mlp_equals_the_plain_one():
     x = torch.randn(13, 64)
     gate, up = F.linear(x, mlp.gate_up.weight).split(96, dim=-1)
     ref = F.linear(F.gelu(gate, approximate="tanh") * up, mlp.down.weight)
-    mlp.pack()
-    assert (mlp._packed is not None) is device_caps("cpu").prepack(torch.float32)
+    mlp.gate_up.pack()
+    assert (mlp.gate_up.forms.packed_halves is not None) is device_caps("cpu").prepack(torch.float32)
     torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -56,7 +56,7 @@ def test_logits_close(gemma3_model, chunk):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
     model = llm.engine.runner.model
     assert model.kv_layout.windows == (GEMMA3_WINDOW, None, GEMMA3_WINDOW, GEMMA3_WINDOW, None)
-    assert (model.layers[0].mlp._packed is not None) is device_caps("cpu").prepack(torch.float32)
+    assert (model.layers[0].mlp.gate_up.forms.packed_halves is not None) is device_caps("cpu").prepack(torch.float32)
     prompts = random_prompts(LENGTHS, seed=1)
     for p, (err, _) in zip(prompts, logit_errors(llm, hf, prompts, chunk), strict=True):
         assert err < LOGIT_ATOL, f"prompt len {len(p)}: max |logit diff| {err:.2e}"
@@ -127,7 +127,7 @@ def test_bf16_close_to_float32_reference(gemma3_model):
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
     model = llm.engine.runner.model
     assert model.dtype == torch.bfloat16
-    assert (model.layers[0].mlp._packed is not None) is device_caps("cpu").prepack(torch.bfloat16)
+    assert (model.layers[0].mlp.gate_up.forms.packed_halves is not None) is device_caps("cpu").prepack(torch.bfloat16)
     prompts = random_prompts(LENGTHS, seed=5)
     for p, (err, scale) in zip(prompts, logit_errors(llm, hf, prompts), strict=True):
         assert err < 0.05 * scale, f"len {len(p)}: bf16 error {err:.3g} vs logit scale {scale:.3g}"

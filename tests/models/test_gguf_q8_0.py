@@ -49,8 +49,8 @@ def test_q8_0_blocks_become_int8_weights_exactly(q8_0_file):
     linears = [(name, m) for name, m in ints.named_modules() if isinstance(m, Linear)]
     assert {name for name, _ in linears} >= {"layers.0.attn.qkv", "layers.0.mlp.gate_up", "lm_head"}
     for name, module in linears:
-        assert module.int8 is not None and module.int8.group == 32, name
-        plain = module.int8.plain()  # the kernel's tiles, unpacked, where it runs
+        assert module.forms.int8 is not None and module.forms.int8.group == 32, name
+        plain = module.forms.int8.plain()  # the kernel's tiles, unpacked, where it runs
         assert plain.qweight.dtype == torch.int8 and plain.scales.dtype == torch.float32
         assert torch.equal(plain.dequantize(torch.float32), reference[name].weight), name
     assert ints.decode_weight_bytes() < 0.3 * floats.decode_weight_bytes()
@@ -63,7 +63,7 @@ def test_q8_0_block_values_are_the_files(q8_0_file):
     blocks = np.asarray(raw.data).reshape(raw.data.shape[0], -1, 34)
     attn = ints.layers[0].attn
     v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
-    qkv = ints.layers[0].attn.qkv.int8.plain()
+    qkv = ints.layers[0].attn.qkv.forms.int8.plain()
     assert np.array_equal(qkv.qweight[v_rows].numpy(), blocks[:, :, 2:].view(np.int8).reshape(len(blocks), -1))
     file_scales = blocks[:, :, :2].copy().view(np.float16)[:, :, 0]
     assert np.array_equal(qkv.scales[v_rows].numpy(), file_scales.astype(np.float32))
@@ -81,7 +81,7 @@ def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_model
     ints = LLM(str(q8_0_file), quantization="int8", enforce_eager=enforce_eager, **common)
     qkv = ints.engine.runner.model.layers[0].attn.qkv  # its weight equals the float model's (test above)
     x = torch.randn(5, qkv.in_features)
-    expected = quantize_activations(x).double() @ qkv.int8.dequantize(torch.float64).T
+    expected = quantize_activations(x).double() @ qkv.forms.int8.dequantize(torch.float64).T
     assert torch.allclose(qkv(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     prompts = [[1, 5, 7, 3, 9, 2], [4, 4, 8, 15, 0, 11, 6, 1, 2, 3]]
     ref = our_last_logits(floats, prompts)

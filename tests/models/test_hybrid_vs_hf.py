@@ -53,7 +53,7 @@ def test_bfloat16_hybrid_close_to_float32_reference(hybrid_models, arch):
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=128)
     mixers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Mamba2Mixer | GatedDeltaNet)]
     # The recurrent mixers' input projection is prepacked exactly where oneDNN runs bf16 on this CPU.
-    assert mixers and all((m.in_proj._packed is not None) is device_caps("cpu").prepack(torch.bfloat16)
+    assert mixers and all((m.in_proj.forms.packed is not None) is device_caps("cpu").prepack(torch.bfloat16)
                           for m in mixers)
     prompts = random_prompts((5, 40), seed=4)
     # transformers' own bf16 copy of the model, as far from its float32 logits as bf16 puts it

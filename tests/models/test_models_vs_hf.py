@@ -57,10 +57,10 @@ def assert_packed_as_the_cpu_allows(model, dtype: torch.dtype) -> None:
     dtype in oneDNN (bf16 needs AVX-512 or AVX-NE-CONVERT; float32 needs oneDNN)."""
     expected = device_caps("cpu").prepack(dtype)
     layer = model.layers[0]
-    assert (layer.mlp._packed is not None) is expected
-    assert (layer.attn.qkv._packed is not None) is expected and (layer.attn.o_proj._packed is not None) is expected
-    head_packed = model._packed_head is not None if model.lm_head is None else model.lm_head._packed is not None
-    assert head_packed is expected
+    assert (layer.mlp.gate_up.forms.packed_halves is not None) is expected
+    assert (layer.attn.qkv.forms.packed is not None) is expected
+    assert (layer.attn.o_proj.forms.packed is not None) is expected
+    assert (model.head_forms.packed is not None) is expected
 
 
 def test_an_mlp_prepacks_gate_up_once(tiny_models):
@@ -69,8 +69,8 @@ def test_an_mlp_prepacks_gate_up_once(tiny_models):
     path, _ = tiny_models["qwen3"]
     model = LLM(str(path), dtype="float32", num_kv_blocks=64).engine.runner.model
     mlp = model.layers[0].mlp
-    assert mlp.gate_up.weight.numel() and mlp.gate_up._packed is None
-    assert (mlp._packed is not None) is device_caps("cpu").prepack(torch.float32)
+    assert mlp.gate_up.weight.numel() and mlp.gate_up.forms.packed is None
+    assert (mlp.gate_up.forms.packed_halves is not None) is device_caps("cpu").prepack(torch.float32)
 
 
 @pytest.mark.parametrize("dtype,arch,seed,rel_tol", [

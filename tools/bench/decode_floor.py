@@ -29,7 +29,8 @@ import torch
 from hyprefix import LLM, SamplingParams
 from hyprefix.bench.env import read_rate_now
 from hyprefix.kernels import int8_linear as kernel
-from hyprefix.models.quant import Int8Tiles, Int8Weight, int8_buffers
+from hyprefix.models.quant import Int8Tiles, Int8Weight
+from hyprefix.models.weights import MatrixForms
 from hyprefix.runner.huge_pages import move_to_huge_pages
 
 
@@ -52,8 +53,8 @@ def main() -> None:
         raise SystemExit("the int8 kernel does not run on this CPU (it needs AVX512-VNNI or AVX2 on x86)")
     llm = LLM(model=args.model, quantization="int8", dtype="float32", log_stats_interval=0)
     engine = llm.engine
-    weights = [w for module in engine.runner.model.modules() for prefix in ("", "head_")
-               if isinstance(w := int8_buffers(module, prefix), Int8Tiles)]
+    weights = [w for module in engine.runner.model.modules()
+               if isinstance(module, MatrixForms) and isinstance(w := module.int8, Int8Tiles)]
     nbytes = sum(w.nbytes for w in weights)
     inputs = {w.tiles.shape[1] * 4: torch.randn(1, w.tiles.shape[1] * 4) for w in weights}
     k = weights[0].tiles.shape[1] * 4  # one weight of the first one's K (per-group scales) holding as many bytes

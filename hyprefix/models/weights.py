@@ -1,0 +1,182 @@
+"""One weight matrix in the forms the engine multiplies it in (``MatrixForms``), and the
+oneDNN prepacked matmuls.
+
+A matrix [rows, cols] starts as its owner's plain tensor (a ``Linear``'s weight, or the
+embedding table a tied LM head reuses). After loading it may gain, by the loader's choice:
+
+* **packed**: oneDNN's blocked layout (``pack_weight``; CPU, the dtypes
+  ``hardware.DeviceCaps.prepack`` allows), for eager steps and batched compiled decode steps;
+  a fused gate/up matrix is packed as its two halves, so the activation and the product run
+  in the matmuls' epilogues (``packed_gate_up``);
+* **int8**: ``Int8Weight`` or the int8 kernel's ``Int8Tiles`` (``quant.py``), in place of
+  the float matrix for every matmul;
+* **bf16 tiles**: ``Bf16Tiles``, what a compiled decode step multiplies where the bf16 kernel
+  runs, kept in place of the plain tensor beside the packed copy.
+
+``MatrixForms.matmul`` is the one place that picks the form for a step. The int8 and bf16
+tensors are non-persistent buffers of the ``MatrixForms`` module: they move with the model
+(huge pages) and a compiled step reads them as lasting inputs like parameters (a dataclass
+attribute would cost Dynamo guard lookups every step). oneDNN's packed copies are opaque
+tensors, kept as plain attributes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.hardware import device_caps
+from hyprefix.kernels import bf16_linear as bf16_kernel
+from hyprefix.models.quant import Bf16Tiles, Int8Tiles, Int8Weight, quantize_int8, reduction_linear, tiles_fit
+
+# What a matmul of a compiled decode step reads: the int8 weights, the bf16 tiles, or the plain weight.
+GraphWeight = torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles
+
+
+def mkldnn_packing_available(weight: torch.Tensor) -> bool:
+    """Whether this weight's dtype is prepacked on its device (``hardware.DeviceCaps.prepack``)."""
+    return device_caps(weight.device).prepack(weight.dtype)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout, which oneDNN's prepacked matmul reads faster
+    than the plain layout on CPU, at decode and prefill sizes (``docs/perf-log.md``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether ``x`` has exactly one row for certain (a batch-1 graph's static size; a
+    batched graph's row count is symbolic)."""
+    rows = x.shape[0]
+    return isinstance(rows, int) and rows == 1
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a batched decode graph: an extern call (``kernels/packed_linear.cpp``)
+        return torch.ops.hyprefix.packed_linear(x, packed, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
+                   up_bias: torch.Tensor | None, epilogue: tuple) -> torch.Tensor:
+    """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
+    attr, scalars, algorithm) and the product fused into the two prepacked matmuls."""
+    if torch.compiler.is_compiling():
+        assert not epilogue[1], "the compiled gate/up op passes no activation scalars"
+        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2])
+    h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
+    return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")
+
+
+class MatrixForms(nn.Module):
+    """The packed, int8 and bf16-tile forms of one [rows, cols] matrix; its plain tensor stays
+    with the owner, which passes it in (it may be emptied once another form replaces it)."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.rows, self.cols = rows, cols
+        self.packed: torch.Tensor | None = None
+        self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def int8(self) -> Int8Weight | Int8Tiles | None:
+        buffers = self._buffers
+        if "tiles" in buffers:
+            return Int8Tiles(buffers["tiles"], buffers["scales"], self.rows)
+        qweight = buffers.get("qweight")
+        return None if qweight is None else Int8Weight(qweight, buffers["scales"])
+
+    @property
+    def bf16(self) -> Bf16Tiles | None:
+        tiles = self._buffers.get("bf16_tiles")
+        return None if tiles is None else Bf16Tiles(tiles, self.rows)
+
+    def graph_weight(self, plain: torch.Tensor) -> GraphWeight:
+        """What a compiled decode step multiplies: the int8 weights, the bf16 tiles, or ``plain``."""
+        int8 = self.int8
+        if int8 is not None:
+            return int8
+        tiles = self.bf16
+        return tiles if tiles is not None else plain
+
+    @property
+    def batched_kernel(self) -> str | None:
+        """The extern kernel a batched compiled decode step multiplies this matrix with
+        (``runner/decode_graph.batched_graph_capable``): "int8_tiles", "packed", or None."""
+        if isinstance(self.int8, Int8Tiles):
+            return "int8_tiles"
+        return "packed" if self.packed is not None or self.packed_halves is not None else None
+
+    def pack(self, plain: torch.Tensor, keep_plain: bool, halves: bool = False) -> bool:
+        """Add oneDNN's packed copy of ``plain`` where the device prepacks its dtype (whole, or
+        its top and bottom halves); with ``keep_plain`` (compiled decode steps read the
+        matrix) also its bf16 tiles where the bf16 kernel takes them. Returns whether
+        ``plain`` is no longer needed for matmuls: packed, and not kept or tiled."""
+        if self.packed is not None or self.packed_halves is not None or self.int8 is not None \
+                or not plain.numel() or not mkldnn_packing_available(plain):
+            return False
+        if halves:
+            top, bottom = plain.split(self.rows // 2)
+            self.packed_halves = (pack_weight(top), pack_weight(bottom))
+        else:
+            self.packed = pack_weight(plain)
+        return not keep_plain or self._set_bf16_tiles(plain)
+
+    def _set_bf16_tiles(self, plain: torch.Tensor) -> bool:
+        """Keep ``plain``'s bf16 tiles where the kernel takes them (bfloat16 on a CPU where
+        ``bf16_linear`` runs, an even number of columns). Returns whether it did."""
+        if plain.dtype != torch.bfloat16 or plain.device.type != "cpu" or plain.shape[1] % 2 \
+                or not bf16_kernel.available():
+            return False
+        self.register_buffer("bf16_tiles", bf16_kernel.pack(plain.detach()), persistent=False)
+        return True
+
+    def use_int8(self, weight: Int8Weight) -> None:
+        """Multiply by these int8 weights from now on (as the int8 kernel's tiles where it
+        runs); a packed copy goes."""
+        if tuple(weight.qweight.shape) != (self.rows, self.cols):
+            raise ValueError(f"int8 weight of shape {tuple(weight.qweight.shape)} for a matrix of "
+                             f"{self.rows} x {self.cols}")
+        for name in ("tiles", "qweight", "scales"):
+            self._buffers.pop(name, None)
+        if tiles_fit(weight):
+            tiled = Int8Tiles.pack(weight)
+            self.register_buffer("tiles", tiled.tiles, persistent=False)
+            self.register_buffer("scales", tiled.scales, persistent=False)
+        else:
+            self.register_buffer("qweight", weight.qweight, persistent=False)
+            self.register_buffer("scales", weight.scales, persistent=False)
+        self.packed = self.packed_halves = None
+
+    def quantize(self, plain: torch.Tensor) -> None:
+        """``use_int8`` with per-channel int8 quantized from ``plain``."""
+        self.use_int8(quantize_int8(plain))
+
+    def matmul(self, x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ matrix^T (+ bias) in the form that suits this step: inside a compiled decode
+        step the packed GEMM for a batch of rows, else the form ``graph_weight`` picks; eager,
+        int8, else packed, else ``plain``. (Packed halves are multiplied by their owner,
+        ``GatedMLP``, except in a one-row graph, which reads ``graph_weight``.)"""
+        if torch.compiler.is_compiling():
+            if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
+                return packed_linear(x, self.packed, bias)
+            return reduction_linear(x, self.graph_weight(plain), bias)
+        int8 = self.int8
+        if int8 is not None:
+            return int8.matmul(x, bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, plain, bias)
+
+    def memory_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes these forms hold beside the plain tensor (a packed copy counted as the float matrix)."""
+        total = sum(t.nbytes for t in self._buffers.values() if t is not None)
+        if self.packed is not None or self.packed_halves is not None:
+            total += self.rows * self.cols * dtype.itemsize
+        return total
+
+    def decode_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one decode step reads for this matrix: the int8 weights, or the float matrix."""
+        int8 = self.int8
+        return int8.nbytes if int8 is not None else self.rows * self.cols * dtype.itemsize

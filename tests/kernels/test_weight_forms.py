@@ -1,0 +1,70 @@
+"""``MatrixForms`` (models/weights.py): each form of one matrix multiplies to the plain
+matrix's product, the eager choice of form, the accounting, and the shape check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyprefix.hardware import device_caps
+from hyprefix.models.layers import Linear
+from hyprefix.models.quant import Int8Tiles, quantize_activations, quantize_int8
+from hyprefix.models.weights import MatrixForms
+
+
+def _linear(dtype: torch.dtype, pack_halves: bool = False) -> Linear:
+    torch.manual_seed(0)
+    linear = Linear(64, 48, bias=True, dtype=dtype, device=torch.device("cpu"), pack_halves=pack_halves)
+    linear.requires_grad_(False)
+    linear.weight.normal_(0, 0.2)
+    linear.bias.normal_(0, 0.2)
+    return linear
+
+
+def test_packed_form_multiplies_as_the_plain_weight_and_replaces_it_for_eager_steps():
+    linear = _linear(torch.float32)
+    x = torch.randn(5, 64)
+    reference = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    linear.pack(keep_plain=False)
+    packs = device_caps("cpu").prepack(torch.float32)
+    assert (linear.forms.packed is not None) is packs
+    assert (linear.weight.numel() == 0) is packs  # the packed copy replaces the plain weight
+    assert linear.forms.batched_kernel == ("packed" if packs else None)
+    torch.testing.assert_close(linear(x), reference, rtol=1e-5, atol=1e-5)
+    expected_extra = 64 * 48 * 4 if packs else 0
+    assert linear.forms.memory_bytes(torch.float32) == expected_extra
+
+
+def test_keep_plain_keeps_the_float32_weight_beside_the_packed_copy():
+    linear = _linear(torch.float32)
+    linear.pack(keep_plain=True)
+    assert linear.weight.numel() == 64 * 48 and linear.forms.bf16 is None
+    assert linear.forms.graph_weight(linear.weight) is linear.weight
+
+
+def test_halves_are_packed_for_their_owner_not_as_one_matrix():
+    linear = _linear(torch.float32, pack_halves=True)
+    linear.pack(keep_plain=True)
+    assert linear.forms.packed is None
+    assert (linear.forms.packed_halves is not None) is device_caps("cpu").prepack(torch.float32)
+
+
+def test_int8_form_replaces_the_float_one_and_drops_a_packed_copy():
+    linear = _linear(torch.float32)
+    linear.pack(keep_plain=True)
+    weight = quantize_int8(linear.weight)
+    x = torch.randn(3, 64)
+    expected = torch.nn.functional.linear(quantize_activations(x), weight.dequantize(torch.float32), linear.bias)
+    linear.use_int8(weight)
+    assert linear.forms.packed is None and linear.weight.numel() == 0
+    assert linear.forms.decode_bytes(torch.float32) == linear.forms.int8.nbytes < 64 * 48 * 4
+    assert (linear.forms.batched_kernel == "int8_tiles") is isinstance(linear.forms.int8, Int8Tiles)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-4, atol=1e-4)
+    linear.pack(keep_plain=False)  # packing after int8 adds nothing
+    assert linear.forms.packed is None
+
+
+def test_an_int8_weight_of_another_shape_is_refused():
+    forms = MatrixForms(48, 64)
+    with pytest.raises(ValueError, match="48 x 64"):
+        forms.use_int8(quantize_int8(torch.randn(64, 48)))
