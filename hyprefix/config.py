@@ -72,6 +72,8 @@ class EngineArgs:
         "where decode steps have a fast path (the int8 decode kernel, a compiled decode graph), a shared prefix "
         "is read once (eagerly) only when reading every row whole would move at least this many times the bytes "
         "of the shared plan; 0 always shares")})
+    max_logprobs: int = field(default=20, metadata={"help": (
+        "most logprobs (and prompt logprobs) a request may ask for per token; -1: the whole vocabulary")})
     log_stats_interval: float = field(default=5.0, metadata={"help": (
         "seconds between engine log lines while busy (0: off)")})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
@@ -105,6 +107,8 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -20,13 +20,13 @@ from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
 from hyprefix.models.loader import gguf_parsed_once, load_model, load_tokenizer
 from hyprefix.openmp import release_workers
-from hyprefix.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hyprefix.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from hyprefix.request import Request
 from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
-from hyprefix.text import chat_token_ids, check_text
+from hyprefix.text import ChatPrompt, chat_token_ids, check_text
 
 log = logging.getLogger("hyprefix")
 
@@ -54,6 +54,7 @@ class ModelFacts:
 class _Sample:
     request: Request
     detok: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None = None  # one per output token, where asked
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Parent:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     arrival_time: float
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # where asked: None first
 
     @property
     def finished(self) -> bool:
@@ -85,7 +87,8 @@ class Engine:
             loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision,
                                 quantization=args.quantization, compiled_decode=not args.enforce_eager)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
-        self._text_decoder = text_decoder(self.tokenizer)
+        self._text_decoders = {(True, True): text_decoder(self.tokenizer)}
+        self._token_texts: dict[int, str] = {}
         self.model_path = loaded.path
         self.model_identity = loaded.identity
         self.hf_config = loaded.hf_config
@@ -119,7 +122,8 @@ class Engine:
                                   num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
                                                                        args.cascade_min_solo_run_tokens,
-                                                                       args.cascade_min_traffic_ratio))
+                                                                       args.cascade_min_traffic_ratio),
+                                  eos_token_ids=self.eos_token_ids)
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
@@ -225,9 +229,9 @@ class Engine:
         raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
                            param="prompt")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation under the tokenizer's chat template; bad input
-        raises RequestError (``text.chat_token_ids``)."""
+    def encode_chat(self, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation (or a ``ChatPrompt``) under the tokenizer's chat template;
+        bad input raises RequestError (``text.chat_token_ids``)."""
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -258,7 +262,12 @@ class Engine:
                     raise RequestError(f"request id {request_id!r} clashes with request {child_id!r} in use")
             taken.update([request_id, *child_ids])
             text, ids, salt = self.tokenize_prompt(prompt)
+            if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
+                keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+                ids = ids[-keep:]
             self.validate(ids, params)
+            if params.bad_words:
+                params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
             checked.append((request_id, child_ids, params, text, ids, salt))
         total = sum(params.n * (len(ids) + params.max_tokens) for _, _, params, _, ids, _ in checked)
         if max_total_tokens is not None and total > max_total_tokens:
@@ -272,14 +281,34 @@ class Engine:
                 request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
                                   eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
                                   group=group or request_id)
-                samples.append(_Sample(request, IncrementalDetokenizer(self.tokenizer, ids, params.stop_list,
-                                                                        self._text_decoder)))
-            parent = _Parent(request_id, text, ids, samples, arrival)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
+                                               include_stop=params.include_stop_str_in_output)
+                samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
+            parent = _Parent(request_id, text, ids, samples, arrival,
+                             [None] * len(ids) if params.prompt_logprobs is not None else None)
             self._parents[request_id] = parent
             for sample in samples:
                 self._samples[sample.request.request_id] = (parent, sample)
                 self.scheduler.add_request(sample.request)
         return [(text, ids) for _, _, _, text, ids, _ in checked]
+
+    def _decoder(self, params: SamplingParams):
+        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
+        decoder = self._text_decoders.get(key)
+        if decoder is None:
+            decoder = self._text_decoders[key] = text_decoder(self.tokenizer, *key)
+        return decoder
+
+    def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, as vLLM: the word alone and after a space (the form it
+        takes inside a text), each distinct sequence once."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` unless the prompt ``ids`` with ``params`` can ever run here."""
@@ -289,6 +318,18 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param="prompt")
+        for param, token_ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids",
+                                                                           params.allowed_token_ids or ())):
+            outside = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise RequestError(f"{param}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                   param=param)
+        limit = self.args.max_logprobs
+        for param in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, param)
+            if asked is not None and limit != -1 and (asked == -1 or asked > limit):
+                raise RequestError(f"{param}={asked} is more than this server's limit of {limit} (--max-logprobs)",
+                                   param=param)
         too_long = "context_length_exceeded"
         if len(ids) > self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}",
@@ -340,18 +381,30 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_ids:
             return outputs
-        sampled = self.runner.execute(sched)
-        advanced = self.scheduler.update(sched, sampled)
+        result = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, result.sampled)
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            if request_id in self._samples:
+                parent = self._samples[request_id][0]
+                parent.prompt_logprobs[first:first + len(entries)] = [self._decoded(e) for e in entries]
         self._publish_cache_events()
         touched: dict[str, _Parent] = {}
         for request in advanced:
             if request.request_id not in self._samples:
                 continue
             parent, sample = self._samples[request.request_id]
-            # As in vLLM, the token that stopped the request (EOS or one of
-            # stop_token_ids) is kept in token_ids but not added to the text.
+            if sample.logprobs is not None:
+                sample.logprobs.append(self._decoded(result.logprobs[request.request_id]))
+            # As in vLLM, the token that stopped the request (EOS or one of stop_token_ids) is
+            # kept in token_ids but not added to the text (unless include_stop_str_in_output).
+            params = request.params
             stopped_by_token = request.is_finished and request.finish_reason == "stop"
-            matched = None if stopped_by_token else sample.detok.append(request.output_token_ids[-1])
+            matched = None
+            if not stopped_by_token:
+                matched = sample.detok.append(request.output_token_ids[-1],
+                                              check_stop=len(request.output_token_ids) > params.min_tokens)
+            elif params.include_stop_str_in_output:
+                sample.detok.append(request.output_token_ids[-1], check_stop=False)
             if matched is not None:
                 if not request.is_finished:
                     self.scheduler.finish(request.request_id, "stop")
@@ -373,7 +426,8 @@ class Engine:
                 index=i, text=sample.detok.visible_text(finished),
                 token_ids=list(request.output_token_ids),
                 finish_reason=request.finish_reason if finished else None,
-                stop_reason=request.stop_reason if finished else None))
+                stop_reason=request.stop_reason if finished else None,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
         reqs = [s.request for s in parent.samples]
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
@@ -385,7 +439,16 @@ class Engine:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, num_cached_tokens=min(r.num_cached_tokens for r in reqs),
-            metrics=metrics)
+            metrics=metrics,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
+
+    def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
+        """``entry`` with each token's text (``decode([id])``, special tokens kept), cached by id."""
+        texts = self._token_texts
+        for token_id in entry:
+            if token_id not in texts:
+                texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return {t: Logprob(lp.logprob, lp.rank, texts[t]) for t, lp in entry.items()}
 
     # ------------------------------------------------------------------- stats
     def get_stats(self) -> dict[str, int | float]:

@@ -12,6 +12,7 @@ from hyprefix.engine import Engine, PromptInput
 from hyprefix.openmp import release_workers
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
+from hyprefix.text import ChatPrompt
 
 
 class LLM:
@@ -63,13 +64,20 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template (or ``chat_template``) to one conversation or a
+        list of them, with vLLM's arguments (``text.ChatPrompt``), and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.encode_chat(ChatPrompt(
+            c, tools, add_generation_prompt, continue_final_message, chat_template, dict(chat_template_kwargs or {})))}
+            for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
         return self.engine.encode_chat(messages, add_generation_prompt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

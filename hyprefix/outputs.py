@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hyprefix.sampling import SamplingParams
@@ -31,6 +32,10 @@ class ScheduledSeq:
     # ``window_first_block`` on (earlier blocks left every window).
     window_first_block: int = 0
     window_blocks: list[int] | None = None
+    # The request's prompt and output so far (the request's own lists, not copies): what
+    # logits processing (penalties, bad words) and prompt logprobs read.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,31 @@ class SchedulerOutput:
         return not self.seqs
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model (float32 logits before any processing),
+    its rank among the vocabulary (1: the most likely), and its text where the engine
+    decoded it (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, the sampled (or prompt) token first, then the top ones.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class StepResult:
+    """What one step computed: each sampling request's new token; where asked, its logprobs
+    and prompt logprobs ((position of the first prompt token they cover, one entry a token))."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
 @dataclass
 class RequestMetrics:
     """Lifecycle timestamps (``time.time()`` seconds) of a request."""
@@ -76,6 +106,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token id, where ``SamplingParams.logprobs`` asked
 
     @property
     def finished(self) -> bool:
@@ -91,3 +122,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # Where ``SamplingParams.prompt_logprobs`` asked: None for the first prompt token, then
+    # one entry per prompt token.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

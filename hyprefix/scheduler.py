@@ -215,6 +215,8 @@ class Scheduler:
             state_taps=cache.state_taps,
             window_first_block=cache.window_first_block,
             window_blocks=cache.window_blocks,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

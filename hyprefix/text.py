@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from hyprefix.errors import RequestError
@@ -29,20 +30,58 @@ def check_texts(value: object, what: str, param: str | None = None) -> None:
             check_texts(item, f"{what}[{i}]", param)
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation and how to render it with the tokenizer's chat template (vLLM's
+    chat arguments): ``tools`` (OpenAI tool definitions, given to the template as ``tools``),
+    ``add_generation_prompt``, ``continue_final_message`` (the last message, an assistant's,
+    stays open for the model to continue), ``chat_template`` (a Jinja template instead of
+    the tokenizer's) and ``template_kwargs`` (more variables, e.g. ``enable_thinking``)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# Template variables a request may not set through ``template_kwargs``: the renderer's own.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt",
+                                       "continue_final_message", "chat_template", "tokenize", "return_dict",
+                                       "documents", "tokenizer_kwargs", "return_tensors", "padding",
+                                       "truncation", "max_length", "return_assistant_tokens_mask"})
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (the one
     implementation behind ``LLM.chat``, the server and the replicas' router); bad input
-    raises RequestError."""
+    raises RequestError. ``messages``: the messages, or a ``ChatPrompt`` (whose own
+    ``add_generation_prompt`` then counts)."""
     from jinja2 import TemplateError
 
-    if not isinstance(messages, list) or not messages:
+    chat = messages if isinstance(messages, ChatPrompt) else ChatPrompt(messages, None, add_generation_prompt)
+    if not isinstance(chat.messages, list) or not chat.messages:
         raise RequestError("messages must be a non-empty list", param="messages")
-    check_texts(messages, "messages", param="messages")
-    if tokenizer.chat_template is None:
+    check_texts(chat.messages, "messages", param="messages")
+    check_texts(chat.tools, "tools", param="tools")
+    if chat.continue_final_message and chat.add_generation_prompt:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+    if chat.continue_final_message and chat.messages[-1].get("role") != "assistant":
+        raise RequestError("continue_final_message needs an assistant message last", param="continue_final_message")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat.template_kwargs))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+    if chat.chat_template is None and tokenizer.chat_template is None:
         raise RequestError("this model's tokenizer has no chat template", param="messages")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+            chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message, chat_template=chat.chat_template, tokenize=True,
+            return_dict=False, **chat.template_kwargs)
     except TemplateError as exc:
         raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+    except ValueError as exc:  # e.g. continue_final_message on a template that cannot
+        raise RequestError(f"the chat template could not render the messages: {exc}", param="messages") from exc
     return list(ids)

@@ -163,7 +163,10 @@ class CacheCoordinator:
 
     # -------------------------------------------------------------- admission
     def find_hit(self, request: Request) -> PrefixHit:
-        """The longest cached prefix every kind can resume from, or whom to wait for."""
+        """The longest cached prefix every kind can resume from, or whom to wait for. A
+        request that asks for prompt logprobs computes its whole prompt (no hit)."""
+        if request.params.prompt_logprobs is not None:
+            return PrefixHit([], 0, 0, 0, True)
         bs = self.kv.block_size
         kv_blocks = self.kv.match_prefix(request)
         dense = min(len(kv_blocks) * bs, request.num_tokens - 1)

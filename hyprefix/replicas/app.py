@@ -228,8 +228,7 @@ class ReplicaSetBackend:
 
     async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer:
         def key() -> RoutingKey:
-            messages = [m.template_dict() for m in body.messages]
-            ids = chat_token_ids(self.hasher.tokenizer, messages, body.add_generation_prompt)
+            ids = chat_token_ids(self.hasher.tokenizer, body.chat_prompt())
             return self.hasher.key(ids, engine_salt(body.cache_salt, tenant))
 
         return await self._call("chat", body, tenant, key)

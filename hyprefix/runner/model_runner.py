@@ -11,15 +11,19 @@ import torch
 from hyprefix.kernels import decode_attention
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
-from hyprefix.outputs import DECODE_PATHS, ScheduledSeq, SchedulerOutput
+from hyprefix.outputs import DECODE_PATHS, PositionLogprobs, ScheduledSeq, SchedulerOutput, StepResult
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 from hyprefix.runner.decode_graph import DecodeGraphs
 from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
+from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
 
 log = logging.getLogger("hyprefix.runner")
+
+# Prompt logprobs are computed this many positions at a time (a [rows, vocab] float32 block each).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -33,9 +37,10 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
-                 num_window_blocks: int = 0) -> None:
+                 num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
-        of their own (``cache/sliding.py``); 0: they share the main pool."""
+        of their own (``cache/sliding.py``); 0: they share the main pool. ``eos_token_ids``:
+        what ``min_tokens`` holds back."""
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -63,7 +68,7 @@ class ModelRunner:
         self.recurrent_states: list[RecurrentLayerState] = [
             RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device)
             for shape in (state_layout.layers if state_layout is not None else ())]
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, eos_token_ids)
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
         # the model runs its decode steps in one kernel call of its own (``decode_logits``).
@@ -144,14 +149,14 @@ class ModelRunner:
             return None
         return FastPathCost(*self._step_bytes, self.cascade_thresholds.min_traffic_ratio, max_rows)
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> StepResult:
         self.sampler.forget(output.finished_ids)
         if output.is_empty:
-            return {}
+            return StepResult()
         with self._inference_mode:
             return self._execute(output)
 
-    def _execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def _execute(self, output: SchedulerOutput) -> StepResult:
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
         whole = self.model.decode_logits(batch, self.kv_caches)
@@ -161,12 +166,39 @@ class ModelRunner:
             path = "graph" if whole is not None else path
         if not batch.prefills and batch.num_decode:
             self.decode_steps[path] += 1
+        result = StepResult()
         if whole is not None:
             logits, greedy = whole
         else:
             hidden = self.model(batch, self.kv_caches, self.recurrent_states)
+            result.prompt_logprobs = self._prompt_logprobs(batch.seqs, hidden)
             if not batch.sample_seqs:
-                return {}
+                return result
             logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
-        tokens = self.sampler.sample(logits, batch.sample_seqs, greedy)
-        return {seq.request_id: tok for seq, tok in zip(batch.sample_seqs, tokens, strict=True)}
+        tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy)
+        ids = [seq.request_id for seq in batch.sample_seqs]
+        result.sampled = dict(zip(ids, tokens, strict=True))
+        result.logprobs = {ids[row]: entry for row, entry in logprobs.items()}
+        return result
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+        """Logprobs of the prompt tokens after each chunk position of the requests that ask
+        (``SamplingParams.prompt_logprobs``): position p's logits score prompt token p + 1.
+        ``seqs`` in the batch's token order (``ForwardBatch.seqs``)."""
+        out: dict[str, tuple[int, list[PositionLogprobs]]] = {}
+        offset = 0
+        for seq in seqs:
+            start, offset = offset, offset + seq.num_tokens
+            num_top = seq.params.prompt_logprobs
+            last = min(seq.context_len, len(seq.prompt_token_ids) - 1)  # positions scoring a prompt token
+            if num_top is None or seq.start_pos >= last:
+                continue
+            entries: list[PositionLogprobs] = []
+            for first in range(seq.start_pos, last, PROMPT_LOGPROBS_ROWS):
+                end = min(first + PROMPT_LOGPROBS_ROWS, last)
+                logits = self.model.compute_logits(hidden[start + first - seq.start_pos:start + end - seq.start_pos])
+                targets = torch.tensor(seq.prompt_token_ids[first + 1:end + 1], device=logits.device)
+                entries.extend(logprobs_of(logits, targets, [num_top] * (end - first)))
+            out[seq.request_id] = (seq.start_pos + 1, entries)
+        return out

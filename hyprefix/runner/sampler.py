@@ -1,4 +1,5 @@
-"""Greedy / temperature / top-k / top-p sampling with per-request seeds.
+"""Greedy / temperature / min-p / top-k / top-p sampling with per-request seeds, after
+the logits processing requests ask for (``logits.py``), and their logprobs.
 
 Random rows use the exponential-race trick: ``argmax(p / E)`` with ``E ~ Exp(1)``
 draws from ``p``. A seeded request draws its noise from its own generator, so its
@@ -9,22 +10,36 @@ from __future__ import annotations
 
 import torch
 
-from hyprefix.outputs import ScheduledSeq
+from hyprefix.outputs import PositionLogprobs, ScheduledSeq
+from hyprefix.runner.logits import LogitsProcessor, logprobs_of
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.processor = LogitsProcessor(device, eos_token_ids)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+        self.processor.forget(request_ids)
 
-    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None
+               ) -> tuple[list[int], dict[int, PositionLogprobs]]:
         """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
-        [S] where the caller has it already (a compiled decode step)."""
+        [S] where the caller has it already (a compiled decode step). Returns the sampled
+        tokens and, for the rows whose requests ask, their logprobs by row."""
+        raw = logits
+        processed = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+        if processed:
+            rows = torch.tensor(processed, device=logits.device)
+            logits = logits.clone()
+            logits[rows] = self.processor.apply(logits[rows], [seqs[i] for i in processed])
+            if greedy is not None:
+                greedy = greedy.clone()
+                greedy[rows] = logits[rows].argmax(dim=-1)
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
@@ -39,7 +54,12 @@ class Sampler:
                 if seqs[i].params.seed is not None:
                     noise[j].exponential_(generator=self._generator_for(seqs[i]))
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asking:
+            return tokens.tolist(), {}
+        rows = torch.tensor(asking, device=logits.device)
+        entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
+        return tokens.tolist(), dict(zip(asking, entries, strict=True))
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)
@@ -53,6 +73,11 @@ class Sampler:
     def _probs(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         logits = logits / temps[:, None]
+        min_ps = [s.params.min_p for s in seqs]
+        if any(min_ps):
+            probs = logits.softmax(dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, device=logits.device)[:, None]
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         top_ks = [s.params.top_k for s in seqs]
         vocab = logits.shape[1]
         if any(0 < k < vocab for k in top_ks):

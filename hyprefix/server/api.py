@@ -102,6 +102,13 @@ def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = 
         cards = [ModelCard(id=name, root=name, max_model_len=backend.max_model_len) for name in backend.model_names]
         return ModelList(data=cards).model_dump()
 
+    @app.get("/v1/models/{model_id:path}", responses={**protected, 404: generate[404], "default": generate["default"]})
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in backend.model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", type="not_found_error", param="model",
+                           code="model_not_found")
+        return ModelCard(id=model_id, root=model_id, max_model_len=backend.max_model_len).model_dump()
+
     @app.post("/reset_prefix_cache", responses=protected)
     async def reset_prefix_cache() -> dict[str, int]:
         return {"dropped_blocks": await backend.reset_prefix_cache()}
@@ -133,12 +140,16 @@ async def _respond(request: Request, work: Awaitable[Any]) -> Response:
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening
     result = task.result()
+    # X-Request-Id: the client's, echoed (as vLLM's --enable-request-id-headers), else the response's id
+    request_id = request.headers.get("x-request-id")
     if isinstance(result, dict):
-        return JSONResponse(result)
+        return JSONResponse(result, headers={"X-Request-Id": request_id or str(result.get("id", ""))})
     if hasattr(result, "model_dump"):
-        return JSONResponse(result.model_dump())
-    return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(result.model_dump(), headers={"X-Request-Id": request_id or getattr(result, "id", "")})
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -275,7 +286,10 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     messages = []
     for error in errors[:3]:
         path = ".".join(str(part) for part in error["loc"] if part != "body")
-        messages.append(f"{path}: {error['msg']}")
+        if error["type"] == "extra_forbidden":
+            messages.append(f"{path} is not supported by this server")
+        else:
+            messages.append(f"{path}: {error['msg']}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return APIError(400, "; ".join(messages) + more, param=loc[0])
 

@@ -1,10 +1,10 @@
 """OpenAI-shaped request and response models.
 
 Requests are validated strictly (a string is not a number, a float is not an
-integer); unknown fields are ignored, as OpenAI clients send optional ones this
-server does not know. Fields OpenAI defines that hyprefix cannot honour are
-accepted only at their neutral value, so a request is never silently served
-differently from what it asked for.
+integer). A field this server does not know is a 400 naming it, never silently
+ignored; fields OpenAI or vLLM define that hyprefix cannot honour are accepted only at
+their neutral value (``unsupported``). ``null`` is accepted wherever OpenAI accepts it.
+docs/serving.md has the table of every field.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hyprefix.text import ChatPrompt
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 # ------------------------------------------------------------------ errors
@@ -47,51 +49,104 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- requests
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's; only its neutral value
+
+    def unsupported(self) -> list[str]:
+        return ["stream_options.continuous_usage_stats"] if self.continuous_usage_stats else []
+
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class _SamplingRequest(_Request):
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # extensions (vLLM names)
-    top_k: int | None = Field(None, ge=-1)
-    ignore_eos: bool = False
-    cache_salt: str | None = Field(None, min_length=1)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    # OpenAI fields hyprefix cannot honour: accepted only at their neutral value
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields with no effect on the output, accepted at these values
+    store: bool | None = False
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # extensions (vLLM names and meanings)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = False
+    cache_salt: str | None = Field(None, min_length=1)
+    stop_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    return_token_ids: bool | None = False  # each choice (and stream chunk) carries its token ids
+    # vLLM fields that need features this server does not have: accepted only at their neutral value
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of fields set to something this server cannot do."""
-        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        bad = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                 "guided_grammar") if getattr(self, name) is not None]
+        if self.store:
+            bad.append("store")
+        return bad + (self.stream_options.unsupported() if self.stream_options else [])
+
+    def logprobs_wanted(self) -> int | None:
+        """Top logprobs per output token (0: the sampled token's alone); None: none."""
+        return None
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """``SamplingParams`` arguments shared by both endpoints (not max_tokens)."""
-        kwargs: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                                      stop_token_ids=self.stop_token_ids)
-        if self.temperature is not None:
-            kwargs["temperature"] = self.temperature
-        if self.top_p is not None:
-            kwargs["top_p"] = self.top_p
+        """``SamplingParams`` arguments shared by both endpoints (not max_tokens); a field left
+        out or null takes the ``SamplingParams`` default."""
+        kwargs: dict[str, Any] = {}
+        for name in ("n", "seed", "stop", "ignore_eos", "stop_token_ids", "temperature", "top_p", "min_p",
+                     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "bad_words",
+                     "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
         if self.top_k is not None:
             kwargs["top_k"] = -1 if self.top_k == 0 else self.top_k
+        if self.logit_bias:
+            kwargs["logit_bias"] = _token_keys(self.logit_bias)
+        if self.logprobs_wanted() is not None:
+            kwargs["logprobs"] = self.logprobs_wanted()
         return kwargs
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias's keys (token ids as JSON strings) as ints; a 400 naming a bad key."""
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -101,21 +156,27 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    return_token_ids: bool = False  # vLLM extension: each choice (and stream chunk) carries its token ids
-    logprobs: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.choices:
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
         return bad
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = self.logprobs  # echo gives the prompt's logprobs too (OpenAI)
+        return kwargs
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -130,42 +191,112 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's name)
+    # Sent back by clients that replay an assistant message as they received it; no effect.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    function_call: None = None
+    audio: None = None
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content joined, tool calls with their
+        arguments parsed from JSON (templates format them as objects), as vLLM gives them."""
         content = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content or ""
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _json_arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
+def _json_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"a tool call's arguments are not valid JSON: {exc}", param="messages") from exc
+
+
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    add_generation_prompt: bool = True
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat extensions
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            bad.append("logprobs")
-        if self.tools:
-            bad.append("tools")
+        if self.tools and self.tool_choice != "none":
+            bad.append("tools")  # tool calls are not parsed yet: only tool_choice "none" renders them
+        elif self.tool_choice not in (None, "none"):
+            bad.append("tool_choice")
         if self.response_format is not None and self.response_format.type != "text":
             bad.append("response_format")
         return bad
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation and how to render it (``text.chat_token_ids``)."""
+        return ChatPrompt(
+            [m.template_dict() for m in self.messages],
+            [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None,
+            add_generation_prompt=self.add_generation_prompt is not False,
+            continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
+            template_kwargs=dict(self.chat_template_kwargs or {}))
 
     def max_new_tokens(self, num_prompt_tokens: int, max_total_tokens: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else whatever room the
@@ -195,13 +326,32 @@ class Usage(BaseModel):
         self.prompt_tokens_details.cached_tokens += cached_tokens
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, log-probability, the top
+    ones by text, and where its text starts in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt logprob entry (``prompt_logprobs``: per position, token id -> this)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -216,15 +366,31 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -235,6 +401,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class ModelCard(BaseModel):
@@ -253,17 +420,24 @@ class ModelList(BaseModel):
 
 # ----------------------------------------------------------- stream chunks
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                     finish_reason: str | None = None, token_ids: list[int] | None = None,
+                     logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict[str, str],
-               finish_reason: str | None = None) -> dict[str, Any]:
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict[str, Any],
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+               stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [choice]}
 
 
 def usage_chunk(request_id: str, created: int, model: str, object: str, usage: Usage) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
 from hyprefix.server.limits import ServerLimits
+from hyprefix.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from hyprefix.server.protocol import (
     APIError,
     AssistantMessage,
@@ -55,6 +56,8 @@ class _Call:
     prompt_texts: list[str | None]
     include_usage: bool
     return_token_ids: bool = False
+    logprobs: int | None = None  # top logprobs per token where the request asked
+    chat: bool = False
 
     def __post_init__(self) -> None:
         self._index = {engine_id: i for i, engine_id in enumerate(self.engine_ids)}
@@ -74,6 +77,8 @@ class OpenAIServing:
         if req.model is not None and req.model not in self.model_names:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
         bad = req.unsupported()
+        if isinstance(req, CompletionRequest) and req.stream and req.echo and req.logprobs is not None:
+            bad.append("logprobs")  # the echoed prompt's logprobs are not streamed
         if bad:
             raise APIError(400, f"{', '.join(bad)} is not supported by this server", param=bad[0])
         return req.model or self.model_names[0]
@@ -86,8 +91,8 @@ class OpenAIServing:
             texts = await self.engine.add(stream, engine_ids, add)
         except RequestError as exc:
             raise request_error(exc, prompt_param) from exc
-        return _Call(request_id, model, int(time.time()), req.n, stream, engine_ids, texts, req.include_usage,
-                     getattr(req, "return_token_ids", False))
+        return _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids, texts, req.include_usage,
+                     bool(req.return_token_ids), req.logprobs_wanted(), isinstance(req, ChatCompletionRequest))
 
     async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
         finals: dict[str, RequestOutput] = {}
@@ -108,7 +113,7 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
 
         prompts = req.prompts()
-        self.limits.check_seqs(len(prompts), req.n)
+        self.limits.check_seqs(len(prompts), req.choices)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
@@ -124,22 +129,33 @@ class OpenAIServing:
 
         call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
-            return finalize_on_gc(self._stream_completion(call, req.echo), call.stream.close)
+            return finalize_on_gc(self._stream_completion(call, bool(req.echo)), call.stream.close)
         outs, usage = await self._collect(call)
         choices = []
         for i, out in enumerate(outs):
             prefix = (call.prompt_texts[i] or "") if req.echo else ""
             for c in out.outputs:
-                choices.append(CompletionChoice(index=i * call.n + c.index, text=prefix + c.text,
+                logprobs = None
+                if c.logprobs is not None:
+                    if req.echo:
+                        logprobs = completion_logprobs(out.prompt_token_ids + list(c.token_ids),
+                                                       out.prompt_logprobs + c.logprobs)
+                    else:
+                        logprobs = completion_logprobs(c.token_ids, c.logprobs)
+                choices.append(CompletionChoice(index=i * call.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                                token_ids=list(c.token_ids) if req.return_token_ids else None))
+                                                token_ids=list(c.token_ids) if req.return_token_ids else None,
+                                                prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
         return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage)
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
 
-        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-            return completion_chunk(*args, index, text, finish_reason, token_ids)
+        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+                  logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
+                  text_offset: int = 0) -> dict:
+            formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset).model_dump()
+            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason)
 
         try:
             if echo:
@@ -156,12 +172,12 @@ class OpenAIServing:
                    tenant: str | None = None) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self._check(req)
         arrival = time.time()
-        messages = [m.template_dict() for m in req.messages]
-        self.limits.check_seqs(1, req.n)
+        chat = req.chat_prompt()
+        self.limits.check_seqs(1, req.choices)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def add(engine: Engine) -> list[str | None]:
-            ids = engine.encode_chat(messages, req.add_generation_prompt)
+            ids = engine.encode_chat(chat)
             room = min(engine.max_model_len, engine.max_pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
@@ -169,24 +185,35 @@ class OpenAIServing:
                                 max_total_tokens=self.limits.max_request_tokens)
             return [None]
 
+        # vLLM's chat echo: the reply starts with the last message's content when it is the
+        # assistant's own (continue_final_message)
+        last = chat.messages[-1]
+        echo = last["content"] if req.echo and last["role"] == "assistant" else ""
         call = await self._start(req, request_id, [request_id], model, add, "messages")
         if req.stream:
-            return finalize_on_gc(self._stream_chat(call), call.stream.close)
+            return finalize_on_gc(self._stream_chat(call, echo), call.stream.close)
         (out,), usage = await self._collect(call)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=echo + c.text),
+                              logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
+                                                                                     call.logprobs or 0),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                              token_ids=list(c.token_ids) if req.return_token_ids else None) for c in out.outputs]
         return ChatCompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices,
-                                      usage=usage)
+                                      usage=usage, prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
 
-    async def _stream_chat(self, call: _Call) -> AsyncIterator[str]:
+    async def _stream_chat(self, call: _Call, echo: str = "") -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
 
-        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
-            return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason)
+        def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
+                  logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
+                  text_offset: int = 0) -> dict:
+            formatted = None if logprobs is None else chat_logprobs(*logprobs, call.logprobs or 0).model_dump()
+            return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason, formatted, stop_reason,
+                              token_ids)
 
         try:
             for j in range(call.n):
-                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
+                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": echo}))
             async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
                 yield event
         finally:
@@ -195,12 +222,15 @@ class OpenAIServing:
 
 async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) -> AsyncIterator[str]:
     """SSE events: each choice's new text, one final chunk per choice with its finish
-    reason, the usage chunk when asked for, then ``[DONE]``. With ``return_token_ids``
-    every new token gets into a chunk with its id, even one whose text is held back."""
+    and stop reasons, the usage chunk when asked for, then ``[DONE]``. With
+    ``return_token_ids`` or logprobs every new token gets into a chunk with its id or
+    logprobs, even one whose text is held back."""
     sent: dict[int, int] = {}
     sent_ids: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # completions' text offset of the next logprob token
     done: set[int] = set()
     finals: dict[str, RequestOutput] = {}
+    tokens_with_text = call.return_token_ids or call.logprobs is not None
     try:
         async for outs in call.stream:
             for out in outs:
@@ -209,16 +239,22 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
                     index = base + c.index
                     if index in done:
                         continue
+                    start = sent_ids.get(index, 0)
                     new_text = len(c.text) > sent.get(index, 0)
-                    new_ids = call.return_token_ids and len(c.token_ids) > sent_ids.get(index, 0)
+                    new_ids = tokens_with_text and len(c.token_ids) > start
                     if new_text or new_ids:
-                        ids = list(c.token_ids[sent_ids.get(index, 0):]) if call.return_token_ids else None
-                        yield sse(chunk(index, c.text[sent.get(index, 0):], None, ids))
+                        ids = list(c.token_ids[start:]) if call.return_token_ids else None
+                        logprobs = (list(c.token_ids[start:]), c.logprobs[start:]) if c.logprobs is not None else None
+                        yield sse(chunk(index, c.text[sent.get(index, 0):], None, ids, logprobs,
+                                        text_offset=offsets.get(index, 0)))
+                        if logprobs is not None:
+                            offsets[index] = offsets.get(index, 0) + sum(
+                                len(e[t].decoded_token or "") for t, e in zip(*logprobs, strict=True))
                         sent[index] = len(c.text)
                         sent_ids[index] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(index)
-                        yield sse(chunk(index, "", c.finish_reason))
+                        yield sse(chunk(index, "", c.finish_reason, stop_reason=c.stop_reason))
                 if out.finished:
                     finals[out.request_id] = out
         if call.include_usage:

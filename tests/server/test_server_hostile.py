@@ -237,7 +237,7 @@ def test_an_internal_error_is_a_500_with_a_log_line_not_a_400(monkeypatch, caplo
     real = engine.encode_chat
 
     def broken(messages, add_generation_prompt=True):
-        if messages[0]["content"] == "boom":
+        if messages.messages[0]["content"] == "boom":
             raise ValueError("an internal invariant broke")
         return real(messages, add_generation_prompt)
 

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from hyprefix.errors import RequestError
+from hyprefix.sampling import SamplingParams
 from hyprefix.server.api import _validation_error
 from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
 from hyprefix.server.serving import request_error
@@ -60,13 +61,45 @@ def test_chat_messages():
 
 
 def test_unsupported_fields_are_refused_not_ignored():
-    assert CompletionRequest(prompt="a", logprobs=1, frequency_penalty=0.5).unsupported() == [
-        "frequency_penalty", "logprobs"]
+    assert CompletionRequest(prompt="a", logprobs=1, frequency_penalty=0.5).unsupported() == []
     assert CompletionRequest(prompt="a", best_of=2, n=2, presence_penalty=0.0).unsupported() == []
-    assert ChatCompletionRequest(messages=MESSAGES, tools=[{"type": "function"}],
+    assert CompletionRequest(prompt="a", guided_regex="a+", suffix="z", best_of=3).unsupported() == [
+        "guided_regex", "best_of", "suffix"]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert ChatCompletionRequest(messages=MESSAGES, tools=tools,
                                  response_format={"type": "json_object"}).unsupported() == [
         "tools", "response_format"]
+    assert ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="none").unsupported() == []
     assert ChatCompletionRequest(messages=MESSAGES, response_format={"type": "text"}).unsupported() == []
+    with pytest.raises(ValidationError, match=r"extra_forbidden|Extra inputs"):
+        CompletionRequest.model_validate({"prompt": "a", "guided_decoding_backend": "x"})
+
+
+def test_nulls_are_accepted_where_openai_accepts_them():
+    body = {"prompt": "a", **dict.fromkeys(
+        ("n", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user", "frequency_penalty",
+         "presence_penalty", "logit_bias", "logprobs", "echo", "best_of", "suffix", "max_tokens", "top_k",
+         "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+         "skip_special_tokens", "return_token_ids"))}
+    params = CompletionRequest.model_validate(body).sampling_kwargs()
+    assert SamplingParams(**params) == SamplingParams()  # every null is the default
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi", "name": None}],
+                                                 **dict.fromkeys(("logprobs", "top_logprobs", "tools", "tool_choice",
+                                                                  "response_format", "max_completion_tokens",
+                                                                  "parallel_tool_calls", "chat_template_kwargs"))})
+    assert chat.logprobs_wanted() is None and chat.unsupported() == []
+
+
+def test_messages_keep_tool_calls_and_tool_results_for_the_template():
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    messages = chat.chat_prompt().messages
+    assert messages[1]["tool_calls"] == [{"id": "call_1", "type": "function",
+                                          "function": {"name": "get", "arguments": {"city": "Oslo"}}}]
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 def test_error_mapping():

@@ -1,0 +1,193 @@
+"""The OpenAI and vLLM request fields agents and RL clients use, through the official
+``openai`` client against the app in process: logprobs (completions, echo, chat, streams),
+sampling fields, tool messages and tool definitions reaching the chat template, template
+arguments, echo and continue_final_message, and the small API surface (models by id,
+X-Request-Id, stop_reason in streams)."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from hyprefix.config import EngineArgs
+from hyprefix.demo import demo_model_path
+from hyprefix.engine import Engine
+from hyprefix.server import build_app
+
+MODEL = "demo"
+GREEDY = dict(model=MODEL, temperature=0)
+
+# A Qwen3-style template: tools in the system turn, an assistant's tool calls as
+# <tool_call> JSON, tool results as <tool_response>, and enable_thinking.
+TOOL_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+# Tools
+{%- for tool in tools %}
+{{ tool.function.name }}: {{ tool.function.description }} {{ tool.function.parameters | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}
+{%- if not (loop.last and continue_final_message) %}<|im_end|>
+{% endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_7", "content": "sunny, 21 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    engine = Engine(EngineArgs(model=str(demo_model_path("dense")), num_kv_blocks=256, enforce_eager=True,
+                               log_stats_interval=0))
+    with TestClient(build_app(engine, [MODEL])) as http:
+        yield engine, http
+
+
+@pytest.fixture(scope="module")
+def client(app_client) -> openai.OpenAI:
+    _, http = app_client
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def test_completion_logprobs_are_consistent_and_greedy_picks_the_top(client):
+    out = client.completions.create(prompt="The cache keeps", max_tokens=6, logprobs=3,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and 1 <= len(top) <= 4
+        assert math.isclose(value, max(top.values()), abs_tol=1e-6)  # greedy: the most likely token
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, app_client):
+    engine, _ = app_client
+    prompt = "Shared prefixes are cheap"
+    n_prompt = len(engine.tokenizer.encode(prompt))
+    out = client.completions.create(prompt=prompt, max_tokens=3, logprobs=1, echo=True,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+
+
+def test_chat_logprobs_stream_like_the_whole_response(client):
+    messages = [{"role": "user", "content": "Say something about caches."}]
+    whole = client.chat.completions.create(messages=messages, max_tokens=5, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True}, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in content if "\ufffd" not in t.token)
+    streamed = []
+    for chunk in client.chat.completions.create(messages=messages, max_tokens=5, logprobs=True, top_logprobs=2,
+                                                stream=True, extra_body={"ignore_eos": True}, **GREEDY):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(t.token, round(t.logprob, 5)) for t in content]
+
+
+def test_sampling_fields_reach_the_engine(client, app_client):
+    engine, _ = app_client
+    token = engine.tokenizer.encode(" cache")[0]
+    forced = client.completions.create(prompt="Hello", max_tokens=4, temperature=1.0, seed=3,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True}, model=MODEL)
+    assert forced.choices[0].text == engine.tokenizer.decode([token] * 4)
+    held = client.completions.create(prompt="Hello", max_tokens=8, stop=["e"], model=MODEL, temperature=0,
+                                     extra_body={"min_tokens": 8, "ignore_eos": True, "return_token_ids": True})
+    assert len(held.choices[0].token_ids) == 8
+    allowed = client.completions.create(prompt="Hello", max_tokens=6, temperature=1.3, seed=1, model=MODEL,
+                                        extra_body={"allowed_token_ids": [token, 5], "ignore_eos": True,
+                                                    "return_token_ids": True})
+    assert set(allowed.choices[0].token_ids) <= {token, 5}
+
+
+def _expected_prompt(engine, messages: list[dict], **kwargs) -> list[int]:
+    import json
+
+    rendered = [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                         "arguments": json.loads(c["function"]["arguments"])}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+    rendered = [{**m, "content": m["content"] or ""} for m in rendered]
+    return list(engine.tokenizer.apply_chat_template(rendered, chat_template=TOOL_TEMPLATE, tokenize=True,
+                                                     return_dict=False, **kwargs))
+
+
+def _prompt_ids(response) -> list[int]:
+    return [int(next(iter(entry))) for entry in response.model_extra["prompt_logprobs"][1:]]
+
+
+def test_tools_and_tool_messages_reach_the_template(client, app_client):
+    engine, _ = app_client
+    out = client.chat.completions.create(messages=CONVERSATION, tools=TOOLS, tool_choice="none", max_tokens=2,
+                                         extra_body={"chat_template": TOOL_TEMPLATE, "prompt_logprobs": 0},
+                                         **GREEDY)
+    expected = _expected_prompt(engine, CONVERSATION, tools=TOOLS, add_generation_prompt=True)
+    text = engine.tokenizer.decode(expected)
+    assert "get_weather: Weather in a city." in text and '"arguments": {"city": "Oslo"}' in text
+    assert 'tool_response id="call_7"' in text
+    assert out.usage.prompt_tokens == len(expected) and _prompt_ids(out) == expected[1:]
+    assert out.choices[0].message.tool_calls in (None, [])
+
+
+def test_template_kwargs_continue_final_message_and_echo(client, app_client):
+    engine, _ = app_client
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = client.chat.completions.create(messages=messages, max_tokens=1, extra_body={
+        "chat_template": TOOL_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}, "prompt_logprobs": 0},
+        **GREEDY)
+    expected = _expected_prompt(engine, messages, add_generation_prompt=True, enable_thinking=False)
+    assert "<think>" in engine.tokenizer.decode(expected) and _prompt_ids(thinking) == expected[1:]
+    partial = [*messages, {"role": "assistant", "content": "The answer is"}]
+    out = client.chat.completions.create(messages=partial, max_tokens=3, extra_body={
+        "chat_template": TOOL_TEMPLATE, "continue_final_message": True, "add_generation_prompt": False,
+        "echo": True, "prompt_logprobs": 0, "ignore_eos": True}, **GREEDY)
+    expected = _expected_prompt(engine, partial, add_generation_prompt=False, continue_final_message=True)
+    assert engine.tokenizer.decode(expected).endswith("The answer is")
+    assert _prompt_ids(out) == expected[1:]
+    assert out.choices[0].message.content.startswith("The answer is")
+
+
+def test_models_by_id_request_id_header_and_stop_reason_in_streams(client, app_client):
+    _, http = app_client
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                         headers={"X-Request-Id": "my-trace-1"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "my-trace-1"
+    text = client.completions.create(prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True},
+                                     **GREEDY).choices[0].text
+    stop = text.strip()[2:4]
+    finals = [c.choices[0] for c in client.completions.create(prompt="Hello", max_tokens=12, stop=[stop],
+                                                              stream=True, extra_body={"ignore_eos": True},
+                                                              **GREEDY)
+              if c.choices and c.choices[0].finish_reason]
+    assert finals[0].finish_reason == "stop" and finals[0].model_extra["stop_reason"] == stop
