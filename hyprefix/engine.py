@@ -26,6 +26,7 @@ from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.structured.grammar import GrammarCompiler
 from hyprefix.text import ChatPrompt, chat_token_ids, check_text
 
 log = logging.getLogger("hyprefix")
@@ -97,6 +98,7 @@ class Engine:
         self.vocab_size = int(self.text_config.vocab_size)
         self.max_model_len = args.max_model_len or loaded.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
         layout = loaded.model.kv_layout
         state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
@@ -268,6 +270,8 @@ class Engine:
             self.validate(ids, params)
             if params.bad_words:
                 params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
+            if params.structured_outputs is not None:
+                self.grammars.compile(params.structured_outputs)  # a bad one raises before anything is queued
             checked.append((request_id, child_ids, params, text, ids, salt))
         total = sum(params.n * (len(ids) + params.max_tokens) for _, _, params, _, ids, _ in checked)
         if max_total_tokens is not None and total > max_total_tokens:
@@ -281,6 +285,8 @@ class Engine:
                 request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
                                   eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
                                   group=group or request_id)
+                if params.structured_outputs is not None:
+                    request.grammar = self.grammars.grammar(params.structured_outputs)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
                                                include_stop=params.include_stop_str_in_output)
                 samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
@@ -405,6 +411,12 @@ class Engine:
                                               check_stop=len(request.output_token_ids) > params.min_tokens)
             elif params.include_stop_str_in_output:
                 sample.detok.append(request.output_token_ids[-1], check_stop=False)
+            if matched is None and not request.is_finished and request.grammar is not None \
+                    and request.grammar.is_stopped():  # the structured output is complete
+                if request.grammar.is_error():
+                    log.warning("request %s left its grammar: %s", request.request_id, request.grammar.error())
+                self.scheduler.finish(request.request_id, "stop")
+                request.finish_reason, request.stop_reason = "stop", None
             if matched is not None:
                 if not request.is_finished:
                     self.scheduler.finish(request.request_id, "stop")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hyprefix.sampling import SamplingParams
 
@@ -36,6 +37,7 @@ class ScheduledSeq:
     # logits processing (penalties, bad words) and prompt logprobs read.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    grammar: Any = None  # the request's structured-outputs parser (``Request.grammar``)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from hyprefix.sampling import SamplingParams
 
@@ -44,6 +45,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Structured outputs: the sequence's parser (``structured.grammar.Grammar``, opaque here),
+    # which the sampler masks by and advances
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

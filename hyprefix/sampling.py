@@ -6,6 +6,7 @@ import reprlib
 from dataclasses import dataclass, field, replace
 
 from hyprefix.errors import RequestError
+from hyprefix.structured.spec import StructuredOutputs
 from hyprefix.text import check_text
 
 # Every decode step checks every stop string (and id) of every running request, so one
@@ -37,6 +38,10 @@ class SamplingParams:
     ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: over output tokens), then
     temperature, ``min_p``, ``top_k``, ``top_p``.
 
+    ``structured_outputs``: the output must match a JSON schema, regex, choice or grammar
+    (``structured/``); every token is sampled from those the grammar allows, before any
+    other processing, and the output ends once the grammar is complete.
+
     ``logprobs``: the sampled token's log-probability and this many top ones per output
     token; ``prompt_logprobs``: the same for every prompt token but the first (a request
     that asks computes its whole prompt: it takes no prefix-cache hit). Both come from
@@ -66,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputs | None = None
     stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     # ``bad_words`` as token id sequences, set by the engine from its tokenizer (``with_bad_words_ids``)
@@ -105,6 +111,10 @@ class SamplingParams:
             self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
             f"truncate_prompt_tokens must be an integer >= 1 (or -1: max_model_len), got "
             f"{self.truncate_prompt_tokens!r}")
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs", "structured_outputs must be StructuredOutputs (or a dict of its fields)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean")

@@ -217,6 +217,7 @@ class Scheduler:
             window_blocks=cache.window_blocks,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -5,6 +5,7 @@ the model its elementwise kernels (compiled or not) once, at construction."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +20,7 @@ from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
 from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
 from hyprefix.sampling import SamplingParams
+from hyprefix.structured.grammar import fill_masks
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -69,6 +71,7 @@ class ModelRunner:
             RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device)
             for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device, eos_token_ids)
+        self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
         # the model runs its decode steps in one kernel call of its own (``decode_logits``).
@@ -159,6 +162,8 @@ class ModelRunner:
     def _execute(self, output: SchedulerOutput) -> StepResult:
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
+        grammar_rows = [i for i, seq in enumerate(batch.sample_seqs) if seq.grammar is not None]
+        masks = self._start_masks([batch.sample_seqs[i].grammar for i in grammar_rows]) if grammar_rows else None
         whole = self.model.decode_logits(batch, self.kv_caches)
         path = "kernel" if self.model.takes_decode_kernel(batch) else "eager"  # decode_logits' own condition
         if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
@@ -175,11 +180,19 @@ class ModelRunner:
             if not batch.sample_seqs:
                 return result
             logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
-        tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy)
+        tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy,
+                                               (grammar_rows, masks.result()) if masks is not None else None)
         ids = [seq.request_id for seq in batch.sample_seqs]
         result.sampled = dict(zip(ids, tokens, strict=True))
         result.logprobs = {ids[row]: entry for row, entry in logprobs.items()}
         return result
+
+    def _start_masks(self, grammars: list) -> Future:
+        """Compute these grammars' next-token masks on a thread of their own while the forward
+        pass runs (llguidance releases the GIL)."""
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-grammar")
+        return self._grammar_pool.submit(fill_masks, grammars, self.model.config.get_text_config().vocab_size)
 
     def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[PositionLogprobs]]]:

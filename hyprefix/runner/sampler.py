@@ -12,6 +12,7 @@ import torch
 
 from hyprefix.outputs import PositionLogprobs, ScheduledSeq
 from hyprefix.runner.logits import LogitsProcessor, logprobs_of
+from hyprefix.structured.grammar import apply_masks
 
 
 class Sampler:
@@ -26,17 +27,30 @@ class Sampler:
             self._request_generators.pop(request_id, None)
         self.processor.forget(request_ids)
 
-    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None,
+               grammar_masks: tuple[list[int], torch.Tensor] | None = None
                ) -> tuple[list[int], dict[int, PositionLogprobs]]:
         """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
-        [S] where the caller has it already (a compiled decode step). Returns the sampled
-        tokens and, for the rows whose requests ask, their logprobs by row."""
+        [S] where the caller has it already (a compiled decode step); ``grammar_masks``: the
+        rows with a structured-outputs grammar and their next-token bitmask (computed beside
+        the forward pass). Each such row's token is sampled from what its grammar allows and
+        advances it. Returns the sampled tokens and, for the rows whose requests ask, their
+        logprobs (of the raw logits) by row."""
         raw = logits
-        processed = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+        grammar_rows = grammar_masks[0] if grammar_masks is not None else []
+        processed = sorted(set(grammar_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
         if processed:
             rows = torch.tensor(processed, device=logits.device)
             logits = logits.clone()
-            logits[rows] = self.processor.apply(logits[rows], [seqs[i] for i in processed])
+            if grammar_masks is not None:
+                masked = torch.tensor(grammar_rows, device=logits.device)
+                sub = logits[masked]
+                apply_masks(sub, grammar_masks[1])
+                logits[masked] = sub
+            chosen = [i for i in processed if seqs[i].params.processes_logits]
+            if chosen:
+                index = torch.tensor(chosen, device=logits.device)
+                logits[index] = self.processor.apply(logits[index], [seqs[i] for i in chosen])
             if greedy is not None:
                 greedy = greedy.clone()
                 greedy[rows] = logits[rows].argmax(dim=-1)
@@ -54,12 +68,15 @@ class Sampler:
                 if seqs[i].params.seed is not None:
                     noise[j].exponential_(generator=self._generator_for(seqs[i]))
             tokens[rows] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        for i in grammar_rows:
+            seqs[i].grammar.accept(token_list[i])
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not asking:
-            return tokens.tolist(), {}
+            return token_list, {}
         rows = torch.tensor(asking, device=logits.device)
         entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
-        return tokens.tolist(), dict(zip(asking, entries, strict=True))
+        return token_list, dict(zip(asking, entries, strict=True))
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)

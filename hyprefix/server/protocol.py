@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hyprefix.errors import RequestError
+from hyprefix.structured.spec import StructuredOutputs
 from hyprefix.text import ChatPrompt
 
 
@@ -92,20 +94,35 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     prompt_logprobs: int | None = Field(None, ge=-1)
     return_token_ids: bool | None = False  # each choice (and stream chunk) carries its token ids
-    # vLLM fields that need features this server does not have: accepted only at their neutral value
+    # structured outputs: vLLM's field, and its older guided_* names
     structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of fields set to something this server cannot do."""
-        bad = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                 "guided_grammar") if getattr(self, name) is not None]
-        if self.store:
-            bad.append("store")
+        bad = ["store"] if self.store else []
         return bad + (self.stream_options.unsupported() if self.stream_options else [])
+
+    def structured(self) -> tuple[str, StructuredOutputs] | None:
+        """The output constraint and the field that set it; a 400 when two fields set one."""
+        given: list[tuple[str, StructuredOutputs]] = []
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", _structured(self.structured_outputs, "structured_outputs")))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, _structured({name.removeprefix("guided_"): value}, name)))
+        given += self._response_format()
+        if len(given) > 1:
+            raise APIError(400, f"set one output constraint, not {' and '.join(name for name, _ in given)}",
+                           param=given[1][0])
+        return given[0] if given else None
+
+    def _response_format(self) -> list[tuple[str, StructuredOutputs]]:
+        return []
 
     def logprobs_wanted(self) -> int | None:
         """Top logprobs per output token (0: the sampled token's alone); None: none."""
@@ -128,6 +145,9 @@ class _SamplingRequest(_Request):
             kwargs["logit_bias"] = _token_keys(self.logit_bias)
         if self.logprobs_wanted() is not None:
             kwargs["logprobs"] = self.logprobs_wanted()
+        structured = self.structured()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured[1]
         return kwargs
 
     @property
@@ -137,6 +157,17 @@ class _SamplingRequest(_Request):
     @property
     def choices(self) -> int:
         return self.n or 1
+
+
+def _structured(fields: dict[str, Any], param: str) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except TypeError as exc:
+        unknown = sorted(set(fields) - set(StructuredOutputs.__dataclass_fields__))
+        raise APIError(400, f"{param}: {', '.join(unknown) or 'a field'} is not supported by this server",
+                       param=param) from exc
+    except RequestError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
 def _token_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -240,9 +271,16 @@ def _json_arguments(arguments: str) -> Any:
         raise APIError(400, f"a tool call's arguments are not valid JSON: {exc}", param="messages") from exc
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class FunctionDefinition(_Request):
@@ -280,9 +318,19 @@ class ChatCompletionRequest(_SamplingRequest):
             bad.append("tools")  # tool calls are not parsed yet: only tool_choice "none" renders them
         elif self.tool_choice not in (None, "none"):
             bad.append("tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append("response_format")
         return bad
+
+    def _response_format(self) -> list[tuple[str, StructuredOutputs]]:
+        """OpenAI's response_format as a constraint: json_object, or json_schema (strict or not,
+        the output always matches the schema)."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return []
+        if fmt.type == "json_object":
+            return [("response_format", StructuredOutputs(json_object=True))]
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        return [("response_format", _structured({"json": fmt.json_schema.schema_}, "response_format"))]
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -90,7 +90,11 @@ class OpenAIServing:
         try:
             texts = await self.engine.add(stream, engine_ids, add)
         except RequestError as exc:
-            raise request_error(exc, prompt_param) from exc
+            error = request_error(exc, prompt_param)
+            structured = req.structured()
+            if error.param == "structured_outputs" and structured is not None:
+                error.param = structured[0]  # the field the client used (response_format, guided_json, ...)
+            raise error from exc
         return _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids, texts, req.include_usage,
                      bool(req.return_token_ids), req.logprobs_wanted(), isinstance(req, ChatCompletionRequest))
 

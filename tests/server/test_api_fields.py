@@ -191,3 +191,54 @@ def test_models_by_id_request_id_header_and_stop_reason_in_streams(client, app_c
                                                               **GREEDY)
               if c.choices and c.choices[0].finish_reason]
     assert finals[0].finish_reason == "stop" and finals[0].model_extra["stop_reason"] == stop
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "sunny": {"type": "boolean"},
+                                           "temp": {"type": "integer", "minimum": -50, "maximum": 50}},
+          "required": ["city", "sunny", "temp"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Weather report as JSON."}]
+    out = client.chat.completions.create(messages=messages, max_tokens=80, temperature=1.0, seed=7, n=3, model=MODEL,
+                                         response_format={"type": "json_schema", "json_schema": {
+                                             "name": "report", "schema": SCHEMA, "strict": True}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(messages=messages, max_tokens=80, temperature=1.0, seed=8, n=2,
+                                                model=MODEL, stream=True,
+                                                response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "r", "schema": SCHEMA}}):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert len(streamed) == 2 and all(jsonschema.validate(json.loads(t), SCHEMA) is None for t in streamed.values())
+    obj = client.completions.create(prompt="{", max_tokens=60, temperature=1.0, seed=1, model=MODEL,
+                                    extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(obj.choices[0].text), SCHEMA)
+    choice = client.completions.create(prompt="Answer:", max_tokens=5, model=MODEL,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}}, "response_format"),
+    ({"guided_regex": "(open"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a+", "json": {"type": "object"}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_constraints_are_400s_naming_the_field(app_client, extra, param):
+    _, http = app_client
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 4, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

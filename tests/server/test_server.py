@@ -368,8 +368,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # over --max-logprobs
     ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "logprobs"),
-    ("completions", {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
-    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs"),
+    ("completions", {"prompt": "hi", "guided_json": "{not json"}, 400, "guided_json"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "(a+"}}, 400, "structured_outputs"),
     ("completions", {"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
     ("completions", {"prompt": "hi", "suffix": "tail"}, 400, "suffix"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
@@ -393,7 +393,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": OK_MESSAGES, "ignore_eos": "true"}, 400, "ignore_eos"),
     ("chat", {"messages": OK_MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs
     ("chat", {"messages": OK_MESSAGES, "logprobs": True, "top_logprobs": 30}, 400, "logprobs"),
-    ("chat", {"messages": OK_MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": OK_MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("chat", {"messages": OK_MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat", {"messages": OK_MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
     ("chat", {"messages": OK_MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),

@@ -1,0 +1,2 @@
+"""Structured outputs: what a request constrains its output to (``spec.py``, plain data) and
+the grammar engine that holds a sampler to it (``grammar.py``, llguidance)."""

@@ -1,0 +1,138 @@
+"""The grammar engine behind structured outputs: llguidance (a Rust Earley parser over the
+tokenizer's vocabulary; no dependencies of its own, a wheel for every platform).
+
+``GrammarCompiler`` (one per engine) turns a ``StructuredOutputs`` into a validated grammar,
+once per distinct constraint (an LRU cache), and gives each sequence its own ``Grammar``: the
+parser state that knows which tokens may come next (``fill_masks``) and advances with
+each sampled token (``accept``). A bad schema, regex or grammar is a ``RequestError``
+naming the field, raised when the request is added.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from hyprefix.errors import RequestError
+from hyprefix.structured.spec import StructuredOutputs
+
+CACHE_SIZE = 512  # compiled grammars kept (distinct schemas, regexes, choices, grammars)
+# JSON the model writes: no free whitespace between tokens (with it, a model may pad forever)
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as exc:  # a core dependency; only a broken install lacks it
+        raise RuntimeError("structured outputs need the llguidance package: pip install llguidance") from exc
+    return llguidance
+
+
+class Grammar:
+    """One sequence's parser state under a compiled grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (the parser is
+        then in an error state and stays there)."""
+        return self.matcher.consume_token(token_id)
+
+    def is_stopped(self) -> bool:
+        """Whether the output is complete: nothing but EOS may follow (or the parser failed)."""
+        return self.matcher.is_stopped()
+
+    def is_error(self) -> bool:
+        return self.matcher.is_error()
+
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary; builds the llguidance
+    tokenizer on first use (about a second for a 150k-token vocabulary)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._tokenizer = None
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            llg = _llguidance()
+            eos = sorted(self.eos_token_ids) or None
+            self._tokenizer = llg.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def compile(self, spec: StructuredOutputs, param: str = "structured_outputs") -> str:
+        """The validated grammar of ``spec`` (cached); a ``RequestError`` on ``param`` if invalid."""
+        key = spec.key()
+        grammar = self._grammars.get(key)
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        grammar = self._grammar_text(spec, param)
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise RequestError(f"invalid {spec.kind} for structured outputs: {messages[0]}", param=param)
+        self._grammars[key] = grammar
+        if len(self._grammars) > CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def _grammar_text(self, spec: StructuredOutputs, param: str) -> str:
+        llg = _llguidance()
+        matcher = llg.LLMatcher
+        try:
+            if spec.kind == "json":
+                return matcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+            if spec.kind == "json_object":
+                return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if spec.kind == "regex":
+                return matcher.grammar_from_regex(spec.regex)
+            if spec.kind == "choice":
+                return llg.grammar_from("choice", json.dumps(list(spec.choice)))
+            return llg.grammar_from("grammar", spec.grammar)
+        except ValueError as exc:
+            raise RequestError(f"invalid {spec.kind} for structured outputs: {exc}", param=param) from exc
+
+    def grammar(self, spec: StructuredOutputs, param: str = "structured_outputs") -> Grammar:
+        """A new sequence's parser for ``spec``."""
+        matcher = _llguidance().LLMatcher(self.tokenizer, self.compile(spec, param), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"invalid {spec.kind} for structured outputs: {matcher.get_error()}", param=param)
+        return Grammar(matcher)
+
+_executor = None
+
+
+def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
+    """The next-token bitmask of each grammar, int32 [len, ceil(vocab / 32)] (bit set: allowed);
+    one llguidance thread (it runs beside the forward pass, ``runner/model_runner.py``)."""
+    global _executor
+    llg = _llguidance()
+    import llguidance.torch as llg_torch
+
+    if _executor is None:
+        _executor = llg.LLExecutor(num_threads=1)
+    bitmask = llg_torch.allocate_token_bitmask(len(grammars), vocab_size)
+    llg_torch.fill_next_token_bitmask_par(_executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+    return bitmask
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in ``bitmask`` (int32 [R, ceil(V / 32)],
+    one row per row of ``logits`` [R, V]) is clear."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :logits.shape[1]].to(logits.device)
+    logits.masked_fill_(allowed == 0, float("-inf"))
