@@ -86,7 +86,8 @@ class EngineReplica:
         engine = Engine(args)
         engine.warmup()
         self.engine = engine
-        self.backend = LocalBackend(engine, config.names, config.server.limits, replica=self.replica_id)
+        self.backend = LocalBackend(engine, config.names, config.server.limits, replica=self.replica_id,
+                                    chat=config.server.chat)
         self._started = False
 
     def _start(self) -> None:

@@ -26,6 +26,7 @@ from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
 from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import LocalBackend, ServingBackend
+from hyprefix.server.chat_output import ChatOptions
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
     APIError,
@@ -44,15 +45,16 @@ _PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
 
 
 def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | list[str] | None = None,
-              limits: ServerLimits | None = None, cache_per_key: bool = False) -> FastAPI:
+              limits: ServerLimits | None = None, cache_per_key: bool = False,
+              chat: ChatOptions | None = None) -> FastAPI:
     """An app serving ``engine``. Its engine thread starts and stops with the app's
     lifespan; ``app.state.async_engine`` and ``app.state.metrics`` expose both.
 
     ``api_key``: one key or several; with ``cache_per_key`` every key is a tenant whose
     requests share cached blocks only with requests made with the same key (its
     ``cache_salt`` is bound to the key), so no salt a client guesses reaches another
-    tenant's cache."""
-    backend = LocalBackend(engine, model_names or [engine.args.model or DEMO_MODEL_NAME], limits)
+    tenant's cache. ``chat``: tool-call and reasoning parsing (``ServerArgs.chat``)."""
+    backend = LocalBackend(engine, model_names or [engine.args.model or DEMO_MODEL_NAME], limits, chat=chat)
     app = build_openai_app(backend, api_key, backend.limits, cache_per_key)
     app.state.async_engine, app.state.metrics = backend.async_engine, backend.metrics
     return app
@@ -312,7 +314,7 @@ def run_server(args: EngineArgs, server: ServerArgs | None = None, log_level: st
     server = server or ServerArgs()
     engine = Engine(args)
     engine.warmup()
-    app = build_app(engine, server.model_names, server.api_keys, server.limits, server.cache_per_key)
+    app = build_app(engine, server.model_names, server.api_keys, server.limits, server.cache_per_key, server.chat)
     names = ", ".join(server.model_names or [args.model or DEMO_MODEL_NAME])
     log.info("serving %s on http://%s:%d (API key %s)", names, server.host, server.port,
              "required" if server.api_key else "off")

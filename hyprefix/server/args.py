@@ -14,13 +14,16 @@ from dataclasses import dataclass, field, fields
 
 from hyprefix.field_flags import add_field_flag
 from hyprefix.routing.policy import RoutingRule
+from hyprefix.server.chat_output import REASONING_PARSERS, ChatOptions
 from hyprefix.server.limits import ServerLimits
+from hyprefix.server.tool_parsers import TOOL_CALL_PARSERS
 
 REPLICA_ROUTERS = ("prefix", "pow2")
 API_KEY_ENV = "HYPREFIX_API_KEY"
 
 _SERVER = "server"
 _REPLICAS = "replicas (Ray Serve; needs the 'replicas' extra)"
+_CHAT = "tool calls and reasoning (chat)"
 _RULE = RoutingRule()
 
 
@@ -41,6 +44,15 @@ class ServerArgs:
                                       "requests made with the same key, whatever cache_salt they send")
     access_log: bool = _opt(True, "log one line per HTTP request")
     limits: ServerLimits = field(default_factory=ServerLimits, metadata={"group": "request limits"})
+    enable_auto_tool_choice: bool = _opt(
+        False, "read tool calls from the model's text when a request lets it choose (tool_choice auto, the default "
+               "with tools); needs --tool-call-parser", _CHAT)
+    tool_call_parser: str | None = _opt(
+        None, "how the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Qwen2.5, Qwen3), qwen3_coder "
+              "(<function=...><parameter=...>: Qwen3-Coder, Qwen3.5), llama3_json", _CHAT, choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _opt(
+        None, "return the reply's reasoning as reasoning_content: qwen3 (<think>...</think>)", _CHAT,
+        choices=REASONING_PARSERS)
     replicas: int = _opt(0, "serve with N engine replicas on Ray Serve behind one app (0: one engine in this "
                             "process, no Ray)", _REPLICAS, metavar="N")
     replica_router: str = _opt("prefix", "prefix: to the replica holding the longest cached prefix (from its KV "
@@ -77,6 +89,11 @@ class ServerArgs:
             raise ValueError(f"replica_router must be one of {REPLICA_ROUTERS}, got {self.replica_router!r}")
         if self.replica_cpus is not None and not (math.isfinite(self.replica_cpus) and self.replica_cpus > 0):
             raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        self.chat  # noqa: B018 - validates the chat options
+
+    @property
+    def chat(self) -> ChatOptions:
+        return ChatOptions(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
     @property
     def model_names(self) -> list[str] | None:

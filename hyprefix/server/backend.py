@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from hyprefix.async_engine import AsyncEngine
 from hyprefix.engine import Engine
 from hyprefix.metrics import ServerMetrics
+from hyprefix.server.chat_output import ChatOptions
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
 from hyprefix.server.serving import OpenAIServing
@@ -44,7 +45,7 @@ class LocalBackend:
     (a replica of a Ray Serve deployment)."""
 
     def __init__(self, engine: Engine, model_names: list[str], limits: ServerLimits | None = None,
-                 replica: str | None = None) -> None:
+                 replica: str | None = None, chat: ChatOptions | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.max_model_len = engine.max_model_len
@@ -52,7 +53,7 @@ class LocalBackend:
         self.async_engine = AsyncEngine(engine, stall_timeout=self.limits.stream_stall_timeout or None)
         self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_names[0], replica=replica)
         self.async_engine.on_outputs = self.metrics.observe
-        self.serving = OpenAIServing(self.async_engine, model_names, self.limits)
+        self.serving = OpenAIServing(self.async_engine, model_names, self.limits, chat)
 
     def start(self) -> None:
         self.async_engine.start()

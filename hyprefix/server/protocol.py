@@ -115,13 +115,16 @@ class _SamplingRequest(_Request):
             value = getattr(self, name)
             if value is not None:
                 given.append((name, _structured({name.removeprefix("guided_"): value}, name)))
-        given += self._response_format()
+        given += self._response_format() + self._tool_constraint()
         if len(given) > 1:
             raise APIError(400, f"set one output constraint, not {' and '.join(name for name, _ in given)}",
                            param=given[1][0])
         return given[0] if given else None
 
     def _response_format(self) -> list[tuple[str, StructuredOutputs]]:
+        return []
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutputs]]:
         return []
 
     def logprobs_wanted(self) -> int | None:
@@ -312,13 +315,36 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.tools and self.tool_choice != "none":
-            bad.append("tools")  # tool calls are not parsed yet: only tool_choice "none" renders them
-        elif self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
-        return bad
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function): ``tool_choice``, by
+        default "auto" with tools and "none" without; a 400 for a choice the tools cannot meet."""
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else "none"), None
+        if isinstance(choice, str):
+            if choice != "none" and not self.tools:
+                raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
+            return choice, None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                '"function": {"name": ...}}', param="tool_choice")
+        if name not in [tool.function.name for tool in self.tools or ()]:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return "named", name
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or ()]
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutputs]]:
+        mode, function = self.tool_mode()
+        if mode not in ("required", "named"):
+            return []
+        from hyprefix.server.chat_output import tool_constraint
+
+        return [("tool_choice", tool_constraint(self.tool_dicts(), mode, function,
+                                                self.parallel_tool_calls is not False))]
 
     def _response_format(self) -> list[tuple[str, StructuredOutputs]]:
         """OpenAI's response_format as a constraint: json_object, or json_schema (strict or not,
@@ -341,7 +367,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """The conversation and how to render it (``text.chat_token_ids``)."""
         return ChatPrompt(
             [m.template_dict() for m in self.messages],
-            [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None,
+            self.tool_dicts() or None,
             add_generation_prompt=self.add_generation_prompt is not False,
             continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
             template_kwargs=dict(self.chat_template_kwargs or {}))
@@ -416,6 +442,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's field)
 
 
 class TopLogprob(BaseModel):

@@ -19,6 +19,7 @@ from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
+from hyprefix.server.chat_output import ChatOptions, ChatOutputRules, ChatStreamer, final_message
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from hyprefix.server.protocol import (
@@ -67,10 +68,12 @@ class _Call:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None,
+                 chat: ChatOptions | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.limits = limits or ServerLimits()
+        self.chat_options = chat or ChatOptions()
 
     # ------------------------------------------------------------- shared
     def _check(self, req: _SamplingRequest) -> str:
@@ -157,7 +160,7 @@ class OpenAIServing:
 
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
-                  text_offset: int = 0) -> dict:
+                  text_offset: int = 0, full_text: str = "") -> dict:
             formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset).model_dump()
             return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason)
 
@@ -177,6 +180,7 @@ class OpenAIServing:
         model = self._check(req)
         arrival = time.time()
         chat = req.chat_prompt()
+        rules = self._output_rules(req)
         self.limits.check_seqs(1, req.choices)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -195,29 +199,48 @@ class OpenAIServing:
         echo = last["content"] if req.echo and last["role"] == "assistant" else ""
         call = await self._start(req, request_id, [request_id], model, add, "messages")
         if req.stream:
-            return finalize_on_gc(self._stream_chat(call, echo), call.stream.close)
+            return finalize_on_gc(self._stream_chat(call, echo, rules), call.stream.close)
         (out,), usage = await self._collect(call)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=echo + c.text),
-                              logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs,
-                                                                                     call.logprobs or 0),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                              token_ids=list(c.token_ids) if req.return_token_ids else None) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = final_message(rules, echo + c.text, c.finish_reason)
+            choices.append(ChatChoice(
+                index=c.index, message=AssistantMessage(**message),
+                logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, call.logprobs or 0),
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None))
         return ChatCompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices,
                                       usage=usage, prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
 
-    async def _stream_chat(self, call: _Call, echo: str = "") -> AsyncIterator[str]:
+    def _output_rules(self, req: ChatCompletionRequest) -> ChatOutputRules:
+        """How this request's replies are read (tool mode, parsers); a 400 for a tool choice
+        this server was not started for."""
+        mode, function = req.tool_mode()
+        options = self.chat_options
+        if mode == "auto" and not options.enable_auto_tool_choice:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
+                                '--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "none", '
+                                '"required" or a named function', param="tool_choice")
+        return ChatOutputRules(options.reasoning_parser, mode, function, options.tool_call_parser,
+                               tuple(req.tool_dicts()), req.parallel_tool_calls is not False)
+
+    async def _stream_chat(self, call: _Call, echo: str = "", rules: ChatOutputRules | None = None
+                           ) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
+        streamers = [ChatStreamer(rules or ChatOutputRules()) for _ in range(call.n)]
 
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
-                  text_offset: int = 0) -> dict:
+                  text_offset: int = 0, full_text: str = "") -> dict:
             formatted = None if logprobs is None else chat_logprobs(*logprobs, call.logprobs or 0).model_dump()
-            return chat_chunk(*args, index, {"content": text} if text else {}, finish_reason, formatted, stop_reason,
+            streamer = streamers[index]
+            delta = streamer.deltas(echo + full_text, finish_reason is not None)
+            return chat_chunk(*args, index, delta, streamer.finish_reason(finish_reason), formatted, stop_reason,
                               token_ids)
 
         try:
             for j in range(call.n):
-                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": echo}))
+                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
             async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
                 yield event
         finally:
@@ -250,7 +273,7 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
                         ids = list(c.token_ids[start:]) if call.return_token_ids else None
                         logprobs = (list(c.token_ids[start:]), c.logprobs[start:]) if c.logprobs is not None else None
                         yield sse(chunk(index, c.text[sent.get(index, 0):], None, ids, logprobs,
-                                        text_offset=offsets.get(index, 0)))
+                                        text_offset=offsets.get(index, 0), full_text=c.text))
                         if logprobs is not None:
                             offsets[index] = offsets.get(index, 0) + sum(
                                 len(e[t].decoded_token or "") for t, e in zip(*logprobs, strict=True))
@@ -258,7 +281,7 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
                         sent_ids[index] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(index)
-                        yield sse(chunk(index, "", c.finish_reason, stop_reason=c.stop_reason))
+                        yield sse(chunk(index, "", c.finish_reason, stop_reason=c.stop_reason, full_text=c.text))
                 if out.finished:
                     finals[out.request_id] = out
         if call.include_usage:

@@ -6,6 +6,8 @@ X-Request-Id, stop_reason in streams)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 
 import openai
@@ -242,3 +244,120 @@ def test_bad_constraints_are_400s_naming_the_field(app_client, extra, param):
                                                        "max_tokens": 4, **extra})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _literal(text: str) -> str:
+    """A regex (Rust syntax) matching exactly ``text``: forces a reply, to test the parsers."""
+    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in r"\.+*?()|[]{}^$#&-~" else ch for ch in text)
+
+
+FORCED = {
+    "hermes": 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+                   "</tool_call>",
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+}
+
+
+@contextlib.contextmanager
+def _served(**chat_options):
+    from hyprefix.server.chat_output import ChatOptions
+
+    engine = Engine(EngineArgs(model=str(demo_model_path("dense")), num_kv_blocks=256, enforce_eager=True,
+                               log_stats_interval=0))
+    with TestClient(build_app(engine, [MODEL], chat=ChatOptions(**chat_options))) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+@pytest.mark.parametrize("parser", sorted(FORCED))
+def test_auto_tool_calls_are_parsed_whole_and_streamed(parser):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"guided_regex": _literal(FORCED[parser]), "chat_template": TOOL_TEMPLATE}
+    with _served(enable_auto_tool_choice=True, tool_call_parser=parser) as client:
+        out = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=80, extra_body=forced,
+                                             **GREEDY)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+        assert call.id.startswith("call_")
+        assert choice.message.content == ("Checking." if parser == "hermes" else None)
+        content, names, arguments, ids, reasons = "", [], "", set(), []
+        for chunk in client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=80, stream=True,
+                                                    extra_body=forced, **GREEDY):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for piece in delta.tool_calls or ():
+                if piece.id:
+                    ids.add(piece.id)
+                    names.append(piece.function.name)
+                arguments += piece.function.arguments or ""
+            reasons.append(chunk.choices[0].finish_reason)
+        assert names == ["get_weather"] and len(ids) == 1 and json.loads(arguments) == {"city": "Oslo"}
+        assert content == ("Checking." if parser == "hermes" else "") and reasons[-1] == "tool_calls"
+        text = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=5, **GREEDY).choices[0]
+        assert text.finish_reason == "length" and not text.message.tool_calls  # plain text stays text
+
+
+def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_model():
+    import jsonschema
+
+    tools = [*TOOLS, {"type": "function", "function": {
+        "name": "set_alarm", "description": "Set an alarm.",
+        "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                                        "label": {"type": "string", "maxLength": 8}},
+                       "required": ["hour", "label"], "additionalProperties": False}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    schemas["get_weather"] = {**schemas["get_weather"], "properties": {"city": {"type": "string", "maxLength": 10}},
+                              "additionalProperties": False}  # bounded: a random model finishes in max_tokens
+    tools[0] = {"type": "function", "function": {**tools[0]["function"], "parameters": schemas["get_weather"]}}
+    messages = [{"role": "user", "content": "Do something."}]
+    with _served() as client:
+        out = client.chat.completions.create(messages=messages, tools=tools, tool_choice="required", n=6,
+                                             max_tokens=120, temperature=1.0, seed=5, model=MODEL,
+                                             parallel_tool_calls=False)
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (call,) = choice.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        named = client.chat.completions.create(
+            messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+            n=4, max_tokens=60, temperature=1.0, seed=6, model=MODEL)
+        for choice in named.choices:
+            assert choice.finish_reason == "stop"
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "set_alarm"
+            jsonschema.validate(json.loads(call.function.arguments), schemas["set_alarm"])
+        arguments, names = "", []
+        for chunk in client.chat.completions.create(messages=messages, tools=tools, tool_choice="required",
+                                                    max_tokens=120, temperature=1.0, seed=7, model=MODEL,
+                                                    stream=True):
+            for piece in chunk.choices[0].delta.tool_calls or ():
+                names += [piece.function.name] if piece.id else []
+                arguments += piece.function.arguments or ""
+        assert len(names) >= 1
+        if len(names) == 1:
+            jsonschema.validate(json.loads(arguments), schemas[names[0]])
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            client.chat.completions.create(messages=messages, tools=tools, max_tokens=4, model=MODEL)
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            client.chat.completions.create(messages=messages, tools=tools, max_tokens=4, model=MODEL,
+                                           tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_reasoning_parser_splits_thinking_from_the_answer():
+    reply = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
+    messages = [{"role": "user", "content": "Weather?"}]
+    forced = {"guided_regex": _literal(reply)}
+    with _served(reasoning_parser="qwen3") as client:
+        out = client.chat.completions.create(messages=messages, max_tokens=60, extra_body=forced, **GREEDY)
+        message = out.choices[0].message
+        assert message.content == "It is sunny."
+        assert message.model_extra["reasoning_content"] == "The user wants weather.\n"
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(messages=messages, max_tokens=60, stream=True,
+                                                    extra_body=forced, **GREEDY):
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+        assert reasoning == "The user wants weather.\n" and content == "It is sunny."

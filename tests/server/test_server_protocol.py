@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from hyprefix.errors import RequestError
 from hyprefix.sampling import SamplingParams
 from hyprefix.server.api import _validation_error
-from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
+from hyprefix.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from hyprefix.server.serving import request_error
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -66,9 +66,15 @@ def test_unsupported_fields_are_refused_not_ignored():
     assert CompletionRequest(prompt="a", guided_regex="a+", suffix="z", best_of=3).unsupported() == [
         "best_of", "suffix"]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert ChatCompletionRequest(messages=MESSAGES, tools=tools,
-                                 response_format={"type": "json_object"}).unsupported() == ["tools"]
-    assert ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="none").unsupported() == []
+    chat = ChatCompletionRequest(messages=MESSAGES, tools=tools, response_format={"type": "json_object"})
+    assert chat.unsupported() == [] and chat.tool_mode() == ("auto", None)
+    assert ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="none").tool_mode() == ("none", None)
+    named = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice={"type": "function",
+                                                                                "function": {"name": "f"}})
+    assert named.tool_mode() == ("named", "f")
+    with pytest.raises(APIError, match="tool_choice"):  # a constraint from two fields
+        ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="required",
+                              response_format={"type": "json_object"}).structured()
     assert ChatCompletionRequest(messages=MESSAGES, response_format={"type": "text"}).unsupported() == []
     with pytest.raises(ValidationError, match=r"extra_forbidden|Extra inputs"):
         CompletionRequest.model_validate({"prompt": "a", "guided_decoding_backend": "x"})

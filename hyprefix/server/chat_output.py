@@ -1,0 +1,205 @@
+"""A chat choice's text as the assistant message (or stream deltas) clients expect:
+reasoning split off by ``--reasoning-parser`` (``reasoning_content``, as vLLM), then tool
+calls read by the request's tool mode: ``auto`` with ``--tool-call-parser``, or
+``required`` / a named function, whose output the grammar engine holds to a JSON array of
+calls / the function's arguments (``tool_constraint``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hyprefix.server.tool_parsers import (
+    PARSERS,
+    Parsed,
+    ParsedCall,
+    ToolCallStreamer,
+    ToolParser,
+    _held_back,
+    _json_call,
+    json_value_end,
+    new_call_id,
+)
+from hyprefix.structured.spec import StructuredOutputs
+
+REASONING_PARSERS = ("qwen3",)
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
+    """(reasoning, content) of a Qwen3-style reply: a leading ``<think>...</think>`` block
+    is the reasoning (as written, less the newlines after ``<think>``), the content starts
+    after the newlines that follow ``</think>``; without one the whole reply is content (with a closing tag alone, as
+    when the prompt opened the block, the text before it is the reasoning). While the text
+    grows, a partial tag at its end is held back."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_START):
+        body = stripped[len(THINK_START):]
+        if THINK_END in body:
+            reasoning, content = body.split(THINK_END, 1)
+            return reasoning.lstrip("\n"), content.lstrip("\n")
+        return body[:len(body) - (0 if final else _held_back(body, THINK_END))].lstrip("\n"), ""
+    if final and THINK_END in text:
+        reasoning, content = text.split(THINK_END, 1)
+        return reasoning.lstrip("\n"), content.lstrip("\n")
+    if not final and THINK_START.startswith(stripped):  # may be the start of <think>
+        return None, ""
+    return None, text
+
+
+class RequiredParser(ToolParser):
+    """``tool_choice: "required"``: the output is a JSON array of ``{"name", "parameters"}``."""
+
+    name = "required"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        position = text.find("[")
+        calls: list[ParsedCall] = []
+        while position >= 0:
+            start = text.find("{", position)
+            if start < 0:
+                break
+            end = json_value_end(text, start)
+            call = _json_call(text[start:end] if end is not None else text[start:], final or end is not None)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            position = end
+        return Parsed("", calls)
+
+
+class NamedParser(ToolParser):
+    """A named ``tool_choice``: the whole output is the function's arguments."""
+
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        super().__init__()
+        self.function = function
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return Parsed("", [ParsedCall(self.function, text, final)])
+
+
+def tool_constraint(tools: list[dict], mode: str, function: str | None, parallel: bool) -> StructuredOutputs:
+    """The grammar of a ``required`` or named tool choice: a JSON array of calls, each one of
+    the tools with arguments valid for its schema (one call without ``parallel``), or the
+    named function's arguments."""
+    def params(tool: dict) -> dict:
+        return tool["function"].get("parameters") or {"type": "object"}
+
+    if mode == "named":
+        tool = next(t for t in tools if t["function"]["name"] == function)
+        return StructuredOutputs(json=params(tool))
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": params(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputs(json=schema)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's chat-output options (``serve`` flags of vLLM's names)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+@dataclass(frozen=True)
+class ChatOutputRules:
+    """How a request's chat replies are read: its reasoning parser, tool mode ("none",
+    "auto", "required", "named"), the named function, the tool parser name, its tools."""
+
+    reasoning_parser: str | None = None
+    tool_mode: str = "none"
+    function: str | None = None
+    tool_parser: str | None = None
+    tools: tuple[dict, ...] = ()
+    parallel_tool_calls: bool = True
+
+    def parser(self) -> ToolParser | None:
+        if self.tool_mode == "auto":
+            return PARSERS[self.tool_parser](list(self.tools))
+        if self.tool_mode == "required":
+            return RequiredParser()
+        if self.tool_mode == "named":
+            return NamedParser(self.function)
+        return None
+
+
+def _calls(parsed: Parsed, parallel: bool) -> list[dict[str, Any]]:
+    calls = [c for c in parsed.calls if c.name is not None]
+    if not parallel:
+        calls = calls[:1]
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def final_message(rules: ChatOutputRules, text: str, finish_reason: str | None
+                  ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message (content, reasoning_content, tool_calls) of a whole reply and its
+    finish reason (``tool_calls`` where auto or required calls were made)."""
+    reasoning, content = split_reasoning(text, True) if rules.reasoning_parser else (None, text)
+    message: dict[str, Any] = {"content": content, "tool_calls": []}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    parser = rules.parser()
+    if parser is None:
+        return message, finish_reason
+    parsed = parser.parse(content, True)
+    calls = _calls(parsed, rules.parallel_tool_calls)
+    if not calls:
+        return message, finish_reason
+    message["content"] = parsed.content or None
+    message["tool_calls"] = calls
+    called = rules.tool_mode in ("auto", "required") and finish_reason == "stop"
+    return message, "tool_calls" if called else finish_reason
+
+
+class ChatStreamer:
+    """One streamed choice: each call of ``deltas`` with the choice's text so far returns the
+    delta (``reasoning_content``, ``content``, ``tool_calls``) since the last one."""
+
+    def __init__(self, rules: ChatOutputRules) -> None:
+        self.rules = rules
+        parser = rules.parser()
+        self.tools = ToolCallStreamer(parser) if parser is not None else None
+        self.reasoning_sent = 0
+        self.content_sent = 0
+
+    def deltas(self, text: str, final: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        reasoning, content = split_reasoning(text, final) if self.rules.reasoning_parser else (None, text)
+        if reasoning is not None and len(reasoning) > self.reasoning_sent:
+            delta["reasoning_content"] = reasoning[self.reasoning_sent:]
+            self.reasoning_sent = len(reasoning)
+        if self.tools is None:
+            if len(content) > self.content_sent:
+                delta["content"] = content[self.content_sent:]
+                self.content_sent = len(content)
+            return delta
+        new_content, calls = self.tools.deltas(content, final)
+        if not self.rules.parallel_tool_calls:
+            calls = [c for c in calls if c["index"] == 0]
+        if new_content:
+            delta["content"] = new_content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        called = self.tools is not None and self.tools.called and self.rules.tool_mode in ("auto", "required")
+        return "tool_calls" if called and reason == "stop" else reason
