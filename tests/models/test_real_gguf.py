@@ -217,3 +217,64 @@ def test_bench_transformers_arm_loads_a_gguf_file(gguf_path, hf):
     ours, theirs = dict(arm.hf.named_parameters()), dict(reference.named_parameters())
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+# ------------------------------------------------- the OpenAI API over these files
+SCHEMA = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
+                                           "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+          "required": ["capital", "population_millions"], "additionalProperties": False}
+# Gemma 3's turn format (its GGUF file carries no chat template): sent as vLLM's chat_template field
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+                  "<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}\n"
+                  "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}<end_of_turn>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_chat_logprobs_json_schema_and_a_required_tool_call_through_the_openai_client(which, request):
+    """Both files end to end through the official ``openai`` client, on an app over the
+    module's engines: their own chat template (Gemma's file has none: sent as vLLM's
+    chat_template), logprobs, a JSON schema and a required tool call."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from hyprefix.server import build_app
+
+    llm = request.getfixturevalue("llm" if which == "smollm2" else "gemma_llm")
+    extra = {"chat_template": GEMMA_TEMPLATE} if which == "gemma3" else {}
+    with TestClient(build_app(llm.engine, ["m"])) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        _chat_api_checks(client, extra)
+
+
+def _chat_api_checks(client, extra: dict) -> None:
+    import json
+
+    import jsonschema
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="m", messages=question, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3, extra_body=extra)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(t.top_logprobs[0].token == t.token and t.logprob == t.top_logprobs[0].logprob for t in content)
+    structured = client.chat.completions.create(
+        model="m", messages=question, max_tokens=60, temperature=0.7, seed=1, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}, extra_body=extra)
+    for choice in structured.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(model="m", messages=weather, tools=TOOLS, tool_choice="required",
+                                            max_tokens=60, temperature=0, extra_body=extra)
+    (call,) = called.choices[0].message.tool_calls
+    assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    follow_up = [*weather, called.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    reply = client.chat.completions.create(model="m", messages=follow_up, tools=TOOLS, tool_choice="none",
+                                           max_tokens=12, temperature=0, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices)

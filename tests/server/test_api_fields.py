@@ -260,20 +260,24 @@ FORCED = {
 
 
 @contextlib.contextmanager
-def _served(**chat_options):
+def _served(app_client, client: openai.OpenAI, **chat_options):
+    """The module's app with these chat options (as ``serve`` flags would set them) while the
+    block runs."""
     from hyprefix.server.chat_output import ChatOptions
 
-    engine = Engine(EngineArgs(model=str(demo_model_path("dense")), num_kv_blocks=256, enforce_eager=True,
-                               log_stats_interval=0))
-    with TestClient(build_app(engine, [MODEL], chat=ChatOptions(**chat_options))) as http:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    serving = app_client[1].app.state.backend.serving
+    saved, serving.chat_options = serving.chat_options, ChatOptions(**chat_options)
+    try:
+        yield client
+    finally:
+        serving.chat_options = saved
 
 
 @pytest.mark.parametrize("parser", sorted(FORCED))
-def test_auto_tool_calls_are_parsed_whole_and_streamed(parser):
+def test_auto_tool_calls_are_parsed_whole_and_streamed(app_client, client, parser):
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     forced = {"guided_regex": _literal(FORCED[parser]), "chat_template": TOOL_TEMPLATE}
-    with _served(enable_auto_tool_choice=True, tool_call_parser=parser) as client:
+    with _served(app_client, client, enable_auto_tool_choice=True, tool_call_parser=parser) as client:
         out = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=80, extra_body=forced,
                                              **GREEDY)
         choice = out.choices[0]
@@ -299,7 +303,7 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(parser):
         assert text.finish_reason == "length" and not text.message.tool_calls  # plain text stays text
 
 
-def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_model():
+def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_model(app_client, client):
     import jsonschema
 
     tools = [*TOOLS, {"type": "function", "function": {
@@ -312,7 +316,7 @@ def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_mo
                               "additionalProperties": False}  # bounded: a random model finishes in max_tokens
     tools[0] = {"type": "function", "function": {**tools[0]["function"], "parameters": schemas["get_weather"]}}
     messages = [{"role": "user", "content": "Do something."}]
-    with _served() as client:
+    with _served(app_client, client) as client:
         out = client.chat.completions.create(messages=messages, tools=tools, tool_choice="required", n=6,
                                              max_tokens=120, temperature=1.0, seed=5, model=MODEL,
                                              parallel_tool_calls=False)
@@ -345,11 +349,11 @@ def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_mo
                                            tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
-def test_reasoning_parser_splits_thinking_from_the_answer():
+def test_reasoning_parser_splits_thinking_from_the_answer(app_client, client):
     reply = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
     messages = [{"role": "user", "content": "Weather?"}]
     forced = {"guided_regex": _literal(reply)}
-    with _served(reasoning_parser="qwen3") as client:
+    with _served(app_client, client, reasoning_parser="qwen3") as client:
         out = client.chat.completions.create(messages=messages, max_tokens=60, extra_body=forced, **GREEDY)
         message = out.choices[0].message
         assert message.content == "It is sunny."
