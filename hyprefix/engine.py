@@ -89,7 +89,11 @@ class Engine:
                                 quantization=args.quantization, compiled_decode=not args.enforce_eager)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
         self._text_decoders = {(True, True): text_decoder(self.tokenizer)}
-        self._token_texts: dict[int, str] = {}
+        self._token_texts: list[str] = []  # logprobs' token texts by id
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        self._token_decoder = (lambda ids: backend.decode_batch([[t] for t in ids], skip_special_tokens=False)) \
+            if backend is not None and hasattr(backend, "decode_batch") else \
+            (lambda ids: [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids])
         self.model_path = loaded.path
         self.model_identity = loaded.identity
         self.hf_config = loaded.hf_config
@@ -286,7 +290,8 @@ class Engine:
                                   eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
                                   group=group or request_id)
                 if params.structured_outputs is not None:
-                    request.grammar = self.grammars.grammar(params.structured_outputs)
+                    request.grammar = self.grammars.grammar(params.structured_outputs,
+                                                            masks_first=not params.greedy)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
                                                include_stop=params.include_stop_str_in_output)
                 samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
@@ -457,9 +462,8 @@ class Engine:
     def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
         """``entry`` with each token's text (``decode([id])``, special tokens kept), cached by id."""
         texts = self._token_texts
-        for token_id in entry:
-            if token_id not in texts:
-                texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if not texts:  # every token's text at once, on the first request that asks
+            texts.extend(self._token_decoder(list(range(self.vocab_size))))
         return {t: Logprob(lp.logprob, lp.rank, texts[t]) for t, lp in entry.items()}
 
     # ------------------------------------------------------------------- stats

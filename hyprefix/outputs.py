@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hyprefix.sampling import SamplingParams
 
@@ -62,11 +62,10 @@ class SchedulerOutput:
         return not self.seqs
 
 
-@dataclass(frozen=True)
-class Logprob:
+class Logprob(NamedTuple):
     """One token's log-probability under the model (float32 logits before any processing),
     its rank among the vocabulary (1: the most likely), and its text where the engine
-    decoded it (vLLM's ``Logprob``)."""
+    decoded it (vLLM's ``Logprob``; a named tuple: made for every top token of every step)."""
 
     logprob: float
     rank: int | None = None

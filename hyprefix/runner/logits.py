@@ -121,21 +121,33 @@ class LogitsProcessor:
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
     """For each row of float32 ``logits`` [R, V]: ``tokens[r]``'s log-probability and rank
     (1 = most likely), and the ``num_top[r]`` most likely tokens' (-1: every token), as a
-    dict token id -> ``Logprob``, the given token first."""
+    dict token id -> ``Logprob``, the given token first. A rank is read off the top tokens
+    where the token is among them; only the other rows count the tokens above theirs."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
     vocab = logits.shape[1]
     widths = [vocab if k < 0 else min(k, vocab) for k in num_top]
-    width = max(widths, default=0)
-    if width:
-        top_values, top_ids = logprobs.topk(width, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    width = max(max(widths, default=0), 1)  # the top token at least: a greedy pick's rank is 1
+    top_values, top_ids = logprobs.topk(width, dim=-1)
+    chosen_column = logprobs.gather(1, tokens[:, None])
+    chosen = chosen_column[:, 0].tolist()
+    top_values, top_ids, token_list = top_values.tolist(), top_ids.tolist(), tokens.tolist()
+    ranks: list[int | None] = [ids.index(t) + 1 if t in ids else None for t, ids in zip(token_list, top_ids,
+                                                                                        strict=True)]
+    outside = [r for r, rank in enumerate(ranks) if rank is None]
+    if outside:
+        if len(outside) == len(ranks):  # no row copies
+            counted = (logprobs > chosen_column).sum(dim=-1) + 1
+        else:
+            rows = torch.tensor(outside, device=logits.device)
+            counted = (logprobs[rows] > chosen_column[rows]).sum(dim=-1) + 1
+        for r, rank in zip(outside, counted.tolist(), strict=True):
+            ranks[r] = rank
     out = []
-    for r, (token, value, rank) in enumerate(zip(tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
-                                                 strict=True)):
-        entry = {token: Logprob(value, rank)}
+    for r, token in enumerate(token_list):
+        entry = {token: Logprob(chosen[r], ranks[r])}
+        ids, values = top_ids[r], top_values[r]
         for j in range(widths[r]):
-            entry.setdefault(top_ids[r][j], Logprob(top_values[r][j], j + 1))
+            if ids[j] not in entry:
+                entry[ids[j]] = Logprob(values[j], j + 1)
         out.append(entry)
     return out

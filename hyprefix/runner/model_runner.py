@@ -162,7 +162,8 @@ class ModelRunner:
     def _execute(self, output: SchedulerOutput) -> StepResult:
         self._apply_state_ops(output.state_ops)
         batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
-        grammar_rows = [i for i, seq in enumerate(batch.sample_seqs) if seq.grammar is not None]
+        grammar_rows = [i for i, seq in enumerate(batch.sample_seqs)
+                        if seq.grammar is not None and seq.grammar.masks_first]
         masks = self._start_masks([batch.sample_seqs[i].grammar for i in grammar_rows]) if grammar_rows else None
         whole = self.model.decode_logits(batch, self.kv_caches)
         path = "kernel" if self.model.takes_decode_kernel(batch) else "eager"  # decode_logits' own condition

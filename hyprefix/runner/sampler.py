@@ -1,9 +1,11 @@
 """Greedy / temperature / min-p / top-k / top-p sampling with per-request seeds, after
 the logits processing requests ask for (``logits.py``), and their logprobs.
 
-Random rows use the exponential-race trick: ``argmax(p / E)`` with ``E ~ Exp(1)``
-draws from ``p``. A seeded request draws its noise from its own generator, so its
-tokens do not depend on what else is in the batch.
+A random row draws one uniform ``u`` and takes the token where the cumulative
+distribution passes ``u`` (inverse CDF, the sum in float64): one random number a token,
+where noise for every vocabulary entry (the exponential race) costs a random number per
+entry, which on a CPU cost more than the rest of the step's sampling. A seeded request
+draws from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -31,19 +33,25 @@ class Sampler:
                grammar_masks: tuple[list[int], torch.Tensor] | None = None
                ) -> tuple[list[int], dict[int, PositionLogprobs]]:
         """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
-        [S] where the caller has it already (a compiled decode step); ``grammar_masks``: the
-        rows with a structured-outputs grammar and their next-token bitmask (computed beside
-        the forward pass). Each such row's token is sampled from what its grammar allows and
-        advances it. Returns the sampled tokens and, for the rows whose requests ask, their
-        logprobs (of the raw logits) by row."""
+        [S] where the caller has it already (a compiled decode step). Returns the sampled
+        tokens and, for the rows whose requests ask, their logprobs (of the raw logits) by row.
+
+        A row with a structured-outputs grammar samples from what its grammar allows and
+        advances it. ``grammar_masks``: the rows whose grammar masks the logits first
+        (``Grammar.masks_first``: random rows, whose distribution the mask renormalises) and
+        their bitmask, computed beside the forward pass. Greedy grammar rows are checked
+        after sampling instead: the argmax of the logits, where the grammar allows it, is
+        the argmax of the masked logits, so only a row whose pick is refused takes the
+        argmax over its allowed tokens (the common case costs no mask at all)."""
         raw = logits
-        grammar_rows = grammar_masks[0] if grammar_masks is not None else []
-        processed = sorted(set(grammar_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
+        masked_rows = grammar_masks[0] if grammar_masks is not None else []
+        processed = sorted(set(masked_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
         if processed:
-            rows = torch.tensor(processed, device=logits.device)
             logits = logits.clone()
-            if grammar_masks is not None:
-                masked = torch.tensor(grammar_rows, device=logits.device)
+            if grammar_masks is not None and len(masked_rows) == len(seqs):
+                apply_masks(logits, grammar_masks[1])  # every row: in place, no copies
+            elif grammar_masks is not None:
+                masked = torch.tensor(masked_rows, device=logits.device)
                 sub = logits[masked]
                 apply_masks(sub, grammar_masks[1])
                 logits[masked] = sub
@@ -51,32 +59,60 @@ class Sampler:
             if chosen:
                 index = torch.tensor(chosen, device=logits.device)
                 logits[index] = self.processor.apply(logits[index], [seqs[i] for i in chosen])
-            if greedy is not None:
+            changed = [i for i in processed if seqs[i].params.greedy]  # random rows sample below
+            if greedy is not None and changed:
                 greedy = greedy.clone()
-                greedy[rows] = logits[rows].argmax(dim=-1)
+                index = torch.tensor(changed, device=logits.device)
+                greedy[index] = logits[index].argmax(dim=-1)
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = self._probs(logits[rows], [seqs[i] for i in random_rows])
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(random_rows) if seqs[i].params.seed is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(
-                    len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self.generator)
-            for j, i in enumerate(random_rows):
-                if seqs[i].params.seed is not None:
-                    noise[j].exponential_(generator=self._generator_for(seqs[i]))
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            tokens[rows] = self._inverse_cdf(probs, [seqs[i] for i in random_rows])
         token_list = tokens.tolist()
-        for i in grammar_rows:
-            seqs[i].grammar.accept(token_list[i])
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if grammar_rows:
+            self._follow_grammars(grammar_rows, set(masked_rows), seqs, token_list, logits)
+            tokens = torch.tensor(token_list, device=logits.device)
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not asking:
             return token_list, {}
-        rows = torch.tensor(asking, device=logits.device)
-        entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
+        if len(asking) == len(seqs):  # every row: no copies
+            entries = logprobs_of(raw, tokens, [s.params.logprobs for s in seqs])
+        else:
+            rows = torch.tensor(asking, device=logits.device)
+            entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
         return token_list, dict(zip(asking, entries, strict=True))
+
+    def _inverse_cdf(self, probs: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """One token per row of ``probs`` [R, V]: where its float64 cumulative sum passes
+        ``u`` times its total, ``u`` uniform in [0, 1) from the row's generator."""
+        draws = torch.empty(len(seqs), dtype=torch.float64)
+        unseeded = [j for j, s in enumerate(seqs) if s.params.seed is None]
+        if unseeded:
+            draws[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
+        for j, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                draws[j] = torch.rand(1, dtype=torch.float64, generator=self._generator_for(seq))
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
+        picks = torch.searchsorted(cdf, targets, right=True)[:, 0]  # first entry past the target: p > 0
+        overflow = picks >= probs.shape[1]  # u x total rounded up to the total
+        return torch.where(overflow, probs.argmax(dim=-1), picks)
+
+    @staticmethod
+    def _follow_grammars(rows: list[int], masked: set[int], seqs: list[ScheduledSeq], tokens: list[int],
+                         logits: torch.Tensor) -> None:
+        """Hold each grammar row's token to its grammar (a greedy row whose pick the grammar
+        refuses takes the most likely allowed token), then advance it."""
+        for i in rows:
+            grammar = seqs[i].grammar
+            if i not in masked and not grammar.allows(tokens[i]):
+                allowed = grammar.allowed_ids(logits.shape[1]).to(logits.device)
+                if len(allowed):
+                    tokens[i] = int(allowed[logits[i][allowed].argmax()])
+            grammar.accept(tokens[i])
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)

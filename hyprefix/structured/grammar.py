@@ -14,6 +14,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from hyprefix.errors import RequestError
@@ -36,13 +37,29 @@ def _llguidance():
 class Grammar:
     """One sequence's parser state under a compiled grammar."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, masks_first: bool = False) -> None:
         self.matcher = matcher
+        self._masks_first = masks_first
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the parser is
         then in an error state and stays there)."""
         return self.matcher.consume_token(token_id)
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar takes this token next (the parser stays where it is)."""
+        return self.matcher.validate_tokens([token_id]) == 1
+
+    def allowed_ids(self, vocab_size: int) -> torch.Tensor:
+        """The token ids the grammar takes next (long [n])."""
+        bits = unpack_mask(fill_masks([self], vocab_size))[0]
+        return torch.from_numpy(bits).nonzero()[:, 0]
+
+    @property
+    def masks_first(self) -> bool:
+        """Set by the engine: the request samples at random, from the masked distribution, so
+        its logits are masked before sampling; a greedy one's pick is checked after."""
+        return self._masks_first
 
     def is_stopped(self) -> bool:
         """Whether the output is complete: nothing but EOS may follow (or the parser failed)."""
@@ -106,12 +123,13 @@ class GrammarCompiler:
         except ValueError as exc:
             raise RequestError(f"invalid {spec.kind} for structured outputs: {exc}", param=param) from exc
 
-    def grammar(self, spec: StructuredOutputs, param: str = "structured_outputs") -> Grammar:
-        """A new sequence's parser for ``spec``."""
+    def grammar(self, spec: StructuredOutputs, param: str = "structured_outputs",
+                masks_first: bool = False) -> Grammar:
+        """A new sequence's parser for ``spec`` (``masks_first``: ``Grammar.masks_first``)."""
         matcher = _llguidance().LLMatcher(self.tokenizer, self.compile(spec, param), log_level=0)
         if matcher.is_error():
             raise RequestError(f"invalid {spec.kind} for structured outputs: {matcher.get_error()}", param=param)
-        return Grammar(matcher)
+        return Grammar(matcher, masks_first)
 
 _executor = None
 
@@ -130,9 +148,14 @@ def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
+def unpack_mask(bitmask: torch.Tensor) -> np.ndarray:
+    """An int32 bitmask [R, ceil(V / 32)] as bool [R, 32 * ceil(V / 32)] (True: allowed; token
+    32 * j + i is bit i of word j)."""
+    return np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+
+
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit whose bit in ``bitmask`` (int32 [R, ceil(V / 32)],
     one row per row of ``logits`` [R, V]) is clear."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :logits.shape[1]].to(logits.device)
-    logits.masked_fill_(allowed == 0, float("-inf"))
+    allowed = torch.from_numpy(unpack_mask(bitmask)[:, :logits.shape[1]]).to(logits.device)
+    logits.masked_fill_(~allowed, float("-inf"))

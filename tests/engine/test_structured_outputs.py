@@ -61,7 +61,7 @@ def test_greedy_json_object_regex_choice_and_grammar(dense):
         assert isinstance(json.loads(obj.text), dict)
     else:  # a greedy random model may fill a string until max_tokens: still a valid prefix of an object
         assert obj.text.startswith("{")
-    pattern = r"[A-Z]{2}-\d{3}(-[a-z]{1,4})?"
+    pattern = r"[A-Z]{2}-[0-9]{3}(-[a-z]{1,4})?"  # \d would take any script's digits (Rust regex)
     for seed in range(5):
         out = dense.generate(["id:"], SamplingParams(temperature=1.0, seed=seed, max_tokens=30,
                                                      structured_outputs={"regex": pattern}), use_tqdm=False)[0]
@@ -115,3 +115,21 @@ def test_hybrid_models_follow_the_schema(hybrid_models):
     for o in outs:
         for c in o.outputs:
             jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_checking_the_pick_equals_masking_first(dense, monkeypatch, temperature):
+    """A grammar row without top-k / top-p / min-p samples unmasked and checks its pick; it
+    must give exactly the tokens masking the logits first gives (same seeds)."""
+    from hyprefix.structured.grammar import Grammar
+
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=100, n=3,
+                            structured_outputs={"json": PERSON}, logprobs=1)
+    prompts = ["Person:", "Another person, please:"]
+    checked = dense.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(Grammar, "masks_first", property(lambda self: True))
+    masked = dense.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(checked, masked, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [[next(iter(e.values())).logprob for e in c.logprobs] for c in a.outputs] == \
+            [[next(iter(e.values())).logprob for e in c.logprobs] for c in b.outputs]

@@ -2,9 +2,9 @@
 
     .venv/bin/python tools/bench/api_overhead.py MODEL [--quantization int8] [--url http://127.0.0.1:8000]
 
-For batch sizes 1 and 16, three variants run interleaved for ``--repeats`` rounds: plain
-sampling, ``logprobs=5``, and a JSON schema (an object with one free string, so every row
-decodes its ``--tokens`` tokens under the grammar). Each request's time per output token
+For batch sizes 1 and 16, four variants run interleaved for ``--repeats`` rounds: plain
+sampling, ``logprobs=5``, and two JSON schemas that no row completes within ``--tokens``
+(a long string; records of an integer and an enum). Each request's time per output token
 (TPOT) is (finish - first token) / (tokens - 1); the report gives each variant's median
 and its ratio to plain. Offline runs through ``LLM``; with ``--url`` the same requests
 stream from a running ``hyprefix serve`` (TPOT from the chunks' arrival times). Then the
@@ -22,8 +22,17 @@ import time
 
 from hyprefix import LLM, SamplingParams
 
-FREE_TEXT = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-VARIANTS = {"plain": {}, "logprobs=5": {"logprobs": 5}, "json schema": {"structured_outputs": {"json": FREE_TEXT}}}
+# Two JSON schemas no row completes within --tokens: one long string (the grammar allows most
+# tokens: its pick is checked, rarely masked), and records of an integer and an enum (mostly
+# structure: few tokens allowed, the pick often refused and taken among the allowed ones).
+FREE_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}}, "required": ["text"]}
+RECORDS = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "kind": {"enum": ["alpha", "beta", "gamma"]}},
+    "required": ["n", "kind"], "additionalProperties": False}}
+VARIANTS = {"plain": {}, "logprobs=5": {"logprobs": 5},
+            "json text": {"structured_outputs": {"json": FREE_TEXT}},
+            "json records": {"structured_outputs": {"json": RECORDS}}}
 
 
 def twenty_properties() -> dict:
@@ -97,7 +106,7 @@ def main() -> None:
     llm.engine.warmup()
     vocab = llm.engine.vocab_size
     results: dict[tuple[int, str], list[float]] = {}
-    offline(llm, 2, args, 0, VARIANTS["json schema"])  # warm: the llguidance tokenizer, the graphs
+    offline(llm, 2, args, 0, VARIANTS["json text"])  # warm: the llguidance tokenizer, the graphs
     for repeat in range(args.repeats):
         for batch in batches:
             for name, variant in VARIANTS.items():
@@ -109,7 +118,7 @@ def main() -> None:
         model = args.served_model or httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
         del llm  # the server's engine gets the cores
         results = {}
-        asyncio.run(served(args.url, model, 2, args, 0, VARIANTS["json schema"], vocab))
+        asyncio.run(served(args.url, model, 2, args, 0, VARIANTS["json text"], vocab))
         for repeat in range(args.repeats):
             for batch in batches:
                 for name, variant in VARIANTS.items():
