@@ -74,7 +74,7 @@ class Grammar:
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary; builds the llguidance
-    tokenizer on first use (about a second for a 150k-token vocabulary)."""
+    tokenizer on first use (a pass over the vocabulary: docs/benchmarks.md has its time)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.hf_tokenizer = tokenizer
