@@ -290,8 +290,9 @@ class Engine:
                                   eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
                                   group=group or request_id)
                 if params.structured_outputs is not None:
-                    request.grammar = self.grammars.grammar(params.structured_outputs,
-                                                            masks_first=not params.greedy)
+                    request.grammar = self.grammars.grammar(
+                        params.structured_outputs,
+                        masks_first=params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
                                                include_stop=params.include_stop_str_in_output)
                 samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))

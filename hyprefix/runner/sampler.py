@@ -38,11 +38,12 @@ class Sampler:
 
         A row with a structured-outputs grammar samples from what its grammar allows and
         advances it. ``grammar_masks``: the rows whose grammar masks the logits first
-        (``Grammar.masks_first``: random rows, whose distribution the mask renormalises) and
-        their bitmask, computed beside the forward pass. Greedy grammar rows are checked
-        after sampling instead: the argmax of the logits, where the grammar allows it, is
-        the argmax of the masked logits, so only a row whose pick is refused takes the
-        argmax over its allowed tokens (the common case costs no mask at all)."""
+        (``Grammar.masks_first``: top-k, top-p and min-p read the masked distribution) and
+        their bitmask, computed beside the forward pass. The other grammar rows check their
+        pick after sampling (``_follow_grammars``): a pick the grammar allows stands (for
+        greedy it is the masked argmax; for random rows the result is exactly the masked
+        distribution), a refused one is redrawn among the allowed tokens: the common case
+        needs no mask at all."""
         raw = logits
         masked_rows = grammar_masks[0] if grammar_masks is not None else []
         processed = sorted(set(masked_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
@@ -66,6 +67,7 @@ class Sampler:
                 greedy[index] = logits[index].argmax(dim=-1)
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        probs = None
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = self._probs(logits[rows], [seqs[i] for i in random_rows])
@@ -73,7 +75,8 @@ class Sampler:
         token_list = tokens.tolist()
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if grammar_rows:
-            self._follow_grammars(grammar_rows, set(masked_rows), seqs, token_list, logits)
+            self._follow_grammars(grammar_rows, set(masked_rows), seqs, token_list, logits, probs,
+                                  {i: j for j, i in enumerate(random_rows)})
             tokens = torch.tensor(token_list, device=logits.device)
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not asking:
@@ -85,6 +88,11 @@ class Sampler:
             entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
         return token_list, dict(zip(asking, entries, strict=True))
 
+    def _draw(self, seq: ScheduledSeq) -> float:
+        """One uniform in [0, 1) from the request's generator (its own where seeded)."""
+        generator = self.generator if seq.params.seed is None else self._generator_for(seq)
+        return float(torch.rand(1, dtype=torch.float64, generator=generator))
+
     def _inverse_cdf(self, probs: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """One token per row of ``probs`` [R, V]: where its float64 cumulative sum passes
         ``u`` times its total, ``u`` uniform in [0, 1) from the row's generator."""
@@ -94,25 +102,37 @@ class Sampler:
             draws[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
         for j, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                draws[j] = torch.rand(1, dtype=torch.float64, generator=self._generator_for(seq))
+                draws[j] = self._draw(seq)
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
         picks = torch.searchsorted(cdf, targets, right=True)[:, 0]  # first entry past the target: p > 0
         overflow = picks >= probs.shape[1]  # u x total rounded up to the total
         return torch.where(overflow, probs.argmax(dim=-1), picks)
 
-    @staticmethod
-    def _follow_grammars(rows: list[int], masked: set[int], seqs: list[ScheduledSeq], tokens: list[int],
-                         logits: torch.Tensor) -> None:
-        """Hold each grammar row's token to its grammar (a greedy row whose pick the grammar
-        refuses takes the most likely allowed token), then advance it."""
+    def _follow_grammars(self, rows: list[int], masked: set[int], seqs: list[ScheduledSeq], tokens: list[int],
+                         logits: torch.Tensor, probs: torch.Tensor | None, random_row: dict[int, int]) -> None:
+        """Hold each grammar row's token to its grammar, then advance it. A row not masked
+        first whose pick the grammar refuses takes, among its allowed tokens, the most likely
+        (greedy) or a new draw by their probabilities (random). The random case samples the
+        masked distribution exactly: an allowed ``t`` comes first-time with probability
+        p(t), else after a refusal with (1 - p(A)) p(t) / p(A), in all p(t) / p(A)."""
         for i in rows:
             grammar = seqs[i].grammar
             if i not in masked and not grammar.allows(tokens[i]):
                 allowed = grammar.allowed_ids(logits.shape[1]).to(logits.device)
-                if len(allowed):
+                j = random_row.get(i)
+                if len(allowed) and j is not None:
+                    weights = probs[j][allowed].cumsum(0, dtype=torch.float64)
+                    tokens[i] = int(allowed[self._pick(weights, self._draw(seqs[i]))])
+                elif len(allowed):
                     tokens[i] = int(allowed[logits[i][allowed].argmax()])
             grammar.accept(tokens[i])
+
+    @staticmethod
+    def _pick(cdf: torch.Tensor, draw: float) -> int:
+        """The entry of a cumulative sum [n] that ``draw`` times its total falls in."""
+        index = int(torch.searchsorted(cdf, cdf[-1:] * draw, right=True))
+        return min(index, len(cdf) - 1)
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)

@@ -57,8 +57,9 @@ class Grammar:
 
     @property
     def masks_first(self) -> bool:
-        """Set by the engine: the request samples at random, from the masked distribution, so
-        its logits are masked before sampling; a greedy one's pick is checked after."""
+        """Set by the engine: the request's top-k, top-p or min-p read the masked
+        distribution, so its logits are masked before sampling; otherwise its pick is
+        checked after (``runner/sampler.py``)."""
         return self._masks_first
 
     def is_stopped(self) -> bool:

@@ -117,14 +117,13 @@ def test_hybrid_models_follow_the_schema(hybrid_models):
             jsonschema.validate(json.loads(c.text), schema)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.3])
-def test_checking_the_pick_equals_masking_first(dense, monkeypatch, temperature):
-    """A grammar row without top-k / top-p / min-p samples unmasked and checks its pick; it
-    must give exactly the tokens masking the logits first gives (same seeds)."""
+def test_checking_the_greedy_pick_equals_masking_first(dense, monkeypatch):
+    """A greedy grammar row picks unmasked and checks its pick; it must give exactly the
+    tokens masking the logits first gives. (Random rows redraw instead: the same
+    distribution, other draws; tests/unit/test_sampler.py checks their frequencies.)"""
     from hyprefix.structured.grammar import Grammar
 
-    params = SamplingParams(temperature=temperature, seed=11, max_tokens=100, n=3,
-                            structured_outputs={"json": PERSON}, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=100, n=1, structured_outputs={"json": PERSON}, logprobs=1)
     prompts = ["Person:", "Another person, please:"]
     checked = dense.generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(Grammar, "masks_first", property(lambda self: True))

@@ -37,3 +37,40 @@ def test_seeded_rows_repeat_whatever_else_is_in_the_batch():
              ScheduledSeq("y", [1], 0, [0], True, SamplingParams(temperature=1.0, seed=7))]
     mixed, _ = Sampler(5, torch.device("cpu")).sample(torch.stack([logits[1], logits[0], logits[2]]), batch)
     assert mixed[1] == first[0]
+
+
+class _Grammar:
+    """A grammar allowing a fixed set of tokens (the sampler's view of ``structured.grammar.Grammar``)."""
+
+    masks_first = False
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def allows(self, token: int) -> bool:
+        return token in self.allowed
+
+    def allowed_ids(self, vocab_size: int) -> torch.Tensor:
+        return torch.tensor(sorted(self.allowed))
+
+    def accept(self, token: int) -> bool:
+        assert token in self.allowed
+        return True
+
+
+def test_grammar_rows_sample_the_masked_distribution():
+    """Allowed tokens 2, 3 and 5 hold 0.25 + 0.125 + 0.125 of the mass (then 0.03): keeping an
+    allowed pick and redrawing a refused one among the allowed must give 1/2, 1/4, 1/4 (1/3 each)."""
+    for probs, allowed in ((torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0, 0.125]), {2, 3, 5}),
+                           (torch.tensor([0.97, 0.0, 0.01, 0.01, 0.0, 0.01]), {2, 3, 5})):
+        logits = probs.log().expand(3000, -1).contiguous()
+        seqs = [ScheduledSeq(f"r{i}", [1], 0, [0], True, SamplingParams(temperature=1.0), grammar=_Grammar(allowed))
+                for i in range(3000)]
+        tokens, _ = Sampler(seed=1, device=torch.device("cpu")).sample(logits, seqs)
+        counts = torch.bincount(torch.tensor(tokens), minlength=6).float() / 3000
+        expected = torch.zeros(6)
+        expected[sorted(allowed)] = probs[sorted(allowed)] / probs[sorted(allowed)].sum()
+        assert torch.allclose(counts, expected, atol=0.035), counts
+    greedy = [ScheduledSeq("g", [1], 0, [0], True, SamplingParams(temperature=0), grammar=_Grammar({3, 5}))]
+    picked, _ = Sampler(seed=1, device=torch.device("cpu")).sample(torch.tensor([[5.0, 1, 2, 3, 0, 4]]), greedy)
+    assert picked == [5]  # the most likely allowed token
