@@ -15,8 +15,8 @@ from hyprefix.server.tool_parsers import (
     ParsedCall,
     ToolCallStreamer,
     ToolParser,
-    _held_back,
-    _json_call,
+    held_back,
+    json_call,
     json_value_end,
     new_call_id,
 )
@@ -38,7 +38,7 @@ def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
         if THINK_END in body:
             reasoning, content = body.split(THINK_END, 1)
             return reasoning.lstrip("\n"), content.lstrip("\n")
-        return body[:len(body) - (0 if final else _held_back(body, THINK_END))].lstrip("\n"), ""
+        return body[:len(body) - (0 if final else held_back(body, THINK_END))].lstrip("\n"), ""
     if final and THINK_END in text:
         reasoning, content = text.split(THINK_END, 1)
         return reasoning.lstrip("\n"), content.lstrip("\n")
@@ -60,7 +60,7 @@ class RequiredParser(ToolParser):
             if start < 0:
                 break
             end = json_value_end(text, start)
-            call = _json_call(text[start:end] if end is not None else text[start:], final or end is not None)
+            call = json_call(text[start:end] if end is not None else text[start:], final or end is not None)
             if call is None:
                 break
             calls.append(call)

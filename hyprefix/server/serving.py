@@ -58,7 +58,6 @@ class _Call:
     include_usage: bool
     return_token_ids: bool = False
     logprobs: int | None = None  # top logprobs per token where the request asked
-    chat: bool = False
 
     def __post_init__(self) -> None:
         self._index = {engine_id: i for i, engine_id in enumerate(self.engine_ids)}
@@ -99,7 +98,7 @@ class OpenAIServing:
                 error.param = structured[0]  # the field the client used (response_format, guided_json, ...)
             raise error from exc
         return _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids, texts, req.include_usage,
-                     bool(req.return_token_ids), req.logprobs_wanted(), isinstance(req, ChatCompletionRequest))
+                     bool(req.return_token_ids), req.logprobs_wanted())
 
     async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
         finals: dict[str, RequestOutput] = {}

@@ -41,12 +41,17 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could start ``marker`` (held back while streaming)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _plain_text(text: str, marker: str, final: bool) -> Parsed:
+    """A reply with no call (yet): all of it content, less a partial ``marker`` at its end while it grows."""
+    return Parsed(text[:len(text) - (0 if final else held_back(text, marker))])
 
 
 def json_value_end(text: str, start: int) -> int | None:
@@ -77,7 +82,7 @@ _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
-def _json_call(body: str, final: bool) -> ParsedCall | None:
+def json_call(body: str, final: bool) -> ParsedCall | None:
     """A ``{"name": ..., "arguments": {...}}`` call from its (possibly partial) JSON text."""
     if final:
         try:
@@ -111,28 +116,32 @@ class ToolParser:
         raise NotImplementedError
 
 
-class HermesParser(ToolParser):
-    name = "hermes"
+class TaggedParser(ToolParser):
+    """Calls each in a ``<tool_call>...</tool_call>`` block; the content is the text before
+    the first block; a final reply with no well-formed call stays text."""
+
     start, end = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(self.start)
         if first < 0:
-            hold = 0 if final else _held_back(text, self.start)
-            return Parsed(text[:len(text) - hold])
-        calls = []
-        for block in text[first:].split(self.start)[1:]:
-            closed = self.end in block
-            body = block.split(self.end)[0].strip()
-            call = self._call(body, final or closed)
-            if call is not None:
-                calls.append(call)
+            return _plain_text(text, self.start, final)
+        calls = [call for block in text[first:].split(self.start)[1:]
+                 if (call := self._block_call(block, final)) is not None]
         if final and not calls:
-            return Parsed(text)  # not a well-formed call: the text stays text
+            return Parsed(text)
         return Parsed(text[:first], calls)
 
-    def _call(self, body: str, complete: bool) -> ParsedCall | None:
-        return _json_call(body, complete)
+    def _block_call(self, block: str, final: bool) -> ParsedCall | None:
+        """The call in the text after one ``<tool_call>`` (the whole block, or its start so far)."""
+        raise NotImplementedError
+
+
+class HermesParser(TaggedParser):
+    name = "hermes"
+
+    def _block_call(self, block: str, final: bool) -> ParsedCall | None:
+        return json_call(block.split(self.end)[0].strip(), final or self.end in block)
 
 
 class Llama3JsonParser(ToolParser):
@@ -143,12 +152,11 @@ class Llama3JsonParser(ToolParser):
         body = text[len(self.tag):] if text.startswith(self.tag) else text
         stripped = body.lstrip()
         if not stripped.startswith("{"):
-            hold = 0 if final else _held_back(text, self.tag)
-            return Parsed(text[:len(text) - hold])
+            return _plain_text(text, self.tag, final)
         calls, position = [], len(body) - len(stripped)
         while position < len(body):
             end = json_value_end(body, position)
-            call = _json_call(body[position:end] if end is not None else body[position:], final or end is not None)
+            call = json_call(body[position:end] if end is not None else body[position:], final or end is not None)
             if call is None:
                 return Parsed(text) if final else Parsed("", calls)
             calls.append(call)
@@ -161,34 +169,23 @@ class Llama3JsonParser(ToolParser):
         return Parsed("", calls)
 
 
-class Qwen3CoderParser(ToolParser):
+class Qwen3CoderParser(TaggedParser):
     name = "qwen3_coder"
-    start, end = "<tool_call>", "</tool_call>"
     _function = re.compile(r"<function=([^>\n]+)>")
     _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        first = text.find(self.start)
-        if first < 0:
-            hold = 0 if final else _held_back(text, self.start)
-            return Parsed(text[:len(text) - hold])
-        calls = []
-        for block in text[first:].split(self.start)[1:]:
-            function = self._function.search(block)
-            if function is None:
-                continue
-            name = function.group(1).strip()
-            closed = "</function>" in block
-            body = block[function.end():].split("</function>")[0]
-            params = [(m.group(1).strip(), self._value(name, m.group(1).strip(), m.group(2)))
-                      for m in self._parameter.finditer(body)]
-            arguments = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
-                                        for k, v in params)
-            complete = closed or final
-            calls.append(ParsedCall(name, arguments + "}" if complete else arguments, complete))
-        if final and not calls:
-            return Parsed(text)
-        return Parsed(text[:first], calls)
+    def _block_call(self, block: str, final: bool) -> ParsedCall | None:
+        function = self._function.search(block)
+        if function is None:
+            return None
+        name = function.group(1).strip()
+        body = block[function.end():].split("</function>")[0]
+        params = [(m.group(1).strip(), self._value(name, m.group(1).strip(), m.group(2)))
+                  for m in self._parameter.finditer(body)]
+        arguments = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+                                    for k, v in params)
+        complete = final or "</function>" in block
+        return ParsedCall(name, arguments + "}" if complete else arguments, complete)
 
     def _value(self, function: str, parameter: str, raw: str) -> Any:
         """A parameter's text as its schema's type (string, number, boolean, object, array)."""
