@@ -10,16 +10,22 @@ draws from its own generator, so its tokens do not depend on what else is in the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hyprefix.outputs import PositionLogprobs, ScheduledSeq
 from hyprefix.runner.logits import LogitsProcessor, logprobs_of
-from hyprefix.structured.grammar import apply_masks
+from hyprefix.structured.grammar import allowed_masks, apply_masks
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset(),
+                 masks_of: Callable[[list, int], torch.Tensor] = allowed_masks) -> None:
+        """``masks_of(grammars, vocab_size)``: their next-token masks, bool [len, vocab_size]
+        (``structured.grammar.allowed_masks``; a test passes its own for stand-in grammars)."""
         self.device = device
+        self._masks_of = masks_of
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.processor = LogitsProcessor(device, eos_token_ids)
@@ -49,9 +55,9 @@ class Sampler:
         processed = sorted(set(masked_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
         if processed:
             logits = logits.clone()
-            if grammar_masks is not None and len(masked_rows) == len(seqs):
+            if masked_rows and len(masked_rows) == len(seqs):
                 apply_masks(logits, grammar_masks[1])  # every row: in place, no copies
-            elif grammar_masks is not None:
+            elif masked_rows:
                 masked = torch.tensor(masked_rows, device=logits.device)
                 sub = logits[masked]
                 apply_masks(sub, grammar_masks[1])
@@ -115,24 +121,30 @@ class Sampler:
         first whose pick the grammar refuses takes, among its allowed tokens, the most likely
         (greedy) or a new draw by their probabilities (random). The random case samples the
         masked distribution exactly: an allowed ``t`` comes first-time with probability
-        p(t), else after a refusal with (1 - p(A)) p(t) / p(A), in all p(t) / p(A)."""
+        p(t), else after a refusal with (1 - p(A)) p(t) / p(A), in all p(t) / p(A). The
+        refused rows' masks are computed in one call, their picks made on tensors."""
+        refused = [i for i in rows if i not in masked and not seqs[i].grammar.allows(tokens[i])]
+        if refused:
+            vocab = logits.shape[1]
+            allowed = self._masks_of([seqs[i].grammar for i in refused], vocab).to(logits.device)
+            some = allowed.any(dim=-1).tolist()  # a row allowing nothing keeps its pick: the parser fails
+            drawn = [k for k, i in enumerate(refused) if some[k] and i in random_row]
+            if drawn:
+                weights = probs[[random_row[refused[k]] for k in drawn]] * allowed[drawn]
+                cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+                draws = torch.tensor([self._draw(seqs[refused[k]]) for k in drawn], dtype=torch.float64)
+                picks = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+                for k, token in zip(drawn, picks.tolist(), strict=True):
+                    tokens[refused[k]] = token
+            # greedy rows, and drawn ones where u x total rounded up to the total (or no allowed
+            # token had p > 0): the most likely allowed token
+            best = [k for k, i in enumerate(refused) if some[k] and (i not in random_row or tokens[i] >= vocab)]
+            if best:
+                rows_best = logits[[refused[k] for k in best]].masked_fill(~allowed[best], float("-inf"))
+                for k, token in zip(best, rows_best.argmax(dim=-1).tolist(), strict=True):
+                    tokens[refused[k]] = token
         for i in rows:
-            grammar = seqs[i].grammar
-            if i not in masked and not grammar.allows(tokens[i]):
-                allowed = grammar.allowed_ids(logits.shape[1]).to(logits.device)
-                j = random_row.get(i)
-                if len(allowed) and j is not None:
-                    weights = probs[j][allowed].cumsum(0, dtype=torch.float64)
-                    tokens[i] = int(allowed[self._pick(weights, self._draw(seqs[i]))])
-                elif len(allowed):
-                    tokens[i] = int(allowed[logits[i][allowed].argmax()])
-            grammar.accept(tokens[i])
-
-    @staticmethod
-    def _pick(cdf: torch.Tensor, draw: float) -> int:
-        """The entry of a cumulative sum [n] that ``draw`` times its total falls in."""
-        index = int(torch.searchsorted(cdf, cdf[-1:] * draw, right=True))
-        return min(index, len(cdf) - 1)
+            seqs[i].grammar.accept(tokens[i])
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)

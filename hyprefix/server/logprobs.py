@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from hyprefix.outputs import PositionLogprobs
-from hyprefix.server.protocol import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from hyprefix.server.protocol import PromptLogprob
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -23,43 +23,48 @@ def _text(token_id: int, entry: PositionLogprobs) -> str:
 
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs | None],
-                        text_offset: int = 0) -> CompletionLogprobs:
+                        text_offset: int = 0) -> dict[str, list]:
     """Completions' logprobs of ``token_ids`` (one entry each, as the engine made it with the
-    request's top count; None for a prompt's first token); offsets counted from ``text_offset``."""
-    out = CompletionLogprobs()
+    request's top count; None for a prompt's first token); offsets counted from ``text_offset``.
+    Plain data in ``CompletionLogprobs``' shape: a stream chunk sends it as it is."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offsets: list[int] = []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=True):
+        text_offsets.append(offset)
         if entry is None:  # the prompt's first token has no logprob (OpenAI: null)
-            out.tokens.append("")
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            out.text_offset.append(offset)
+            tokens.append("")
+            token_logprobs.append(None)
+            top_logprobs.append(None)
             continue
         text = _text(token_id, entry)
-        out.tokens.append(text)
-        out.token_logprobs.append(_finite(entry[token_id].logprob))
+        tokens.append(text)
+        token_logprobs.append(_finite(entry[token_id].logprob))
         # the sampled token and the top ones (OpenAI: up to logprobs + 1 entries), by text
         top: dict[str, float] = {}
         for logprob in entry.values():
             top.setdefault(logprob.decoded_token or "", _finite(logprob.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
+        top_logprobs.append(top)
         offset += len(text)
-    return out
+    return {"text_offset": text_offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+            "top_logprobs": top_logprobs}
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs], num_top: int) -> ChatLogprobs:
-    """Chat's logprobs of ``token_ids``: each token with its bytes and ``num_top`` top ones."""
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs], num_top: int) -> dict[str, list]:
+    """Chat's logprobs of ``token_ids``: each token with its bytes and ``num_top`` top ones.
+    Plain data in ``ChatLogprobs``' shape: a stream chunk sends it as it is."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = _text(token_id, entry)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
-                     key=lambda item: item[1].rank)
-        content.append(TokenLogprob(
-            token=text, logprob=_finite(entry[token_id].logprob), bytes=list(text.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=_finite(lp.logprob),
-                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for _, lp in top]))
-    return ChatLogprobs(content=content)
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda lp: lp.rank)
+        content.append({
+            "token": text, "logprob": _finite(entry[token_id].logprob), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": _finite(lp.logprob),
+                              "bytes": list((lp.decoded_token or "").encode("utf-8"))} for lp in top]})
+    return {"content": content}
 
 
 def prompt_logprobs(entries: Sequence[PositionLogprobs | None] | None) -> list[dict[int, PromptLogprob] | None] | None:

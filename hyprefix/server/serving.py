@@ -160,7 +160,7 @@ class OpenAIServing:
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
                   text_offset: int = 0, full_text: str = "") -> dict:
-            formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset).model_dump()
+            formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset)
             return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason)
 
         try:
@@ -231,7 +231,7 @@ class OpenAIServing:
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
                   text_offset: int = 0, full_text: str = "") -> dict:
-            formatted = None if logprobs is None else chat_logprobs(*logprobs, call.logprobs or 0).model_dump()
+            formatted = None if logprobs is None else chat_logprobs(*logprobs, call.logprobs or 0)
             streamer = streamers[index]
             delta = streamer.deltas(echo + full_text, finish_reason is not None)
             return chat_chunk(*args, index, delta, streamer.finish_reason(finish_reason), formatted, stop_reason,

@@ -50,11 +50,6 @@ class Grammar:
         """Whether the grammar takes this token next (the parser stays where it is)."""
         return self.matcher.validate_tokens([token_id]) == 1
 
-    def allowed_ids(self, vocab_size: int) -> torch.Tensor:
-        """The token ids the grammar takes next (long [n])."""
-        bits = unpack_mask(fill_masks([self], vocab_size))[0]
-        return torch.from_numpy(bits).nonzero()[:, 0]
-
     @property
     def masks_first(self) -> bool:
         """Set by the engine: the request's top-k, top-p or min-p read the masked
@@ -147,6 +142,16 @@ def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
     bitmask = llg_torch.allocate_token_bitmask(len(grammars), vocab_size)
     llg_torch.fill_next_token_bitmask_par(_executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
     return bitmask
+
+
+def allowed_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
+    """The tokens each grammar takes next, bool [len, vocab_size] (True: allowed)."""
+    return unpack_allowed(fill_masks(grammars, vocab_size), vocab_size)
+
+
+def unpack_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A ``fill_masks`` bitmask as bool [R, vocab_size] (True: allowed)."""
+    return torch.from_numpy(unpack_mask(bitmask)[:, :vocab_size])
 
 
 def unpack_mask(bitmask: torch.Tensor) -> np.ndarray:

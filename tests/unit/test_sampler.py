@@ -50,12 +50,16 @@ class _Grammar:
     def allows(self, token: int) -> bool:
         return token in self.allowed
 
-    def allowed_ids(self, vocab_size: int) -> torch.Tensor:
-        return torch.tensor(sorted(self.allowed))
-
     def accept(self, token: int) -> bool:
         assert token in self.allowed
         return True
+
+
+def _masks(grammars: list[_Grammar], vocab_size: int) -> torch.Tensor:
+    masks = torch.zeros(len(grammars), vocab_size, dtype=torch.bool)
+    for row, grammar in enumerate(grammars):
+        masks[row, sorted(grammar.allowed)] = True
+    return masks
 
 
 def test_grammar_rows_sample_the_masked_distribution():
@@ -66,11 +70,12 @@ def test_grammar_rows_sample_the_masked_distribution():
         logits = probs.log().expand(3000, -1).contiguous()
         seqs = [ScheduledSeq(f"r{i}", [1], 0, [0], True, SamplingParams(temperature=1.0), grammar=_Grammar(allowed))
                 for i in range(3000)]
-        tokens, _ = Sampler(seed=1, device=torch.device("cpu")).sample(logits, seqs)
+        tokens, _ = Sampler(seed=1, device=torch.device("cpu"), masks_of=_masks).sample(logits, seqs)
         counts = torch.bincount(torch.tensor(tokens), minlength=6).float() / 3000
         expected = torch.zeros(6)
         expected[sorted(allowed)] = probs[sorted(allowed)] / probs[sorted(allowed)].sum()
         assert torch.allclose(counts, expected, atol=0.035), counts
     greedy = [ScheduledSeq("g", [1], 0, [0], True, SamplingParams(temperature=0), grammar=_Grammar({3, 5}))]
-    picked, _ = Sampler(seed=1, device=torch.device("cpu")).sample(torch.tensor([[5.0, 1, 2, 3, 0, 4]]), greedy)
+    sampler = Sampler(seed=1, device=torch.device("cpu"), masks_of=_masks)
+    picked, _ = sampler.sample(torch.tensor([[5.0, 1, 2, 3, 0, 4]]), greedy)
     assert picked == [5]  # the most likely allowed token
