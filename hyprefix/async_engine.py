@@ -39,6 +39,10 @@ class EngineDeadError(RuntimeError):
 class _Command:
     fn: Callable[[], Any]
     future: asyncio.Future | None = None  # None: fire and forget
+    adds: bool = False  # adds requests: held while a weight update waits for the engine to drain
+
+
+PAUSE_MODES = ("abort", "in_place")
 
 
 _STOP = object()
@@ -143,6 +147,11 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self._commands: queue.SimpleQueue[_Command | object] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine thread only
+        # Generation control (engine thread only): paused, no step runs; an update that waits for
+        # the requests in flight to finish, and the adds held meanwhile.
+        self.paused = False
+        self._update: tuple[Callable[[], Any], asyncio.Future] | None = None
+        self._held: list[_Command] = []
         self._lock = threading.RLock()  # re-entrant: a GC finalizer may abort under it
         self._closing = False
         self._stopped = False
@@ -179,7 +188,7 @@ class AsyncEngine:
 
         stream._unfinished.update(request_ids)
         try:
-            return await self.call(run)
+            return await self.call(run, adds=True)
         except asyncio.CancelledError:
             stream.close()  # the aborts are queued behind the add, so they find the requests
             raise
@@ -187,11 +196,66 @@ class AsyncEngine:
             stream._unfinished.difference_update(request_ids)
             raise
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[], T], adds: bool = False) -> T:
+        """Run ``fn()`` on the engine thread between steps and return its result (``adds``:
+        it adds requests, so it waits while a weight update drains the engine)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._submit(_Command(fn, future))
+        self._submit(_Command(fn, future, adds))
+        return await future
+
+    # ------------------------------------------------------ generation control
+    async def pause(self, mode: str = "abort") -> int:
+        """Stop generating. ``abort``: every request in flight, running or waiting, ends now
+        with what it has (finish reason ``abort``), delivered to its caller; ``in_place``:
+        they keep their state and go on at ``resume``. Requests added while paused wait
+        (validated and queued, not run). Returns how many requests were aborted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+
+        def run() -> int:
+            self.paused = True
+            return self._abort_delivering(self.engine.request_ids) if mode == "abort" else 0
+        return await self.call(run)
+
+    async def resume(self) -> None:
+        """Generate again after ``pause``."""
+
+        def run() -> None:
+            self.paused = False
+        await self.call(run)
+
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort these engine requests (None: every one in flight); each caller gets its
+        request's final output (what it has, finish reason ``abort``). Returns how many were
+        in flight."""
+        return await self.call(lambda: self._abort_delivering(
+            self.engine.request_ids if request_ids is None else request_ids))
+
+    async def update_weights(self, weights: Any, weight_version: str | None = None,
+                             abort_all_requests: bool = False) -> dict[str, Any]:
+        """``Engine.update_weights`` between steps, with SGLang's semantics for requests in
+        flight: by default they finish under the old weights first (new requests wait until
+        the update is done); with ``abort_all_requests`` they are aborted (callers get their
+        partial outputs); while paused (``pause("in_place")``) the update runs at once and
+        the paused requests go on under the new weights at ``resume``, with the K/V they
+        computed before. Blocks of the old weights are never hit again either way."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def update() -> dict[str, Any]:
+            return self.engine.update_weights(weights, weight_version)
+
+        def run() -> None:
+            if self._update is not None:
+                raise RuntimeError("another weight update is in progress")
+            if abort_all_requests:
+                self._abort_delivering(self.engine.request_ids)
+            if self.paused or not self.engine.has_unfinished_sequences():
+                self._to_loop(_settle, *_outcome(update, future))
+            else:  # drain: run in _run once the requests in flight are done
+                self._update = (update, future)
+        await self.call(run)
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -249,13 +313,17 @@ class AsyncEngine:
         try:
             running = True
             while running:
-                running = self._run_commands(block=not engine.has_unfinished())
-                if running and engine.has_unfinished():
+                running = self._run_commands(block=self.paused or not engine.has_unfinished())
+                if running and self.paused:
+                    self._dispatch(engine.take_outputs())  # aborted requests' outputs
+                elif running and engine.has_unfinished():
                     outputs = engine.step()
                     self._dispatch(outputs)
                     if not outputs and not engine.has_unfinished_sequences():
                         # nothing schedulable yet something unfinished: wait, never spin
                         running = self._run_commands(block=True, timeout=0.05)
+                if running and self._update is not None and (self.paused or not engine.has_unfinished()):
+                    self._finish_update()
                 self.stats = engine.get_stats()
                 self.iterations += 1
         except BaseException as exc:
@@ -293,7 +361,26 @@ class AsyncEngine:
             self._execute(command)
         return True
 
+    def _abort_delivering(self, request_ids: list[str]) -> int:
+        """Abort these requests; unlike ``abort``, their streams get the final outputs."""
+        aborted = sum(self.engine.abort(request_id) for request_id in request_ids)
+        if aborted:
+            log.info("aborted %d requests", aborted)
+        return aborted
+
+    def _finish_update(self) -> None:
+        """Run the drained weight update, then the adds held while it waited."""
+        (update, future), self._update = self._update, None
+        self._to_loop(_settle, *_outcome(update, future))
+        held, self._held = self._held, []
+        for command in held:
+            if command.future is None or not command.future.cancelled():  # its caller left: nothing to add
+                self._execute(command)
+
     def _execute(self, command: _Command) -> None:
+        if command.adds and self._update is not None:
+            self._held.append(command)
+            return
         try:
             result = command.fn()
         except Exception as exc:
@@ -334,6 +421,13 @@ class AsyncEngine:
     def _fail_pending_commands(self) -> None:
         error = (EngineClosedError("the server is shutting down") if self.dead is None
                  else EngineDeadError(f"the engine failed: {self.dead!r}"))
+        if self._update is not None:  # an update still waiting for the engine to drain, and its held adds
+            self._to_loop(_settle, self._update[1], None, error)
+            self._update = None
+        for command in self._held:
+            if command.future is not None:
+                self._to_loop(_settle, command.future, None, error)
+        self._held = []
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -341,6 +435,14 @@ class AsyncEngine:
                 return
             if isinstance(command, _Command) and command.future is not None:
                 self._to_loop(_settle, command.future, None, error)
+
+
+def _outcome(fn: Callable[[], Any], future: asyncio.Future) -> tuple[asyncio.Future, Any, BaseException | None]:
+    """``_settle``'s arguments for ``fn()``'s result or exception."""
+    try:
+        return future, fn(), None
+    except Exception as exc:
+        return future, None, exc
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

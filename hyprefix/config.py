@@ -7,6 +7,9 @@ from dataclasses import InitVar, dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)
+# vLLM's --logprobs-mode: "raw" = the model's logits before any processing, "processed" = the
+# distribution each token was sampled from (``runner/sampler.py``); "_logits" = values before log-softmax.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # deprecated EngineArgs names (keyword arguments and --flags) -> their current ones
 DEPRECATED_NAMES = {"mamba_cache_memory_gb": "state_cache_memory_gb",
                     "max_mamba_checkpoints": "max_state_checkpoints"}
@@ -54,6 +57,9 @@ class EngineArgs:
         "sliding-window layers' own KV pool, in tokens per token of the full-attention pool")})
     disable_hybrid_swa_memory: bool = field(default=False, metadata={"help": (
         "keep sliding-window layers' K/V in the main pool (every block kept)")})
+    weight_version: str = field(default="default", metadata={"help": (
+        "name of the weights loaded at start; a weight update (/update_weights_from_disk, LLM.update_weights) "
+        "sets a new one, which is part of every block hash, so no block computed by other weights is hit")})
     seed: int = field(default=0, metadata={"help": "seed of requests sampled without a seed of their own"})
     # models/quant.py: a GGUF's Q8_0 blocks as they are, per-channel scales for float weights;
     # activations quantized per 32 at run time.
@@ -63,6 +69,15 @@ class EngineArgs:
     enforce_eager: bool = field(default=False, metadata={"help": (
         "no torch.compile: neither the kernels of large steps nor the compiled decode steps (faster start-up, "
         "slower steps)")})
+    # vLLM's VLLM_BATCH_INVARIANT: kernels/invariant_linear.cpp, decode_attention.cpp's fixed runs,
+    # ForwardBatch.batch_invariant (docs/architecture.md, "Batch-invariant mode").
+    batch_invariant: bool = field(default=False, metadata={"help": (
+        "batch-invariant mode: a request's tokens and logprobs are bitwise identical whatever else shares its "
+        "batch, however its prompt is chunked and whether its prefix came from the cache (every matmul and "
+        "attention in fixed-order kernels, prompt tokens attending one by one; no compiled decode steps, no "
+        "cascade attention: slower). Dense attention models (Llama, Qwen, Mistral, Gemma 3) on an x86 CPU with "
+        "AVX2 or AVX-512 and a C++ compiler; models with recurrent layers (Mamba2, Gated DeltaNet) and "
+        "--quantization int8 are refused")})
     # runner/cascade.py
     cascade_min_saved_tokens: int = field(default=256, metadata={"help": (
         "decode attention reads a shared prefix once for its group when that saves at least this many K/V rows")})
@@ -74,6 +89,16 @@ class EngineArgs:
         "of the shared plan; 0 always shares")})
     max_logprobs: int = field(default=20, metadata={"help": (
         "most logprobs (and prompt logprobs) a request may ask for per token; -1: the whole vocabulary")})
+    logprobs_mode: str = field(default="raw_logprobs", metadata={"help": (
+        "what logprobs hold: raw_* the model's logits before any processing, processed_* the distribution each "
+        "token was sampled from (after penalties, bias, grammar mask, temperature, top-k / top-p / min-p; "
+        "filtered tokens -inf); *_logprobs log-probabilities, *_logits the logit values. Prompt logprobs are "
+        "always raw logprobs"), "choices": LOGPROBS_MODES})
+    # models/base.py ``CausalLM.use_fp32_head``; SGLang's enable_fp32_lm_head.
+    lm_head_fp32: bool = field(default=False, metadata={"help": (
+        "bfloat16 / float16 models: compute the final norm and the LM head in float32 (a float32 copy of the head "
+        "weight), so logits and logprobs are float32-accurate; no effect on float32 models; not with "
+        "--quantization int8")})
     log_stats_interval: float = field(default=5.0, metadata={"help": (
         "seconds between engine log lines while busy (0: off)")})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
@@ -98,6 +123,14 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.batch_invariant and self.quantization == "int8":
+            raise ValueError("batch_invariant cannot be combined with quantization='int8': the int8 matmuls are not "
+                             "batch-invariant (drop one of --batch-invariant and --quantization int8)")
+        if self.lm_head_fp32 and self.quantization == "int8":
+            raise ValueError("lm_head_fp32 cannot be combined with quantization='int8': the int8 LM head has no "
+                             "float32 form (drop one of --lm-head-fp32 and --quantization int8)")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks",
                      "max_state_checkpoints"):
             value = getattr(self, name)

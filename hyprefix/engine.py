@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,7 +20,14 @@ from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
 from hyprefix.errors import RequestError
 from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
-from hyprefix.models.loader import gguf_parsed_once, load_model, load_tokenizer
+from hyprefix.models.loader import (
+    gguf_parsed_once,
+    iter_gguf,
+    iter_safetensors,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
 from hyprefix.openmp import release_workers
 from hyprefix.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from hyprefix.request import Request
@@ -86,7 +95,8 @@ class Engine:
         t0 = time.perf_counter()
         with gguf_parsed_once():
             loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision,
-                                quantization=args.quantization, compiled_decode=not args.enforce_eager)
+                                quantization=args.quantization, compiled_decode=not args.enforce_eager,
+                                lm_head_fp32=args.lm_head_fp32, batch_invariant=args.batch_invariant)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
         self._text_decoders = {(True, True): text_decoder(self.tokenizer)}
         self._token_texts: list[str] = []  # logprobs' token texts by id
@@ -95,7 +105,10 @@ class Engine:
             if backend is not None and hasattr(backend, "decode_batch") else \
             (lambda ids: [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids])
         self.model_path = loaded.path
-        self.model_identity = loaded.identity
+        self.model_identity = loaded.identity  # of the weights loaded now: ``update_weights`` changes it
+        self._loaded_identity = loaded.identity
+        self.weight_version = args.weight_version
+        self.num_weight_updates = 0
         self.hf_config = loaded.hf_config
         self.text_config = loaded.hf_config.get_text_config()  # the config itself but for multimodal ones
         self.dtype = loaded.dtype
@@ -129,7 +142,8 @@ class Engine:
                                   cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
                                                                        args.cascade_min_solo_run_tokens,
                                                                        args.cascade_min_traffic_ratio),
-                                  eos_token_ids=self.eos_token_ids)
+                                  eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
+                                  batch_invariant=args.batch_invariant)
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
@@ -182,6 +196,52 @@ class Engine:
             log.info("warmed up the compiled kernels in %.1fs", time.perf_counter() - t0)
             freeze_startup_heap()
         release_workers()  # as after loading
+
+    # --------------------------------------------------------- weight updates
+    def update_weights(self, weights: str | os.PathLike | Iterable[tuple[str, torch.Tensor]],
+                       weight_version: str | None = None) -> dict[str, object]:
+        """Load new weights into the running model, in place: a checkpoint directory or GGUF
+        file of the same architecture and shapes, or (name, tensor) pairs with the
+        checkpoint's names (a trainer's state dict). Everything is read and checked before
+        anything changes: a mismatch raises ``RequestError`` and leaves the model as it was.
+
+        The weight version (``weight_version``, else the update's number) becomes part of
+        the model identity at the root of every block hash: no block or state checkpoint
+        computed by the old weights can be hit again; they age out of the LRU. Requests in
+        flight keep what they computed and go on with the new weights (callers that want
+        otherwise finish or abort them first: ``AsyncEngine.update_weights``)."""
+        t0 = time.perf_counter()
+        if isinstance(weights, str | os.PathLike):
+            weights = self._checkpoint_tensors(Path(weights))
+        try:
+            count = self.runner.model.update_weights(weights)
+        except ValueError as exc:
+            raise RequestError(f"the new weights do not fit this model: {exc}", param="model_path") from exc
+        self.num_weight_updates += 1
+        self.weight_version = weight_version if weight_version is not None else str(self.num_weight_updates)
+        self.model_identity = f"{self._loaded_identity}|weights={self.weight_version}#{self.num_weight_updates}"
+        self.cache.kv.set_model_identity(self.model_identity)
+        self.scheduler.forget_unstarted_hashes()
+        seconds = time.perf_counter() - t0
+        log.info("updated %d weight tensors to version %r in %.2fs", count, self.weight_version, seconds)
+        return {"weight_version": self.weight_version, "num_parameters": count, "seconds": seconds}
+
+    def _checkpoint_tensors(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors, after checking it is one of this model's architecture."""
+        if not path.exists():
+            raise RequestError(f"no checkpoint at {path}", param="model_path")
+        try:
+            config = load_config(path)
+        except (OSError, ValueError) as exc:
+            raise RequestError(f"{path} is not a checkpoint this server reads: {exc}", param="model_path") from exc
+        ours = self.hf_config
+        for key in ("model_type", "architectures"):
+            theirs, mine = getattr(config, key, None), getattr(ours, key, None)
+            if theirs != mine and (key == "model_type" or (theirs and mine)):  # a GGUF may name no architectures
+                raise RequestError(f"the checkpoint at {path} is another architecture ({key} "
+                                   f"{getattr(config, key, None)!r}, this model's {getattr(ours, key, None)!r})",
+                                   param="model_path")
+        return iter_gguf(path, config) if path.suffix == ".gguf" else iter_safetensors(path)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -283,6 +343,8 @@ class Engine:
                                f"its prompts), more than the limit of {max_total_tokens} per request: lower n or "
                                "max_tokens", param="max_tokens", code="request_too_large")
         arrival = time.time() if arrival_time is None else arrival_time
+        # processed logprobs of a grammar row read its mask: such rows mask first (``runner/sampler.py``)
+        processed_logprobs = self.args.logprobs_mode.startswith("processed")
         for request_id, child_ids, params, text, ids, salt in checked:
             samples = []
             for i, child_id in enumerate(child_ids):
@@ -292,7 +354,8 @@ class Engine:
                 if params.structured_outputs is not None:
                     request.grammar = self.grammars.grammar(
                         params.structured_outputs,
-                        masks_first=params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0)
+                        masks_first=params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0
+                        or (processed_logprobs and params.logprobs is not None))
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
                                                include_stop=params.include_stop_str_in_output)
                 samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
@@ -379,6 +442,17 @@ class Engine:
             self._samples.pop(sample.request.request_id, None)
 
     # -------------------------------------------------------------------- step
+    def take_outputs(self) -> list[RequestOutput]:
+        """The outputs made between steps (aborted requests') that ``step`` would return
+        first: for a caller that does not step now (a paused server)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every user request not finished (or whose last output is still to be returned)."""
+        return list(self._parents)
+
     def has_unfinished(self) -> bool:
         """Requests not finished, or outputs not yet returned by ``step``."""
         return bool(self._parents) or bool(self._pending_outputs)
@@ -407,15 +481,17 @@ class Engine:
             parent, sample = self._samples[request.request_id]
             if sample.logprobs is not None:
                 sample.logprobs.append(self._decoded(result.logprobs[request.request_id]))
-            # As in vLLM, the token that stopped the request (EOS or one of stop_token_ids) is
-            # kept in token_ids but not added to the text (unless include_stop_str_in_output).
+            # The token that stopped the request (EOS or one of stop_token_ids) stays in token_ids.
+            # Its text joins the text with include_stop_str_in_output (vLLM's rule) or with
+            # skip_special_tokens false (ours, not vLLM's: the text then decodes every id of
+            # token_ids, which RL clients rely on); otherwise it is left out, as in vLLM.
             params = request.params
             stopped_by_token = request.is_finished and request.finish_reason == "stop"
             matched = None
             if not stopped_by_token:
                 matched = sample.detok.append(request.output_token_ids[-1],
                                               check_stop=len(request.output_token_ids) > params.min_tokens)
-            elif params.include_stop_str_in_output:
+            elif params.include_stop_str_in_output or not params.skip_special_tokens:
                 sample.detok.append(request.output_token_ids[-1], check_stop=False)
             if matched is None and not request.is_finished and request.grammar is not None \
                     and request.grammar.is_stopped():  # the structured output is complete

@@ -108,7 +108,11 @@ class ForwardBatch:
     # (first, end) when the decode rows' state slots are first, first + 1, ...: their
     # states are one slice of the live tensor and are updated in place.
     decode_state_range: tuple[int, int] | None = None
+    # The batch-invariant mode (``EngineArgs.batch_invariant``): every token attends as a row of
+    # its own (``query_tables``), through the decode-attention kernel's fixed runs.
+    batch_invariant: bool = False
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+    _query_tables: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +151,29 @@ class ForwardBatch:
                 mask &= pos > ctx - 1 - window
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
+
+    def query_tables(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every token of the step as a query row of its own, in the step's token order: the block
+        table of its sequence in ``kv_view(window)`` (long [T, W], padded with 0), its context
+        length (its position + 1, long [T]) and the position of its table's first slot (long [T];
+        None: 0). A prefill token then attends exactly as a decode token at its position does."""
+        view = self.kv_view(window)
+        key = view is not None
+        if key not in self._query_tables:
+            decode = view.decode_block_tables if view is not None else self.decode_block_tables
+            parts = [decode] if self.num_decode else []
+            firsts = [view.decode_first_pos] if view is not None and self.num_decode else []
+            for i, span in enumerate(self.prefills):
+                table = view.prefill_block_tables[i] if view is not None else span.block_table
+                parts.append(table.expand(span.num_tokens, -1))
+                if view is not None:
+                    firsts.append(table.new_full((span.num_tokens,), view.prefill_first_pos[i]))
+            width = max(part.shape[1] for part in parts)
+            tables = parts[0] if len(parts) == 1 and parts[0].shape[1] == width else torch.cat(
+                [torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
+            first = (firsts[0] if len(firsts) == 1 else torch.cat(firsts)) if firsts else None
+            self._query_tables[key] = (tables, self.positions + 1, first)
+        return self._query_tables[key]
 
     def prefill_first_pos(self, index: int, window: int | None) -> int:
         """Position of the first key a prefill span's context gather holds."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from hyprefix.config import EngineArgs
@@ -102,6 +104,19 @@ class LLM:
             # The next call may come from another thread: leave no OpenMP pool behind (``openmp.py``).
             release_workers()
         return [done[i] for i in ids]
+
+    def update_weights(self, weights: str | os.PathLike | Iterable[tuple[str, torch.Tensor]],
+                       weight_version: str | None = None) -> dict[str, object]:
+        """New weights for the model, in place (``Engine.update_weights``): a checkpoint
+        directory or GGUF file of the same architecture, or (name, tensor) pairs with the
+        checkpoint's names, e.g. a trainer's ``state_dict().items()``. Blocks cached under
+        the old weights are never hit again. Returns the new ``weight_version``, the number
+        of parameters and the seconds it took."""
+        return self.engine.update_weights(weights, weight_version)
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
 
     def get_stats(self) -> dict[str, int | float]:
         return self.engine.get_stats()

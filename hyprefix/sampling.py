@@ -46,6 +46,13 @@ class SamplingParams:
     token; ``prompt_logprobs``: the same for every prompt token but the first (a request
     that asks computes its whole prompt: it takes no prefix-cache hit). Both come from
     the model's float32 logits before any processing (vLLM's "raw" logprobs).
+
+    ``skip_special_tokens`` (default True) leaves special tokens' text out of the output
+    text. False keeps it, the stopping token's too: the EOS or ``stop_token_ids`` token that
+    ended the request is always in ``token_ids`` and, as in vLLM, left out of the text unless
+    ``include_stop_str_in_output``; with ``skip_special_tokens=False`` (unlike vLLM) its text
+    is kept as well, so no token of ``token_ids`` is missing from the text (unless a ``stop``
+    string cut it): RL clients read the text and the ids as one sequence.
     """
 
     temperature: float = 1.0

@@ -70,6 +70,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def forget_unstarted_hashes(self) -> int:
+        """Clear the block hashes of waiting requests that computed nothing yet (after the
+        cache's model identity changed: they hash again from the new root, so they start
+        under the new weights without a hit on the old ones). Returns how many."""
+        cleared = 0
+        for request in self.waiting:
+            if request.num_computed_tokens == 0 and request.block_hashes:
+                request.block_hashes.clear()
+                cleared += 1
+        return cleared
+
     @property
     def num_running(self) -> int:
         return len(self.running)

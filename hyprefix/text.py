@@ -53,11 +53,14 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add
                                        "truncation", "max_length", "return_assistant_tokens_mask"})
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True,
+                   add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (the one
-    implementation behind ``LLM.chat``, the server and the replicas' router); bad input
-    raises RequestError. ``messages``: the messages, or a ``ChatPrompt`` (whose own
-    ``add_generation_prompt`` then counts)."""
+    implementation behind ``LLM.chat``, the server, ``/tokenize`` and the replicas' router);
+    bad input raises RequestError. ``messages``: the messages, or a ``ChatPrompt`` (whose own
+    ``add_generation_prompt`` then counts). The rendered text is tokenized without the
+    tokenizer's special tokens (the template writes its own, as transformers does);
+    ``add_special_tokens`` adds them (vLLM's ``/tokenize`` option)."""
     from jinja2 import TemplateError
 
     chat = messages if isinstance(messages, ChatPrompt) else ChatPrompt(messages, None, add_generation_prompt)
@@ -76,12 +79,14 @@ def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_genera
     if chat.chat_template is None and tokenizer.chat_template is None:
         raise RequestError("this model's tokenizer has no chat template", param="messages")
     try:
-        ids = tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
-            continue_final_message=chat.continue_final_message, chat_template=chat.chat_template, tokenize=True,
-            return_dict=False, **chat.template_kwargs)
+            continue_final_message=chat.continue_final_message, chat_template=chat.chat_template,
+            tokenize=not add_special_tokens, return_dict=False, **chat.template_kwargs)
     except TemplateError as exc:
         raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
     except ValueError as exc:  # e.g. continue_final_message on a template that cannot
         raise RequestError(f"the chat template could not render the messages: {exc}", param="messages") from exc
-    return list(ids)
+    if add_special_tokens:  # rendered as text: tokenized as a completion prompt would be
+        return list(tokenizer.encode(rendered, add_special_tokens=True))
+    return list(rendered)

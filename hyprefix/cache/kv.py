@@ -52,6 +52,13 @@ class KVCacheManager:
         return request_id in self._tables
 
     # ---------------------------------------------------------------- hashing
+    def set_model_identity(self, identity: str) -> None:
+        """New weights (a weight update): hashes chain from a new root from now on, so no
+        block computed before can match a request hashed after (old blocks age out of the
+        LRU; nothing is flushed). A request that holds hashes keeps its chain."""
+        self.model_identity = identity
+        self._roots.clear()
+
     def update_hashes(self, request: Request) -> list[bytes]:
         """The request's full-block hashes, extended to cover all its known tokens."""
         if self.enable_caching and len(request.block_hashes) < request.num_tokens // self.block_size:

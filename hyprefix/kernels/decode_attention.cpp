@@ -18,6 +18,11 @@
 // accumulators in registers for a head dim of 64, 128 or 256. Threads take runs from a shared
 // counter; partial results merge through their max and sum (the log-sum-exp). A very short
 // context runs on the calling thread.
+//
+//   run_blocks   0: runs as above, sized by the thread count and the widest row; > 0 (the
+//                batch-invariant mode): runs of that many blocks at fixed positions, so a row's
+//                result is the same bits whatever the other rows, their number and the threads
+//                (DecodeWork's fixed plan); with many rows a thread takes whole rows.
 #include "decode_attention.h"
 
 #include <ATen/Parallel.h>
@@ -30,9 +35,20 @@ namespace {
 
 template <typename T>
 void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-            const int64_t* context_lens, const int64_t* first_pos, T* out, float* lse) {
+            const int64_t* context_lens, const int64_t* first_pos, int64_t run_blocks, T* out, float* lse) {
   const int64_t threads = at::get_num_threads();
-  DecodeWork<T> work(s, q, k_cache, v_cache, tables, context_lens, first_pos, threads);
+  DecodeWork<T> work(s, q, k_cache, v_cache, tables, context_lens, first_pos, threads, run_blocks);
+  if (work.per_row) {  // the last rows first: a prefill's later tokens see the most keys
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch w;
+      for (int64_t i = next.fetch_add(1); i < s.rows; i = next.fetch_add(1)) {
+        const int64_t b = s.rows - 1 - i;
+        work.row(b, w, out + b * s.heads * s.dim, lse + b * s.heads);
+      }
+    });
+    return;
+  }
   if (work.serial) {
     Scratch w;
     for (int64_t t = 0; t < work.tasks; ++t) work.task(t, w);
@@ -53,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     const at::Tensor& v_cache, const at::Tensor& tables,
                                                     const at::Tensor& context_lens,
                                                     const std::optional<at::Tensor>& first_pos, double scale,
-                                                    int64_t window) {
+                                                    int64_t window, int64_t run_blocks) {
+  TORCH_CHECK(run_blocks >= 0, "decode_attention: run_blocks must be >= 0");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "decode_attention: q must be [rows, heads, dim] and the caches [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -83,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   auto run = [&](auto tag) {
     using T = decltype(tag);
     attend(s, q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
-           tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(), first,
+           tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(), first, run_blocks,
            out.mutable_data_ptr<T>(), lse.mutable_data_ptr<float>());
   };
   switch (q.scalar_type()) {
@@ -99,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor context_lens, "
-        "Tensor? first_pos, float scale, int window) -> (Tensor, Tensor)");
+        "Tensor? first_pos, float scale, int window, int run_blocks=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("decode_attention", &decode_attention); }

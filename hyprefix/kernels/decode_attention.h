@@ -258,13 +258,27 @@ void run_any(const Shape& s, const float* q, const T* k_cache, const T* v_cache,
 
 struct Scratch {  // one thread's buffers for its tasks
   std::vector<float> qs, scores, row;
+  std::vector<float> run_acc, run_max, run_sum, merged;  // a whole row's runs (DecodeWork::row)
   Prefetcher ahead;  // what to prefetch meanwhile (set by DecodeModel; none elsewhere)
 };
+
+// A fixed plan (DecodeWork with fixed_run_blocks) gives each thread whole rows, a row's runs in
+// order, when there are at least this many rows a thread.
+constexpr int64_t kRowsPerThread = 4;
 
 // One call's work, planned: tasks (a row and a run of its blocks) that any thread may take,
 // then a merge of each (row, head)'s partial results. Used by hyprefix::decode_attention
 // (decode_attention.cpp) and inside hyprefix::DecodeModel's parallel region (decode_layers.cpp),
 // which plans once a step and points q and the caches at each layer's.
+//
+// The plan picks the runs by the thread count and the widest row, so a row's result depends on
+// both. With fixed_run_blocks > 0 (the batch-invariant mode) it does not: a row's runs are the
+// runs of that many blocks at fixed positions (run i holds positions [i, i + 1) * fixed_run_blocks
+// * block_size, whatever the table's first position), cut to its visible keys; only non-empty
+// runs are tasks, and a row's runs merge in order. Each run's partial and each merge go through
+// one compiled copy of their code (``partial``, ``merge_runs``), so a row's result is the same
+// bits whether its runs ran as tasks of their own (few rows: ``tasks``, then ``merge``) or in one
+// task for the whole row (``per_row``: ``row``).
 template <typename T>
 struct DecodeWork {
   Shape s;
@@ -274,11 +288,16 @@ struct DecodeWork {
   int64_t run_blocks = 1, runs = 1, tasks = 0;
   bool serial = true;
   std::vector<float> acc, max, sum;
+  // fixed plan: its runs' size in blocks; each row's first run (by position) and first task
+  int64_t fixed = 0;
+  std::vector<int64_t> first_run, row_task;
+  bool per_row = false;  // fixed plan: a task is a whole row (``row``)
 
   DecodeWork(const Shape& shape, const T* q_, const T* k, const T* v, const int64_t* tables_,
-             const int64_t* context_lens_, const int64_t* first_pos_, int64_t threads)
+             const int64_t* context_lens_, const int64_t* first_pos_, int64_t threads,
+             int64_t fixed_run_blocks = 0)
       : s(shape), q(q_), k_cache(k), v_cache(v), tables(tables_), context_lens(context_lens_),
-        first_pos(first_pos_), lo(shape.rows), hi(shape.rows) {
+        first_pos(first_pos_), lo(shape.rows), hi(shape.rows), fixed(fixed_run_blocks) {
     const int64_t bs = s.block_size;
     int64_t work = 0, widest = 0;  // widest: the most blocks a row's visible slots touch
     for (int64_t b = 0; b < s.rows; ++b) {
@@ -288,6 +307,10 @@ struct DecodeWork {
       widest = std::max(widest, (hi[b] - 1) / bs - lo[b] / bs + 1);
     }
     serial = work < kSerialWork || threads == 1;
+    if (fixed > 0) {
+      plan_fixed(threads);
+      return;
+    }
     // Runs of whole blocks: about kRunsPerThread a thread, taken as threads free up (the widest
     // row's runs all hold keys; a shorter row's last ones may be empty).
     const int64_t want =
@@ -300,8 +323,43 @@ struct DecodeWork {
     sum.resize(tasks * s.heads);
   }
 
+  void plan_fixed(int64_t threads) {
+    const int64_t span = fixed * s.block_size;
+    first_run.assign(s.rows, 0);
+    row_task.assign(s.rows + 1, 0);
+    for (int64_t b = 0; b < s.rows; ++b) {
+      int64_t n = 0;
+      if (hi[b] > lo[b]) {
+        const int64_t f = first_pos ? first_pos[b] : 0;
+        first_run[b] = (lo[b] + f) / span;
+        n = (hi[b] - 1 + f) / span + 1 - first_run[b];
+      }
+      row_task[b + 1] = row_task[b] + n;
+    }
+    run_blocks = fixed;
+    tasks = row_task[s.rows];
+    per_row = !serial && s.rows >= kRowsPerThread * threads;
+    if (!per_row) {
+      acc.resize(tasks * s.heads * s.dim);
+      max.resize(tasks * s.heads);
+      sum.resize(tasks * s.heads);
+    }
+  }
+
+  // Fixed plan: run r of row b's runs as slots [j0, j1).
+  void fixed_slots(int64_t b, int64_t r, int64_t& j0, int64_t& j1) const {
+    const int64_t span = fixed * s.block_size, f = first_pos ? first_pos[b] : 0, run = first_run[b] + r;
+    j0 = std::max(lo[b], run * span - f);
+    j1 = std::min(hi[b], (run + 1) * span - f);
+  }
+
   // Task t's row and its slots [j0, j1) (empty where the row's keys end before the run).
   void task_slots(int64_t t, int64_t& b, int64_t& j0, int64_t& j1) const {
+    if (fixed > 0) {
+      b = std::upper_bound(row_task.begin(), row_task.end(), t) - row_task.begin() - 1;
+      fixed_slots(b, t - row_task[b], j0, j1);
+      return;
+    }
     const int64_t bs = s.block_size, r = t % runs;
     b = t / runs;
     const int64_t first = lo[b] / bs * bs;
@@ -313,7 +371,30 @@ struct DecodeWork {
     const int64_t d = s.dim, heads = s.heads;
     int64_t b, j0, j1;
     task_slots(t, b, j0, j1);
-    Partial p{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads};
+    partial(b, j0, j1, Partial{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads}, w);
+  }
+
+  // Fixed plan, per_row: row b whole (its runs in order, then merged) into dst [H, D] and lse [H].
+  void row(int64_t b, Scratch& w, T* dst, float* lse) {
+    const int64_t d = s.dim, heads = s.heads, n = row_task[b + 1] - row_task[b];
+    w.run_acc.resize(n * heads * d);
+    w.run_max.resize(n * heads);
+    w.run_sum.resize(n * heads);
+    w.merged.resize(d);
+    for (int64_t r = 0; r < n; ++r) {
+      int64_t j0, j1;
+      fixed_slots(b, r, j0, j1);
+      partial(b, j0, j1, Partial{w.run_acc.data() + r * heads * d, w.run_max.data() + r * heads,
+                                 w.run_sum.data() + r * heads}, w);
+    }
+    for (int64_t head = 0; head < heads; ++head)
+      merge_runs(w.run_acc.data(), w.run_max.data(), w.run_sum.data(), n, head, dst + head * d, lse + head,
+                 w.merged.data());
+  }
+
+  // Row b's slots [j0, j1), every head, into p (max -inf and sum 0 where empty).
+  __attribute__((noinline)) void partial(int64_t b, int64_t j0, int64_t j1, Partial p, Scratch& w) {
+    const int64_t d = s.dim, heads = s.heads;
     if (j1 <= j0) {
       std::fill_n(p.max, heads, -std::numeric_limits<float>::infinity());
       std::fill_n(p.sum, heads, 0.0f);
@@ -342,18 +423,27 @@ struct DecodeWork {
   // into dst [D] (q's dtype) and its log-sum-exp; `merged`: D floats of scratch.
   void merge(int64_t b, int64_t head, T* dst, float* lse, float* merged) const {
     const int64_t d = s.dim, heads = s.heads;
+    const int64_t first = fixed > 0 ? row_task[b] : b * runs, n = fixed > 0 ? row_task[b + 1] - first : runs;
+    merge_runs(acc.data() + first * heads * d, max.data() + first * heads, sum.data() + first * heads, n, head, dst,
+               lse, merged);
+  }
+
+  // merge over `runs` partials, run r's at part_acc [r][H][D], part_max and part_sum [r][H].
+  __attribute__((noinline)) void merge_runs(const float* part_acc, const float* part_max, const float* part_sum,
+                                            int64_t runs, int64_t head, T* dst, float* lse, float* merged) const {
+    const int64_t d = s.dim, heads = s.heads;
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < runs; ++r) top = std::max(top, max[(b * runs + r) * heads + head]);
+    for (int64_t r = 0; r < runs; ++r) top = std::max(top, part_max[r * heads + head]);
     float total = 0.0f;
     std::fill_n(merged, d, 0.0f);
     if (top != -std::numeric_limits<float>::infinity()) {
       for (int64_t r = 0; r < runs; ++r) {
-        const int64_t i = (b * runs + r) * heads + head;
-        if (sum[i] == 0.0f) continue;  // an empty run (its acc is unset)
-        const float by = std::exp(max[i] - top);
-        total += sum[i] * by;
+        const int64_t i = r * heads + head;
+        if (part_sum[i] == 0.0f) continue;  // an empty run (its acc is unset)
+        const float by = std::exp(part_max[i] - top);
+        total += part_sum[i] * by;
         const Vec w(by);
-        at::vec::map2([&](Vec x, Vec y) { return at::vec::fmadd(w, x, y); }, merged, acc.data() + i * d, merged, d);
+        at::vec::map2([&](Vec x, Vec y) { return at::vec::fmadd(w, x, y); }, merged, part_acc + i * d, merged, d);
       }
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;

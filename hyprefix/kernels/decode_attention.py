@@ -38,20 +38,24 @@ def available(dtype: torch.dtype) -> bool:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None,
-                     first_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     first_pos: torch.Tensor | None = None,
+                     run_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, D] over caches [blocks, block_size, KVH, D] (contiguous, q's dtype) through
     ``tables`` [B, W] -> (out [B, H, D] in q's dtype, float32 log-sum-exp [B, H]).
 
     Row b's table slot j holds position ``j + first_pos[b]`` (first_pos None: 0) and is
     visible when that is before ``context_lens[b]`` and, with a ``window``, no more than
     ``window`` positions back. A row that sees no key gets zeros and a log-sum-exp of -inf.
+    ``run_blocks`` > 0 (the batch-invariant mode): a row's keys are split into runs of that
+    many blocks at fixed positions and merged in order, so its result is the same bits whatever
+    the other rows and the threads; 0: runs sized by the threads and the batch.
     Call only where ``available(q.dtype)``."""
     return torch.ops.hyprefix.decode_attention(q, k_cache, v_cache, tables, context_lens, first_pos, scale,
-                                               window or 0)
+                                               window or 0, run_blocks)
 
 
 def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
           context_lens: torch.Tensor, first_pos: torch.Tensor | None, scale: float,
-          window: int) -> tuple[torch.Tensor, torch.Tensor]:
+          window: int, run_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs' shapes and dtypes, for torch.compile."""
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -13,6 +13,12 @@ padded path: the in-place kernel reads such a row whole. Prefill chunks attend o
 their own tokens (plain causal) or over their gathered context with an explicit mask:
 through ``kernels/prefill_attention.cpp`` where it runs
 (``hardware.DeviceCaps.flash_prefill``), else torch's SDPA.
+
+The batch-invariant mode (``ForwardBatch.batch_invariant``) has one arithmetic for every query
+token: each token of the step, prefill or decode, is a row of the decode-attention kernel over
+its sequence's blocks up to its own position (written first), with the kernel's runs fixed
+(``INVARIANT_RUN_TOKENS``), so its result depends neither on the rest of the batch nor on how
+its prompt was chunked or whether its prefix came from the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ import torch.nn.functional as F
 from hyprefix.forward import DecodeCascade, ForwardBatch
 from hyprefix.kernels import decode_attention as decode_kernel
 from hyprefix.kernels import prefill_attention as prefill_kernel
+
+# Keys per run of the batch-invariant mode's attention: a row's keys are split into runs of this
+# many positions (whole blocks, at least one) at fixed places, merged in order. Only a decode row
+# with a longer context than this is split over threads; every run costs a merge.
+INVARIANT_RUN_TOKENS = 256
 
 
 def paged_attention(
@@ -52,6 +63,11 @@ def paged_attention(
     elif slot_mapping.numel():
         flat_k.index_copy_(0, slot_mapping, k.index_select(0, batch.write_index))
         flat_v.index_copy_(0, slot_mapping, v.index_select(0, batch.write_index))
+    if batch.batch_invariant:
+        tables, context_lens, first_pos = batch.query_tables(window)
+        out, _ = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
+                                                run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size))
+        return out
 
     outs: list[torch.Tensor] = []
     if batch.num_decode:

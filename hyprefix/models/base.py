@@ -3,16 +3,22 @@ tables, loading HF tensors by name, prepacking weights for the CPU."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from hyprefix.kernels import decode_attention as decode_kernel
+from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.models import fused
-from hyprefix.models.layers import Embedding, Linear, RMSNorm, Rotary
+from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary
 from hyprefix.models.quant import Int8Weight
 from hyprefix.models.weights import MatrixForms
+
+log = logging.getLogger("hyprefix.models")
 
 # (our parameter name, shard index, shard sizes along dim 0) or (name, None, None)
 Target = tuple[str, int | None, list[int] | None]
@@ -100,10 +106,40 @@ class CausalLM(nn.Module):
             self.rotary = rope_tables(self.config, self.max_positions, self.dtype, device, self._rotary_head_dim)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head for the selected hidden states; float32 logits."""
+        """Final norm + LM head for the selected hidden states; float32 logits. With a float32
+        head (``use_fp32_head``) both run in float32: the norm's output is never rounded to
+        the model's dtype, and the matmul reads the head's float32 copy. Every decode path
+        ends here: eager steps, the compiled decode graphs, and the one-call decode kernel
+        wherever its own head does not run (it computes logits itself only with an int8 head,
+        which ``--lm-head-fp32`` refuses)."""
+        forms = self.head_forms
+        fp32 = forms.fp32
+        if fp32 is not None:
+            hidden = fused.rms_norm(hidden.float(), self.norm.weight.float(), self.norm.eps)
+            # aten's matmul (an extern call in both compiled graphs); the batch-invariant mode's own kernel there
+            return forms.matmul(hidden, fp32, None) if forms.invariant else F.linear(hidden, fp32)
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
         head = self.lm_head if self.lm_head is not None else self.embed.logits
         return head(hidden).float()
+
+    def use_fp32_head(self) -> bool:
+        """``--lm-head-fp32``: keep a float32 copy of the LM head's weight (a tied head: of the
+        embedding table) as the head's ``MatrixForms.fp32``, made once after loading and before
+        ``pack_weights`` (which then leaves the head in its plain form); ``compute_logits``
+        multiplies it instead. A float32 model is unchanged; an int8 head has no float32 form.
+        Returns whether the head runs in float32 from now on."""
+        if self.dtype == torch.float32:
+            return False
+        forms = self.head_forms
+        if forms.int8 is not None:
+            raise ValueError("--lm-head-fp32 cannot be used with an int8 LM head (--quantization int8)")
+        plain = self.lm_head.weight if self.lm_head is not None else self.embed.weight
+        if not plain.numel() or forms.bf16 is not None:
+            raise RuntimeError("use_fp32_head runs before pack_weights, while the head's plain weight is there")
+        forms.use_fp32(plain)
+        log.info("the final norm and the LM head run in float32 (--lm-head-fp32): a float32 copy of the head, "
+                 "%.1f MiB", forms.fp32.nbytes / 2**20)
+        return True
 
     def use_decode_kernel(self) -> bool:
         """Once its weights are final: run decode-only steps in one kernel call where
@@ -134,12 +170,41 @@ class CausalLM(nn.Module):
         tied LM head gets its own packed copy; the embedding keeps the plain one.
         ``keep_plain``: compiled decode steps will read the weights, so keep the plain ones
         too, or their bf16 tiles instead where the bf16 kernel runs (a tied head's tiles then
-        replace the embedding table and serve the lookups, ``Embedding.pack_head``)."""
+        replace the embedding table and serve the lookups, ``Embedding.pack_head``). A head with
+        a float32 copy (``use_fp32_head``) gets no other form."""
+        fp32_head = self.head_forms.fp32 is not None  # the head multiplies its float32 copy: no other form
+        for module in self.modules():
+            if isinstance(module, Linear) and not (fp32_head and module is self.lm_head):
+                module.pack(keep_plain)
+        if self.lm_head is None and not fp32_head:
+            self.embed.pack_head(keep_plain)
+
+    def use_batch_invariant(self) -> None:
+        """The batch-invariant mode (``EngineArgs.batch_invariant``), after loading and before
+        packing: every matrix multiplies with a kernel whose result for a row does not depend on
+        the other rows (``MatrixForms.use_batch_invariant``; a matrix it tiles drops its plain
+        tensor, and a tied head's tiles serve the embedding lookups) and the gated MLPs'
+        activation runs in ``kernels/invariant_linear``'s op;
+        attention and the runner do their part through ``ForwardBatch.batch_invariant``.
+        ValueError where the mode cannot hold: recurrent layers (Mamba2, Gated DeltaNet), int8
+        weights, an MLP activation that op lacks, or a device where those kernels and the
+        decode-attention kernel do not run (anything but an x86 CPU with AVX2 or AVX-512, or a
+        failed build)."""
+        if self.state_layout is not None:
+            raise ValueError(f"--batch-invariant does not support models with recurrent layers (Mamba2, Gated "
+                             f"DeltaNet): {type(self).__name__}")
+        if self.embed.weight.device.type != "cpu" or not invariant_kernel.available() \
+                or not decode_kernel.available(self.dtype):
+            raise ValueError("--batch-invariant needs hyprefix's C++ kernels (invariant_linear, decode_attention) "
+                             "on an x86 CPU with AVX2 or AVX-512, built with a C++ compiler; they do not run here")
+        for module in self.modules():
+            if isinstance(module, GatedMLP) and module.activation not in invariant_kernel.ACTIVATIONS:
+                raise ValueError(f"--batch-invariant has no kernel for the MLP activation {module.activation!r}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(keep_plain)
+                module.use_batch_invariant()
         if self.lm_head is None:
-            self.embed.pack_head(keep_plain)
+            self.embed.use_batch_invariant_head()
 
     def quantize_weights(self) -> None:
         """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
@@ -225,8 +290,12 @@ class CausalLM(nn.Module):
         """Our parameter for tensor ``rest`` (``self_attn.q_proj.weight``, ...) of layer ``idx``."""
         raise NotImplementedError
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     into: dict[str, torch.Tensor] | None = None) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters, or into ``into`` (parameter
+        name -> a tensor of the parameter's shape, ``update_weights``' staging). Raises
+        ValueError on a tensor with no place, a wrong shape, or a parameter left without one."""
+        params = {name: p.data for name, p in self.named_parameters()} if into is None else into
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self.map_name(name)
@@ -235,7 +304,7 @@ class CausalLM(nn.Module):
             param_name, shard, sizes = target
             if param_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model ({param_name!r})")
-            dst = params[param_name].data
+            dst = params[param_name]
             if shard is not None and sizes is not None:
                 dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
             _copy(dst, tensor, name)
@@ -243,6 +312,38 @@ class CausalLM(nn.Module):
         missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Replace every weight by the checkpoint tensors ``weights`` (HF names, as loading
+        reads them) in place: each parameter, and each form a matrix has beside it (packed,
+        int8, bf16 tiles: ``MatrixForms.refresh``), so compiled steps and kernels that hold
+        those tensors compute with the new values. All of them are read and checked first
+        (a name with no place, a wrong shape, a weight missing: ValueError); only then is
+        anything changed. Returns how many parameters changed."""
+        modules = dict(self.named_modules())
+        staged: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = modules[module_name]
+            shape = param.shape
+            if leaf == "weight" and isinstance(module, Linear | Embedding):
+                shape = torch.Size((module.forms.rows, module.forms.cols))  # the plain one may be emptied
+            staged[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self.load_weights(weights, into=staged)
+        for name, new in staged.items():
+            module_name, _, leaf = name.rpartition(".")
+            module = modules[module_name]
+            param = getattr(module, leaf)
+            if param.numel():
+                param.data.copy_(new)
+            if leaf == "weight" and isinstance(module, Linear | Embedding):
+                module.forms.refresh(new)
+        self.weights_changed()
+        return len(staged)
+
+    def weights_changed(self) -> None:
+        """Drop what was built from the old weights (a model's kernel state); called by
+        ``update_weights`` once the new ones are in place."""
 
     def map_head(self, name: str, embed: str, norm: str) -> Target | None:
         """Names shared by every model: embedding, final norm, LM head."""

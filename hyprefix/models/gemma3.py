@@ -112,9 +112,11 @@ class Gemma3ForCausalLM(CausalLM):
             x, residual = layer(x, residual, batch, ropes[layer.layer_type], kv, self.kernels)
         return x + residual
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     into: dict[str, torch.Tensor] | None = None) -> None:
         """Gemma norms scale by ``1 + w``: stored so (in float32, as HF adds it)."""
-        super().load_weights((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights)
+        super().load_weights(((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights),
+                             into)
 
     def relative_name(self, name: str) -> str | None:
         return language_model_name(name)

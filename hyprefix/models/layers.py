@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.kernels import bf16_linear as bf16_kernel
+from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.models.fused import Kernels
 from hyprefix.models.quant import Int8Weight, quantize_int8
 from hyprefix.models.weights import MatrixForms, one_row, packed_gate_up
@@ -96,6 +97,12 @@ class Linear(nn.Linear):
         self.forms.use_int8(weight)
         self._drop_plain()
 
+    def use_batch_invariant(self) -> None:
+        """The batch-invariant mode's matmul from now on (``MatrixForms.use_batch_invariant``);
+        the plain weight goes where bf16 tiles replace it."""
+        if self.forms.use_batch_invariant(self.weight):
+            self._drop_plain()
+
     def _drop_plain(self) -> None:
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
@@ -117,6 +124,12 @@ class Embedding(nn.Embedding):
         """The table's packed form for a tied LM head (and, with ``keep_plain``, its bf16 tiles,
         which then replace the table); the lookups keep the plain table otherwise."""
         if self.forms.pack(self.weight, keep_plain) and self.forms.bf16 is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def use_batch_invariant_head(self) -> None:
+        """A tied LM head in the batch-invariant mode (``MatrixForms.use_batch_invariant``); where
+        bf16 tiles replace the table, they serve the lookups too."""
+        if self.forms.use_batch_invariant(self.weight):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,7 +155,9 @@ class GatedMLP(nn.Module):
 
     Packed (CPU), gate and up become two oneDNN matmuls with the activation and the
     product fused into their epilogues: no elementwise passes over the
-    intermediate activations.
+    intermediate activations. In the batch-invariant mode (``MatrixForms.use_batch_invariant``)
+    the activation and product run in ``kernels/invariant_linear``'s own op, whose result for an
+    element does not depend on where the element falls in torch's split of the tensor.
     """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
@@ -151,11 +166,14 @@ class GatedMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: {sorted(ACTIVATIONS)}")
         self.act, self._epilogue = ACTIVATIONS[activation]
+        self.activation = activation
         self.intermediate = intermediate
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device, pack_halves=True)
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up.forms.invariant:
+            return self.down(invariant_kernel.invariant_gated_act(self.gate_up(x), self.activation))
         halves = self.gate_up.forms.packed_halves
         if halves is not None and not (torch.compiler.is_compiling() and one_row(x)):
             bias = self.gate_up.bias

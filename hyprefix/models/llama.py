@@ -133,6 +133,9 @@ class LlamaForCausalLM(CausalLM):
     def takes_decode_kernel(self, batch: ForwardBatch) -> bool:
         return self.decode_kernel and batch.reads_tables_whole()
 
+    def weights_changed(self) -> None:
+        self._decode_model = None  # it may hold copies of the old weights: built again on the next step
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states=None) -> torch.Tensor:
         if self.takes_decode_kernel(batch) and not torch.compiler.is_compiling():

@@ -208,10 +208,14 @@ def _tensors_named_in(path: Path, message: str) -> str:
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
                revision: str | None = None, quantization: str | None = None,
-               compiled_decode: bool = False) -> LoadedModel:
-    """``quantization`` "int8": int8 linears (``quant.py``). ``compiled_decode``:
+               compiled_decode: bool = False, lm_head_fp32: bool = False,
+               batch_invariant: bool = False) -> LoadedModel:
+    """``quantization`` "int8": int8 linears (``quant.py``). ``lm_head_fp32``: the final norm and
+    the LM head in float32 (``CausalLM.use_fp32_head``). ``compiled_decode``:
     the runner will compile decode steps, which read the plain weights (or their bf16 tiles):
-    keep them beside the prepacked copies (models without recurrent layers; those decode eagerly)."""
+    keep them beside the prepacked copies (models without recurrent layers; those decode eagerly).
+    ``batch_invariant``: the plain weights only, multiplied by the batch-invariant kernel
+    (``CausalLM.use_batch_invariant``, which refuses what the mode does not support)."""
     path = resolve_model_dir(model, revision)
     hf_config = load_config(path)
     cls = model_class(hf_config)
@@ -222,10 +226,14 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     net.materialize(device)
     net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
     net.eval()
+    if lm_head_fp32:  # from the plain weight, before any other form replaces it
+        net.use_fp32_head()
     if quantization == "int8":
         if path.suffix == ".gguf":  # Q8_0 matrices keep the file's int8 blocks
             net.load_int8_weights(iter_gguf_q8_0(path, hf_config))
         net.quantize_weights()  # the rest: per-channel int8 from the float weights
+    if batch_invariant:
+        net.use_batch_invariant()
     net.pack_weights(keep_plain=compiled_decode and net.decode_graph_capable)
     identity = checkpoint_identity(path) + (f"|{quantization}" if quantization else "")
     return LoadedModel(net, hf_config, path, identity, torch_dtype, max_pos, net.weight_memory_bytes())

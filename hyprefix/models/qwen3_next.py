@@ -129,8 +129,9 @@ class Qwen3NextForCausalLM(CausalLM):
         return x + residual
 
     # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._converted(weights))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     into: dict[str, torch.Tensor] | None = None) -> None:
+        super().load_weights(self._converted(weights), into)
 
     def _converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors -> ours: ``1 + w`` norms; the attention q_proj split into query and

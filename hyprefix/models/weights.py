@@ -13,6 +13,10 @@ embedding table a tied LM head reuses). After loading it may gain, by the loader
 * **bf16 tiles**: ``Bf16Tiles``, what a compiled decode step multiplies where the bf16 kernel
   runs, kept in place of the plain tensor beside the packed copy.
 
+The batch-invariant mode (``use_batch_invariant``, before packing) adds no form of its own: a
+bfloat16 matrix takes its bf16 tiles where ``bf16_linear`` runs (whose arithmetic per row is
+fixed), any other keeps only its plain tensor, multiplied by ``kernels/invariant_linear.cpp``.
+
 ``MatrixForms.matmul`` is the one place that picks the form for a step. The int8 and bf16
 tensors are non-persistent buffers of the ``MatrixForms`` module: they move with the model
 (huge pages) and a compiled step reads them as lasting inputs like parameters (a dataclass
@@ -28,6 +32,7 @@ from torch import nn
 
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import bf16_linear as bf16_kernel
+from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.models.quant import Bf16Tiles, Int8Tiles, Int8Weight, quantize_int8, reduction_linear, tiles_fit
 
 # What a matmul of a compiled decode step reads: the int8 weights, the bf16 tiles, or the plain weight.
@@ -78,6 +83,7 @@ class MatrixForms(nn.Module):
         self.rows, self.cols = rows, cols
         self.packed: torch.Tensor | None = None
         self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.invariant = False  # ``use_batch_invariant``
 
     @property
     def int8(self) -> Int8Weight | Int8Tiles | None:
@@ -91,6 +97,19 @@ class MatrixForms(nn.Module):
     def bf16(self) -> Bf16Tiles | None:
         tiles = self._buffers.get("bf16_tiles")
         return None if tiles is None else Bf16Tiles(tiles, self.rows)
+
+    @property
+    def fp32(self) -> torch.Tensor | None:
+        """An LM head's float32 copy (``use_fp32``; the buffer ``fp32_weight``), which
+        ``CausalLM.compute_logits`` multiplies instead of every other form; None where the head
+        runs in the model's dtype."""
+        return self._buffers.get("fp32_weight")
+
+    def use_fp32(self, plain: torch.Tensor) -> None:
+        """Keep a float32 copy of ``plain`` (an LM head's weight, ``--lm-head-fp32``). A
+        non-persistent buffer like the other forms: it moves with the model and a compiled
+        decode step reads it as a lasting input, so a weight update must refresh it in place."""
+        self.register_buffer("fp32_weight", plain.detach().float().contiguous(), persistent=False)
 
     def graph_weight(self, plain: torch.Tensor) -> GraphWeight:
         """What a compiled decode step multiplies: the int8 weights, the bf16 tiles, or ``plain``."""
@@ -113,7 +132,7 @@ class MatrixForms(nn.Module):
         its top and bottom halves); with ``keep_plain`` (compiled decode steps read the
         matrix) also its bf16 tiles where the bf16 kernel takes them. Returns whether
         ``plain`` is no longer needed for matmuls: packed, and not kept or tiled."""
-        if self.packed is not None or self.packed_halves is not None or self.int8 is not None \
+        if self.packed is not None or self.packed_halves is not None or self.int8 is not None or self.invariant \
                 or not plain.numel() or not mkldnn_packing_available(plain):
             return False
         if halves:
@@ -149,6 +168,51 @@ class MatrixForms(nn.Module):
             self.register_buffer("scales", weight.scales, persistent=False)
         self.packed = self.packed_halves = None
 
+    def refresh(self, plain: torch.Tensor) -> None:
+        """After a weight update: recompute every form this matrix has from ``plain`` (its
+        new values, [rows, cols]) and write each into the tensor it replaces, so a compiled
+        step or kernel that holds those tensors reads the new weights. int8 keeps its layout
+        (per channel, or per group as a GGUF's Q8_0 blocks) and is quantized afresh."""
+        if tuple(plain.shape) != (self.rows, self.cols):
+            raise ValueError(f"new weight of shape {tuple(plain.shape)} for a matrix of {self.rows} x {self.cols}")
+        plain = plain.detach()
+        if self.packed is not None:
+            self.packed.copy_(pack_weight(plain))
+        if self.packed_halves is not None:
+            for packed, half in zip(self.packed_halves, plain.split(self.rows // 2), strict=True):
+                packed.copy_(pack_weight(half.contiguous()))
+        int8 = self.int8
+        if int8 is not None:
+            fresh = quantize_int8(plain, int8.group)
+            if isinstance(int8, Int8Tiles):
+                tiled = Int8Tiles.pack(fresh)
+                self._buffers["tiles"].copy_(tiled.tiles)
+                self._buffers["scales"].copy_(tiled.scales)
+            else:
+                self._buffers["qweight"].copy_(fresh.qweight)
+                self._buffers["scales"].copy_(fresh.scales)
+        tiles = self._buffers.get("bf16_tiles")
+        if tiles is not None:
+            tiles.copy_(bf16_kernel.pack(plain.to(tiles.dtype)))
+        fp32 = self.fp32
+        if fp32 is not None:
+            fp32.copy_(plain.float())
+
+    def use_batch_invariant(self, plain: torch.Tensor) -> bool:
+        """From now on multiply with a kernel whose result for a row is the same bits whatever
+        the other rows are (the batch-invariant mode): ``bf16_linear`` over this matrix's bf16
+        tiles where that kernel takes ``plain`` (``_set_bf16_tiles``; its sums run over K in a
+        fixed order, each row on its own), else ``kernels/invariant_linear`` over ``plain``. An
+        LM head's float32 copy (``fp32``) stays what the head multiplies, by the latter. Call
+        before ``pack``, which then adds nothing; int8 weights are refused (ValueError), as the
+        mode has no invariant int8 matmul. Returns whether ``plain`` is no longer needed (tiled)."""
+        if self.int8 is not None:
+            raise ValueError("--batch-invariant does not support int8 weights (--quantization int8)")
+        if self.packed is not None or self.packed_halves is not None or self.bf16 is not None:
+            raise ValueError("use_batch_invariant must come before the weights are packed")
+        self.invariant = True
+        return self.fp32 is None and self._set_bf16_tiles(plain)
+
     def quantize(self, plain: torch.Tensor) -> None:
         """``use_int8`` with per-channel int8 quantized from ``plain``."""
         self.use_int8(quantize_int8(plain))
@@ -157,7 +221,13 @@ class MatrixForms(nn.Module):
         """x @ matrix^T (+ bias) in the form that suits this step: inside a compiled decode
         step the packed GEMM for a batch of rows, else the form ``graph_weight`` picks; eager,
         int8, else packed, else ``plain``. (Packed halves are multiplied by their owner,
-        ``GatedMLP``, except in a one-row graph, which reads ``graph_weight``.)"""
+        ``GatedMLP``, except in a one-row graph, which reads ``graph_weight``.) The batch-invariant
+        mode always multiplies with its kernels (``use_batch_invariant``)."""
+        if self.invariant:
+            tiles = self.bf16
+            if tiles is not None and x.dtype == torch.bfloat16:
+                return bf16_kernel.bf16_linear(x, tiles.tiles, self.rows, bias)
+            return invariant_kernel.invariant_linear(x, plain, bias)
         if torch.compiler.is_compiling():
             if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
                 return packed_linear(x, self.packed, bias)
@@ -177,6 +247,9 @@ class MatrixForms(nn.Module):
         return total
 
     def decode_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one decode step reads for this matrix: the int8 weights, or the float matrix."""
+        """Bytes one decode step reads for this matrix: the float32 copy, the int8 weights, or the
+        float matrix."""
+        if self.fp32 is not None:
+            return self.fp32.nbytes
         int8 = self.int8
         return int8.nbytes if int8 is not None else self.rows * self.cols * dtype.itemsize

@@ -34,8 +34,18 @@ from hyprefix.routing.request_key import RequestHasher, RoutingKey
 from hyprefix.server.api import DEMO_MODEL_NAME, build_openai_app
 from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import Answer, LocalBackend
-from hyprefix.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, sse
-from hyprefix.server.serving import as_api_error, engine_salt, finalize_on_gc
+from hyprefix.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    sse,
+)
+from hyprefix.server.serving import Tokenization, as_api_error, engine_salt, finalize_on_gc
 from hyprefix.text import chat_token_ids
 
 log = logging.getLogger("hyprefix.replicas")
@@ -108,7 +118,7 @@ class EngineReplica:
         engine = self.engine
         return {"model_names": self.backend.model_names, "max_model_len": engine.max_model_len,
                 "model_identity": engine.model_identity, "block_size": engine.args.block_size,
-                "tokenizer": engine.tokenizer}
+                "tokenizer": engine.tokenizer, "vocab_size": engine.vocab_size}
 
     async def answer(self, kind: str, body: CompletionRequest | ChatCompletionRequest, tenant: str | None,
                      routing: RoutingKey | None = None) -> dict[str, Any]:
@@ -147,6 +157,17 @@ class EngineReplica:
     async def reset_prefix_cache(self) -> int:
         self._start()
         return await self.backend.reset_prefix_cache()
+
+    async def control(self, method: str, *args: Any) -> dict[str, Any]:
+        """Generation control (``server/control.py``): ``{"kind": "ok", "result", "model_identity"}``
+        or the error item. An update answers the engine's new model identity, which the
+        ingress hashes prompts with from then on."""
+        self._start()
+        try:
+            result = await getattr(self.backend, method)(*args)
+        except Exception as exc:
+            return _error_item(as_api_error(exc))
+        return {"kind": "ok", "result": result, "model_identity": self.engine.model_identity}
 
     def __del__(self) -> None:  # Ray Serve calls it when the replica stops
         backend = getattr(self, "backend", None)
@@ -192,6 +213,9 @@ class ReplicaSetBackend:
         self.model_names: list[str] = info["model_names"]
         self.max_model_len: int = info["max_model_len"]
         self.hasher = RequestHasher(info["tokenizer"], info["model_identity"], info["block_size"])
+        # /tokenize and /detokenize need no replica: the ingress holds the replicas' tokenizer
+        self.tokenization = Tokenization(self.hasher.tokenizer, info["vocab_size"], self.max_model_len,
+                                         self.model_names)
 
     def start(self) -> None:
         pass
@@ -221,6 +245,35 @@ class ReplicaSetBackend:
                            type="service_unavailable")
         return sum(results)
 
+    async def _control(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every replica; raises the first replica's error. An update may wait
+        for the requests in flight to finish: no time limit."""
+        items = await self.engines.broadcast("control", method, *args).results_async(return_exceptions=True)
+        for item in items:
+            if not isinstance(item, dict):
+                raise APIError(503, f"an engine replica failed: {item!r}", type="service_unavailable")
+            if item["kind"] == "error":
+                raise APIError(**item["error"])
+        return items
+
+    async def update_weights(self, model_path: str, weight_version: str | None,
+                             abort_all_requests: bool) -> dict[str, Any]:
+        items = await self._control("update_weights", model_path, weight_version, abort_all_requests)
+        self.hasher = dataclasses.replace(self.hasher, model_identity=items[0]["model_identity"])
+        return items[0]["result"]
+
+    async def weight_version(self) -> str:
+        return (await self._control("weight_version"))[0]["result"]
+
+    async def pause(self, mode: str) -> int:
+        return sum(item["result"] for item in await self._control("pause", mode))
+
+    async def resume(self) -> None:
+        await self._control("resume")
+
+    async def abort(self, rid: str | None) -> int:
+        return sum(item["result"] for item in await self._control("abort", rid))
+
     async def completions(self, body: CompletionRequest, tenant: str | None) -> Answer:
         def key() -> RoutingKey:  # a batch goes to one replica: routed by its first prompt
             return self.hasher.prompt_key(body.prompts()[0], engine_salt(body.cache_salt, tenant))
@@ -233,6 +286,12 @@ class ReplicaSetBackend:
             return self.hasher.key(ids, engine_salt(body.cache_salt, tenant))
 
         return await self._call("chat", body, tenant, key)
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await self.tokenization.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        return await self.tokenization.detokenize(body)
 
     async def _call(self, kind: str, body: Any, tenant: str | None, key: Callable[[], RoutingKey]) -> Answer:
         try:

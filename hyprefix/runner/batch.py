@@ -19,11 +19,13 @@ from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 
 
 def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
-                thresholds: CascadeThresholds, fast_path: FastPathCost | None = None) -> ForwardBatch:
+                thresholds: CascadeThresholds, fast_path: FastPathCost | None = None,
+                batch_invariant: bool = False) -> ForwardBatch:
     """``thresholds``: when decode blocks are read as cascade segments (``cascade.py``).
     ``fast_path``: the runner's fast decode path, which takes a decode-only step only when no
     prefix is read once for several rows: a plan that shares prefixes is dropped for one that
-    does not unless it is ``FastPathCost.worth_sharing``."""
+    does not unless it is ``FastPathCost.worth_sharing``. ``batch_invariant``: the batch-invariant
+    mode (``ForwardBatch.batch_invariant``), whose attention reads every row whole: no cascade plan."""
     decodes = [s for s in seqs if s.num_tokens == 1]
     prefills = [s for s in seqs if s.num_tokens > 1]
     ordered = decodes + prefills
@@ -67,8 +69,9 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         lens = [s.context_len for s in decodes]
         decode_tables = as_long(_pad(tables))
         decode_lens = as_long(lens)
-        segments, covered = cascade.plan_segments(tables, lens, block_size, thresholds)
-        decode_cascade = _decode_cascade(segments, covered, tables, decode_lens, block_size, device)
+        if not batch_invariant:
+            segments, covered = cascade.plan_segments(tables, lens, block_size, thresholds)
+            decode_cascade = _decode_cascade(segments, covered, tables, decode_lens, block_size, device)
 
     batch = ForwardBatch(
         seqs=ordered,
@@ -89,6 +92,7 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         window_kv=_window_kv(ordered, len(decodes), block_size, device)
         if ordered and ordered[0].window_blocks is not None else None,
         decode_state_range=_slot_range(decode_slots),
+        batch_invariant=batch_invariant,
     )
     if (fast_path is not None and decode_cascade is not None and decode_cascade.shares_prefix
             and batch.reads_tables_whole(apart_from_sharing=True)

@@ -206,12 +206,15 @@ def batched_graph_capable(model: torch.nn.Module) -> bool:
     prepacked oneDNN weight, ``kernels/packed_linear.cpp``, which must build, or int8 tiles)
     and each row's K/V is read in place (``kernels/decode_attention.cpp``): without that
     kernel the graph would gather every row's blocks padded to the longest table, where the
-    eager cascade path reads a long row on its own."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    eager cascade path reads a long row on its own. A float32 LM head (``--lm-head-fp32``) is
+    multiplied by aten's matmul, an extern call of its own (``CausalLM.compute_logits``)."""
+    fp32_head = model.head_forms.fp32 is not None
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not (fp32_head and m is model.lm_head)]
     dtype = getattr(model, "dtype", None)
     if not linears or dtype is None or not decode_attention.available(dtype):
         return False
-    kernels = {linear.forms.batched_kernel for linear in linears} | {model.head_forms.batched_kernel}
+    kernels = {linear.forms.batched_kernel for linear in linears} | (
+        set() if fp32_head else {model.head_forms.batched_kernel})
     return None not in kernels and ("packed" not in kernels or packed_linear.available())
 
 

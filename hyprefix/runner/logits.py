@@ -6,8 +6,9 @@ entries, bad words, history), never over the vocabulary. Requests that ask for n
 cost nothing. The order is vLLM's: allowed token ids, bad words, min_tokens, logit bias,
 then the repetition, frequency and presence penalties.
 
-Logprobs (``logprobs_of``) are log-softmax of the model's float32 logits before any
-processing, as vLLM's default "raw_logprobs".
+Logprobs (``logprobs_of``) are log-softmax of float32 logits: by default the model's before
+any processing (vLLM's default "raw_logprobs"); the sampler passes the processed ones, or asks
+for the logit values themselves, by ``--logprobs-mode`` (``sampler.py``).
 """
 
 from __future__ import annotations
@@ -118,12 +119,15 @@ class LogitsProcessor:
             logits[index] -= frequency * counts + presence * (counts > 0)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int],
+                values: bool = False) -> list[dict[int, Logprob]]:
     """For each row of float32 ``logits`` [R, V]: ``tokens[r]``'s log-probability and rank
     (1 = most likely), and the ``num_top[r]`` most likely tokens' (-1: every token), as a
     dict token id -> ``Logprob``, the given token first. A rank is read off the top tokens
-    where the token is among them; only the other rows count the tokens above theirs."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    where the token is among them; only the other rows count the tokens above theirs.
+    ``values``: report the logits themselves in place of log-probabilities (the "*_logits"
+    logprobs modes); the ranks and the top tokens are the same either way."""
+    logprobs = logits.float() if values else torch.log_softmax(logits.float(), dim=-1)
     vocab = logits.shape[1]
     widths = [vocab if k < 0 else min(k, vocab) for k in num_top]
     width = max(max(widths, default=0), 1)  # the top token at least: a greedy pick's rank is 1

@@ -39,10 +39,18 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
-                 num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset(),
+                 logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
         of their own (``cache/sliding.py``); 0: they share the main pool. ``eos_token_ids``:
-        what ``min_tokens`` holds back."""
+        what ``min_tokens`` holds back. ``logprobs_mode``: what sampled tokens' logprobs hold
+        (``Sampler``; prompt logprobs are always raw logprobs, as vLLM's). ``batch_invariant``:
+        the batch-invariant mode (``EngineArgs.batch_invariant``; the model is already switched,
+        ``CausalLM.use_batch_invariant``): every step eager, with no compiled kernels (a large
+        step's fused loops are not a small one's arithmetic), no decode graphs, no one-call decode
+        kernel and no cascade plans."""
+        self.batch_invariant = batch_invariant
+        compile_enabled = compile_enabled and not batch_invariant
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -51,7 +59,8 @@ class ModelRunner:
 
         if device.type == "cpu" and layout.num_layers:
             decode_attention.available(dtype)  # built (or found) now, before any step is compiled
-            model.use_decode_kernel()
+            if not batch_invariant:
+                model.use_decode_kernel()
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
                    block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
@@ -70,7 +79,7 @@ class ModelRunner:
         self.recurrent_states: list[RecurrentLayerState] = [
             RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device)
             for shape in (state_layout.layers if state_layout is not None else ())]
-        self.sampler = Sampler(seed, device, eos_token_ids)
+        self.sampler = Sampler(seed, device, eos_token_ids, logprobs_mode=logprobs_mode)
         self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
@@ -161,7 +170,8 @@ class ModelRunner:
 
     def _execute(self, output: SchedulerOutput) -> StepResult:
         self._apply_state_ops(output.state_ops)
-        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path())
+        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path(),
+                            self.batch_invariant)
         grammar_rows = [i for i, seq in enumerate(batch.sample_seqs)
                         if seq.grammar is not None and seq.grammar.masks_first]
         masks = self._start_masks([batch.sample_seqs[i].grammar for i in grammar_rows]) if grammar_rows else None

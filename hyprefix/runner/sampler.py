@@ -6,6 +6,13 @@ distribution passes ``u`` (inverse CDF, the sum in float64): one random number a
 where noise for every vocabulary entry (the exponential race) costs a random number per
 entry, which on a CPU cost more than the rest of the step's sampling. A seeded request
 draws from its own generator, so its tokens do not depend on what else is in the batch.
+
+Logprobs follow the engine's ``--logprobs-mode`` (vLLM's): "raw_*" read the model's logits,
+"processed_*" the distribution each token was drawn from: for a random row the very logits
+``_sampling_logits`` makes for the draw (processed, masked, divided by the temperature,
+top-k / top-p / min-p filtered to -inf), for a greedy row the logits its argmax read
+(processed and masked, no temperature). "*_logprobs" are their log-softmax, "*_logits" the
+values themselves. Rows that ask for no logprobs cost nothing more in any mode.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from hyprefix.config import LOGPROBS_MODES
 from hyprefix.outputs import PositionLogprobs, ScheduledSeq
 from hyprefix.runner.logits import LogitsProcessor, logprobs_of
 from hyprefix.structured.grammar import allowed_masks, apply_masks
@@ -21,9 +29,17 @@ from hyprefix.structured.grammar import allowed_masks, apply_masks
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset(),
-                 masks_of: Callable[[list, int], torch.Tensor] = allowed_masks) -> None:
+                 masks_of: Callable[[list, int], torch.Tensor] = allowed_masks,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         """``masks_of(grammars, vocab_size)``: their next-token masks, bool [len, vocab_size]
-        (``structured.grammar.allowed_masks``; a test passes its own for stand-in grammars)."""
+        (``structured.grammar.allowed_masks``; a test passes its own for stand-in grammars).
+        ``logprobs_mode``: one of ``config.LOGPROBS_MODES``. In a processed mode a grammar row
+        that asks for logprobs must mask first (``Grammar.masks_first``, the engine's part):
+        a row checked after sampling has no mask to read."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.processed_logprobs = logprobs_mode.startswith("processed")
+        self.logits_values = logprobs_mode.endswith("_logits")
         self.device = device
         self._masks_of = masks_of
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -40,7 +56,8 @@ class Sampler:
                ) -> tuple[list[int], dict[int, PositionLogprobs]]:
         """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
         [S] where the caller has it already (a compiled decode step). Returns the sampled
-        tokens and, for the rows whose requests ask, their logprobs (of the raw logits) by row.
+        tokens and, for the rows whose requests ask, their logprobs by row (of the raw or the
+        processed logits, by ``logprobs_mode``).
 
         A row with a structured-outputs grammar samples from what its grammar allows and
         advances it. ``grammar_masks``: the rows whose grammar masks the logits first
@@ -73,10 +90,11 @@ class Sampler:
                 greedy[index] = logits[index].argmax(dim=-1)
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        probs = None
+        probs = sampled_from = None
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            probs = self._probs(logits[rows], [seqs[i] for i in random_rows])
+            sampled_from = self._sampling_logits(logits[rows], [seqs[i] for i in random_rows])
+            probs = sampled_from.softmax(dim=-1)
             tokens[rows] = self._inverse_cdf(probs, [seqs[i] for i in random_rows])
         token_list = tokens.tolist()
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
@@ -87,12 +105,35 @@ class Sampler:
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not asking:
             return token_list, {}
-        if len(asking) == len(seqs):  # every row: no copies
-            entries = logprobs_of(raw, tokens, [s.params.logprobs for s in seqs])
+        num_top = [seqs[i].params.logprobs for i in asking]
+        if self.processed_logprobs:
+            source = self._processed_rows(logits, sampled_from, asking, random_rows)
+            chosen = tokens if len(asking) == len(seqs) else tokens[torch.tensor(asking, device=logits.device)]
+            entries = logprobs_of(source, chosen, num_top, self.logits_values)
+        elif len(asking) == len(seqs):  # every row: no copies
+            entries = logprobs_of(raw, tokens, num_top, self.logits_values)
         else:
             rows = torch.tensor(asking, device=logits.device)
-            entries = logprobs_of(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in asking])
+            entries = logprobs_of(raw[rows], tokens[rows], num_top, self.logits_values)
         return token_list, dict(zip(asking, entries, strict=True))
+
+    @staticmethod
+    def _processed_rows(logits: torch.Tensor, sampled_from: torch.Tensor | None, asking: list[int],
+                        random_rows: list[int]) -> torch.Tensor:
+        """The distributions the rows ``asking`` were sampled from, as logits [len(asking), V]:
+        a random row's row of ``sampled_from`` (``_sampling_logits`` of ``random_rows``), a
+        greedy row's row of ``logits`` (after processing and masks). Reads what sampling
+        made; copies only where the asking rows are not already one tensor."""
+        if sampled_from is not None and asking == random_rows:
+            return sampled_from
+        random_row = {i: j for j, i in enumerate(random_rows)}
+        drawn = [k for k, i in enumerate(asking) if i in random_row]
+        if not drawn and len(asking) == logits.shape[0]:
+            return logits
+        source = logits[torch.tensor(asking, device=logits.device)]
+        if drawn:
+            source[drawn] = sampled_from[[random_row[asking[k]] for k in drawn]]
+        return source
 
     def _draw(self, seq: ScheduledSeq) -> float:
         """One uniform in [0, 1) from the request's generator (its own where seeded)."""
@@ -155,7 +196,10 @@ class Sampler:
         return gen
 
     @staticmethod
-    def _probs(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    def _sampling_logits(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Random rows' logits [R, V] as drawn from (their softmax): divided by each row's
+        temperature, then min-p, top-k and top-p set what they drop to -inf. The one
+        definition of the sampled distribution: the draw and processed logprobs both read it."""
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         logits = logits / temps[:, None]
         min_ps = [s.params.min_p for s in seqs]
@@ -179,4 +223,4 @@ class Sampler:
             drop_sorted = before > ps[:, None]  # the top token always has 0 before it: kept
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-        return logits.softmax(dim=-1)
+        return logits

@@ -9,13 +9,14 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,21 +28,30 @@ from hyprefix.engine import Engine
 from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import LocalBackend, ServingBackend
 from hyprefix.server.chat_output import ChatOptions
+from hyprefix.server.control import CONTROL_PATHS, add_control_routes
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from hyprefix.server.serving import as_api_error
 
 log = logging.getLogger("hyprefix.server")
 
 DEMO_MODEL_NAME = "hyprefix-demo"
-_PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
+_PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache", "/tokenize", "/detokenize", *CONTROL_PATHS)
+_TOKENIZE_BODY = ("vLLM's TokenizeCompletionRequest {model?, prompt, add_special_tokens, return_token_strs} or "
+                  "TokenizeChatRequest {model?, messages, add_generation_prompt, continue_final_message, "
+                  "add_special_tokens, chat_template, chat_template_kwargs, tools, return_token_strs}")
 
 
 def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | list[str] | None = None,
@@ -122,6 +132,24 @@ def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = 
     @app.post("/v1/chat/completions", responses=generate)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, backend.chat(body, _tenant(request)))
+
+    tokenize_errors = {code: generate[code] for code in (400, *protected, 404, 413, "default")}
+
+    @app.post("/tokenize", responses=tokenize_errors)
+    async def tokenize(body: Annotated[dict[str, Any], Body(description=_TOKENIZE_BODY)]) -> TokenizeResponse:
+        # the form by its prompt field, validated as the other bodies (unknown fields are 400s)
+        form = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        try:
+            req = form.model_validate(body)
+        except ValidationError as exc:
+            raise _validation_error(exc.errors()) from None
+        return await backend.tokenize(req)
+
+    @app.post("/detokenize", responses=tokenize_errors)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await backend.detokenize(body)
+
+    add_control_routes(app, backend, {code: generate[code] for code in (400, *protected, "default")})
 
     return app
 

@@ -9,11 +9,20 @@ from typing import Any, Protocol
 
 from hyprefix.async_engine import AsyncEngine
 from hyprefix.engine import Engine
+from hyprefix.errors import RequestError
 from hyprefix.metrics import ServerMetrics
 from hyprefix.server.chat_output import ChatOptions
 from hyprefix.server.limits import ServerLimits
-from hyprefix.server.protocol import ChatCompletionRequest, CompletionRequest
-from hyprefix.server.serving import OpenAIServing
+from hyprefix.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from hyprefix.server.serving import OpenAIServing, Tokenization, request_error
 
 # A generation endpoint answers a response (a pydantic model or its dict) or, for a
 # stream, an iterator of SSE events; client errors raise ``APIError``.
@@ -39,6 +48,24 @@ class ServingBackend(Protocol):
 
     async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer: ...
 
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """vLLM's ``/tokenize``: without the engine thread (``serving.Tokenization``)."""
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse: ...
+
+    # generation control (``server/control.py``)
+    async def update_weights(self, model_path: str, weight_version: str | None,
+                             abort_all_requests: bool) -> dict[str, Any]: ...
+
+    async def weight_version(self) -> str: ...
+
+    async def pause(self, mode: str) -> int: ...
+
+    async def resume(self) -> None: ...
+
+    async def abort(self, rid: str | None) -> int:
+        """Abort a call by id (None: every request in flight); returns how many requests."""
+
 
 class LocalBackend:
     """One engine on its own thread in this process. ``replica`` labels its metrics
@@ -54,6 +81,7 @@ class LocalBackend:
         self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_names[0], replica=replica)
         self.async_engine.on_outputs = self.metrics.observe
         self.serving = OpenAIServing(self.async_engine, model_names, self.limits, chat)
+        self.tokenization = Tokenization(engine.tokenizer, engine.vocab_size, engine.max_model_len, model_names)
 
     def start(self) -> None:
         self.async_engine.start()
@@ -77,3 +105,28 @@ class LocalBackend:
 
     async def chat(self, body: ChatCompletionRequest, tenant: str | None) -> Answer:
         return await self.serving.chat(body, tenant)
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await self.tokenization.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        return await self.tokenization.detokenize(body)
+
+    async def update_weights(self, model_path: str, weight_version: str | None,
+                             abort_all_requests: bool) -> dict[str, Any]:
+        try:
+            return await self.async_engine.update_weights(model_path, weight_version, abort_all_requests)
+        except RequestError as exc:
+            raise request_error(exc, "model_path") from exc
+
+    async def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    async def pause(self, mode: str) -> int:
+        return await self.async_engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.async_engine.resume()
+
+    async def abort(self, rid: str | None) -> int:
+        return await self.serving.abort(rid)

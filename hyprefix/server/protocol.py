@@ -63,6 +63,9 @@ TokenId = Annotated[int, Field(ge=0)]
 
 class _SamplingRequest(_Request):
     model: str | None = None
+    # vLLM's: the client's id for the call (the response id is "cmpl-" / "chatcmpl-" and it), which
+    # /abort_request takes as its ``rid``; two calls in flight cannot share one
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     n: int | None = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -298,22 +301,40 @@ class Tool(_Request):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplate(_Request):
+    """A conversation and how to render it: the fields the chat endpoint and the chat form
+    of ``/tokenize`` share, so both render a conversation into the same token ids."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's chat extensions
-    echo: bool | None = False
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or ()]
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation and how to render it (``text.chat_token_ids``)."""
+        return ChatPrompt(
+            [m.template_dict() for m in self.messages],
+            self.tool_dicts() or None,
+            add_generation_prompt=self.add_generation_prompt is not False,
+            continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
+            template_kwargs=dict(self.chat_template_kwargs or {}))
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplate):
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    echo: bool | None = False  # vLLM's
 
     def tool_mode(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "named", the named function): ``tool_choice``, by
@@ -333,9 +354,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if name not in [tool.function.name for tool in self.tools or ()]:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return "named", name
-
-    def tool_dicts(self) -> list[dict[str, Any]]:
-        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or ()]
 
     def _tool_constraint(self) -> list[tuple[str, StructuredOutputs]]:
         mode, function = self.tool_mode()
@@ -363,15 +381,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_prompt(self) -> ChatPrompt:
-        """The conversation and how to render it (``text.chat_token_ids``)."""
-        return ChatPrompt(
-            [m.template_dict() for m in self.messages],
-            self.tool_dicts() or None,
-            add_generation_prompt=self.add_generation_prompt is not False,
-            continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
-            template_kwargs=dict(self.chat_template_kwargs or {}))
-
     def max_new_tokens(self, num_prompt_tokens: int, max_total_tokens: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else whatever room the
         prompt leaves in ``max_total_tokens`` (the context, capped by the KV pool)."""
@@ -380,6 +389,30 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_tokens is not None:
             return self.max_tokens
         return max(1, max_total_tokens - num_prompt_tokens)
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's ``/tokenize`` of a text: its ids as ``/v1/completions`` would feed them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_ChatTemplate):
+    """vLLM's ``/tokenize`` of a conversation: rendered exactly as ``/v1/chat/completions``
+    renders it. ``add_special_tokens`` (off by default, as the template writes its own)
+    tokenizes the rendered text with the tokenizer's special tokens added."""
+
+    model: str | None = None
+    add_special_tokens: bool | None = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # --------------------------------------------------------------- responses
@@ -425,6 +458,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the ids the engine was fed
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
@@ -477,6 +511,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered conversation's ids
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: each token as the vocabulary spells it
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
@@ -496,9 +542,12 @@ class ModelList(BaseModel):
 # ----------------------------------------------------------- stream chunks
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None = None, token_ids: list[int] | None = None,
-                     logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+                     logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None,
+                     prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
@@ -506,13 +555,17 @@ def completion_chunk(request_id: str, created: int, model: str, index: int, text
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-               stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
+               stop_reason: str | int | None = None, token_ids: list[int] | None = None,
+               prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [choice]}
+    if prompt_token_ids is not None:  # vLLM's: top level, as on the whole response
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return chunk
 
 
 def usage_chunk(request_id: str, created: int, model: str, object: str, usage: Usage) -> dict[str, Any]:

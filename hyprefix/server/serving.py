@@ -7,14 +7,17 @@ stream. Outputs are cumulative; streams send the new text of each choice.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError, OutputStream
+from hyprefix.detokenizer import text_decoder
 from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput
@@ -31,6 +34,11 @@ from hyprefix.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     Usage,
     _SamplingRequest,
     chat_chunk,
@@ -38,6 +46,7 @@ from hyprefix.server.protocol import (
     sse,
     usage_chunk,
 )
+from hyprefix.text import chat_token_ids, check_text
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -54,7 +63,8 @@ class _Call:
     n: int
     stream: OutputStream
     engine_ids: list[str]
-    prompt_texts: list[str | None]
+    prompt_texts: list[str | None]  # each prompt's text where it came as one (echo's)
+    prompt_ids: list[list[int]]  # each prompt's token ids as the engine was fed them
     include_usage: bool
     return_token_ids: bool = False
     logprobs: int | None = None  # top logprobs per token where the request asked
@@ -66,6 +76,58 @@ class _Call:
         return self._index[engine_id]
 
 
+def check_model(model: str | None, model_names: list[str]) -> str:
+    """The served name a request's ``model`` picks (the first when it names none); a 404 for
+    a name this server does not serve."""
+    if model is not None and model not in model_names:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return model or model_names[0]
+
+
+class Tokenization:
+    """vLLM's ``/tokenize`` and ``/detokenize``, from the tokenizer alone: they never wait
+    on the engine thread (the Ray ingress answers them with its copy of the replicas'
+    tokenizer), and run on a worker thread so a long text does not hold the event loop.
+
+    A text is tokenized as ``/v1/completions`` tokenizes its prompt and a conversation as
+    ``/v1/chat/completions`` renders it (``text.chat_token_ids``), so the ids are those the
+    engine would be fed. Ids are decoded as the engine decodes outputs with
+    ``skip_special_tokens: false`` (special tokens kept, spaces not cleaned up), so
+    ``/detokenize`` of a choice's ``token_ids`` is its text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, model_names: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.model_names = model_names
+        self._decode = text_decoder(tokenizer, skip_special_tokens=False)
+
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(req.model, self.model_names)
+        return await asyncio.to_thread(self._tokenize, req)
+
+    def _tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        chat = isinstance(req, TokenizeChatRequest)
+        try:
+            if chat:
+                ids = chat_token_ids(self.tokenizer, req.chat_prompt(), add_special_tokens=bool(req.add_special_tokens))
+            else:
+                check_text(req.prompt, "the prompt", param="prompt")
+                ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
+        except RequestError as exc:
+            raise request_error(exc, "messages" if chat else "prompt") from exc
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(req.model, self.model_names)
+        outside = [t for t in req.tokens if t >= self.vocab_size]
+        if outside:
+            raise APIError(400, f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self._decode, list(req.tokens)))
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None,
                  chat: ChatOptions | None = None) -> None:
@@ -73,32 +135,46 @@ class OpenAIServing:
         self.model_names = model_names
         self.limits = limits or ServerLimits()
         self.chat_options = chat or ChatOptions()
+        # calls in flight by response id, for /abort_request (an entry goes with its call)
+        self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
+
+    async def abort(self, rid: str | None) -> int:
+        """Abort a call by its response id or the ``request_id`` its client gave (None: every
+        request in flight); each aborted request's caller gets what it has, finish reason
+        ``abort``. Returns how many engine requests were in flight."""
+        if rid is None:
+            return await self.engine.abort_requests()
+        call = self._calls.get(rid) or self._calls.get(f"cmpl-{rid}") or self._calls.get(f"chatcmpl-{rid}")
+        return 0 if call is None else await self.engine.abort_requests(list(call.engine_ids))
 
     # ------------------------------------------------------------- shared
     def _check(self, req: _SamplingRequest) -> str:
-        if req.model is not None and req.model not in self.model_names:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        model = check_model(req.model, self.model_names)
         bad = req.unsupported()
         if isinstance(req, CompletionRequest) and req.stream and req.echo and req.logprobs is not None:
             bad.append("logprobs")  # the echoed prompt's logprobs are not streamed
         if bad:
             raise APIError(400, f"{', '.join(bad)} is not supported by this server", param=bad[0])
-        return req.model or self.model_names[0]
+        return model
 
     async def _start(self, req: _SamplingRequest, request_id: str, engine_ids: list[str], model: str,
-                     add: Callable[[Engine], list[str | None]], prompt_param: str) -> _Call:
-        """Add the call's engine requests in one engine-thread command."""
+                     add: Callable[[Engine], list[tuple[str | None, list[int]]]], prompt_param: str) -> _Call:
+        """Add the call's engine requests in one engine-thread command; ``add`` answers each
+        prompt's (text or None, token ids)."""
         stream = self.engine.open_stream()
         try:
-            texts = await self.engine.add(stream, engine_ids, add)
+            added = await self.engine.add(stream, engine_ids, add)
         except RequestError as exc:
             error = request_error(exc, prompt_param)
             structured = req.structured()
             if error.param == "structured_outputs" and structured is not None:
                 error.param = structured[0]  # the field the client used (response_format, guided_json, ...)
             raise error from exc
-        return _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids, texts, req.include_usage,
+        call = _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids,
+                     [text for text, _ in added], [ids for _, ids in added], req.include_usage,
                      bool(req.return_token_ids), req.logprobs_wanted())
+        self._calls[request_id] = call
+        return call
 
     async def _collect(self, call: _Call) -> tuple[list[RequestOutput], Usage]:
         finals: dict[str, RequestOutput] = {}
@@ -120,10 +196,10 @@ class OpenAIServing:
 
         prompts = req.prompts()
         self.limits.check_seqs(len(prompts), req.choices)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
-        def add(engine: Engine) -> list[str | None]:
+        def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             # add_requests checks every prompt before it adds any: a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
             salt = engine_salt(req.cache_salt, tenant)
@@ -131,7 +207,7 @@ class OpenAIServing:
                 [(engine_id, {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt}, params)
                  for engine_id, p in zip(engine_ids, prompts, strict=True)],
                 arrival_time=arrival, group=request_id, max_total_tokens=self.limits.max_request_tokens)
-            return [engine.tokenizer.decode(ids) if req.echo and text is None else text for text, ids in added]
+            return [(engine.tokenizer.decode(ids) if req.echo and text is None else text, ids) for text, ids in added]
 
         call = await self._start(req, request_id, engine_ids, model, add, "prompt")
         if req.stream:
@@ -151,17 +227,24 @@ class OpenAIServing:
                 choices.append(CompletionChoice(index=i * call.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 token_ids=list(c.token_ids) if req.return_token_ids else None,
+                                                prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids
+                                                else None,
                                                 prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
         return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage)
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
+        prompt_sent: set[int] = set()  # choices whose first chunk (the one with prompt_token_ids) went out
 
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
                   text_offset: int = 0, full_text: str = "") -> dict:
             formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset)
-            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason)
+            prompt_ids = None
+            if call.return_token_ids and index not in prompt_sent:
+                prompt_sent.add(index)
+                prompt_ids = call.prompt_ids[index // call.n]
+            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason, prompt_ids)
 
         try:
             if echo:
@@ -181,16 +264,16 @@ class OpenAIServing:
         chat = req.chat_prompt()
         rules = self._output_rules(req)
         self.limits.check_seqs(1, req.choices)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
 
-        def add(engine: Engine) -> list[str | None]:
+        def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             ids = engine.encode_chat(chat)
             room = min(engine.max_model_len, engine.max_pool_tokens)
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
-            engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
-                                max_total_tokens=self.limits.max_request_tokens)
-            return [None]
+            ((_, fed),) = engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
+                                              max_total_tokens=self.limits.max_request_tokens)
+            return [(None, fed)]  # fed: after truncate_prompt_tokens
 
         # vLLM's chat echo: the reply starts with the last message's content when it is the
         # assistant's own (continue_final_message)
@@ -209,7 +292,8 @@ class OpenAIServing:
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
         return ChatCompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
+                                      usage=usage, prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
+                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
 
     def _output_rules(self, req: ChatCompletionRequest) -> ChatOutputRules:
         """How this request's replies are read (tool mode, parsers); a 400 for a tool choice
@@ -238,8 +322,9 @@ class OpenAIServing:
                               token_ids)
 
         try:
-            for j in range(call.n):
-                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}))
+            prompt_ids = call.prompt_ids[0] if call.return_token_ids else None
+            for j in range(call.n):  # each choice's first chunk, with the prompt's ids where asked (vLLM's)
+                yield sse(chat_chunk(*args, j, {"role": "assistant", "content": ""}, prompt_token_ids=prompt_ids))
             async for event in _stream_choices(call, chunk, "chat.completion.chunk"):
                 yield event
         finally:

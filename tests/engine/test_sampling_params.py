@@ -187,6 +187,28 @@ def test_special_tokens_are_kept_in_the_text_when_asked(qwen3):
     assert skipped.text == "" and shown.text == tokenizer.eos_token * 3
 
 
+def test_the_stopping_token_keeps_its_text_only_with_skip_special_tokens_false(qwen3):
+    """EOS (or a stop token id) that ends the request: in token_ids always; in the text with
+    skip_special_tokens=False (so the text decodes every id), else left out (vLLM's rule)."""
+    llm, _ = qwen3
+    tokenizer = llm.engine.tokenizer
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    prompt = random_prompts((6,), seed=20)[0]
+    forced = dict(temperature=0, max_tokens=4, logit_bias={eos: 100.0})
+    kept, dropped, included = (llm.generate([prompt], SamplingParams(**forced, **extra), use_tqdm=False)[0].outputs[0]
+                               for extra in ({"skip_special_tokens": False}, {}, {"include_stop_str_in_output": True}))
+    assert kept.token_ids == dropped.token_ids == included.token_ids == [eos]
+    assert kept.finish_reason == dropped.finish_reason == "stop"
+    assert kept.text == tokenizer.decode([eos], skip_special_tokens=False) == tokenizer.eos_token
+    assert dropped.text == "" and included.text == ""  # include_stop_str_in_output: EOS's text is special
+    stop_id = tokenizer.encode(" hello", add_special_tokens=False)[0]  # an ordinary token as a stop token id
+    params = dict(temperature=0, max_tokens=4, logit_bias={stop_id: 100.0}, stop_token_ids=[stop_id])
+    kept = llm.generate([prompt], SamplingParams(**params, skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    dropped = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == dropped.token_ids == [stop_id] and kept.stop_reason == stop_id
+    assert kept.text == tokenizer.decode([stop_id]) != "" and dropped.text == ""
+
+
 @pytest.mark.parametrize("kwargs,param", [
     (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(logit_bias={VOCAB: 1.0}), "logit_bias"), (dict(allowed_token_ids=[1, VOCAB + 5]), "allowed_token_ids"),

@@ -68,3 +68,46 @@ def test_an_int8_weight_of_another_shape_is_refused():
     forms = MatrixForms(48, 64)
     with pytest.raises(ValueError, match="48 x 64"):
         forms.use_int8(quantize_int8(torch.randn(64, 48)))
+
+
+@pytest.mark.parametrize("form", ["packed", "halves", "int8", "int8 groups", "bf16 tiles", "fp32 head"])
+def test_refresh_writes_new_values_into_the_same_tensors(form):
+    """A weight update recomputes each form from the new matrix, into the tensors compiled
+    steps and kernels already hold: the product is the new matrix's, the storage unchanged."""
+    dtype = torch.bfloat16 if form in ("bf16 tiles", "fp32 head") else torch.float32
+    linear = _linear(dtype, pack_halves=form == "halves")
+    if form.startswith("int8"):
+        linear.use_int8(quantize_int8(linear.weight, 32 if form == "int8 groups" else None))
+    elif form == "fp32 head":
+        linear.forms.use_fp32(linear.weight)
+    else:
+        linear.pack(keep_plain=form == "bf16 tiles")
+    tensors = [*linear.forms._buffers.values(), linear.forms.packed, *(linear.forms.packed_halves or ())]
+    tensors = [t for t in tensors if t is not None]
+    fresh = torch.randn(48, 64, dtype=dtype) * 0.2
+    linear.forms.refresh(fresh)
+    if linear.weight.numel():
+        linear.weight.copy_(fresh)
+    now = [*linear.forms._buffers.values(), linear.forms.packed, *(linear.forms.packed_halves or ())]
+    assert [id(t) for t in now if t is not None] == [id(t) for t in tensors]
+    x = torch.randn(4, 64, dtype=dtype)
+    if form.startswith("int8"):
+        group = linear.forms.int8.group
+        assert group == (32 if form == "int8 groups" else None)
+        expected = torch.nn.functional.linear(quantize_activations(x),
+                                              quantize_int8(fresh, group).dequantize(dtype), linear.bias)
+    else:
+        expected = torch.nn.functional.linear(x, fresh, linear.bias)
+    if form == "halves" and linear.forms.packed_halves is not None:  # the owner multiplies the halves
+        got = torch.cat([torch.ops.mkldnn._linear_pointwise(x, half, bias, "none", [], "")
+                         for half, bias in zip(linear.forms.packed_halves, linear.bias.split(24), strict=True)], -1)
+    elif form == "bf16 tiles":
+        got = linear.forms.graph_weight(linear.weight).matmul(x, linear.bias)
+    elif form == "fp32 head":
+        got = torch.nn.functional.linear(x, linear.forms.fp32.to(dtype), linear.bias)
+    else:
+        got = linear(x)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3 if form.startswith("int8") else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="shape"):
+        linear.forms.refresh(torch.zeros(3, 3, dtype=dtype))

@@ -18,6 +18,7 @@ from hyprefix.config import EngineArgs
 from hyprefix.demo import demo_model_path
 from hyprefix.engine import Engine
 from hyprefix.server import build_app
+from hyprefix.server.protocol import ChatCompletionRequest
 
 MODEL = "demo"
 GREEDY = dict(model=MODEL, temperature=0)
@@ -365,3 +366,198 @@ def test_reasoning_parser_splits_thinking_from_the_answer(app_client, client):
             reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
             content += delta.content or ""
         assert reasoning == "The user wants weather.\n" and content == "It is sunny."
+
+
+# ------------------------------------------------- token ids in and out (RL clients)
+def _tokenize(http, **body) -> dict:
+    response = http.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_tokenize_and_detokenize_are_the_tokenizers(app_client):
+    engine, http = app_client
+    tokenizer = engine.tokenizer
+    text = "Prefix caches keep <|im_end|> shared blocks"
+    ids = tokenizer.encode(text)
+    assert _tokenize(http, prompt=text) == {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                                            "token_strs": None}
+    assert _tokenize(http, model=MODEL, prompt=text, add_special_tokens=False)["tokens"] == tokenizer.encode(
+        text, add_special_tokens=False)
+    named = _tokenize(http, prompt=text, return_token_strs=True)
+    assert named["token_strs"] == tokenizer.convert_ids_to_tokens(ids) and "<|im_end|>" in named["token_strs"]
+    for tokens in (ids, [*ids, tokenizer.eos_token_id, 7], []):
+        response = http.post("/detokenize", json={"model": MODEL, "tokens": tokens})
+        assert response.status_code == 200, response.text
+        assert response.json() == {"prompt": tokenizer.decode(tokens, skip_special_tokens=False,
+                                                              clean_up_tokenization_spaces=False)}
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    # the ids /v1/completions feeds the engine for the same text
+    out = http.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "return_token_ids": True}).json()
+    assert out["choices"][0]["prompt_token_ids"] == ids and out["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("messages,extra", [
+    (CONVERSATION, {"tools": TOOLS, "chat_template": TOOL_TEMPLATE}),
+    ([{"role": "user", "content": "Hi"}], {"chat_template": TOOL_TEMPLATE,
+                                           "chat_template_kwargs": {"enable_thinking": False}}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}],
+     {"add_generation_prompt": False, "continue_final_message": True}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], {}),
+])
+def test_chat_tokenize_is_what_the_chat_endpoint_feeds_the_engine(app_client, messages, extra):
+    engine, http = app_client
+    tokens = _tokenize(http, model=MODEL, messages=messages, **extra)
+    expected = engine.encode_chat(ChatCompletionRequest.model_validate({"messages": messages, **extra}).chat_prompt())
+    assert tokens["tokens"] == expected and tokens["count"] == len(expected)
+    chat = {"messages": messages, "max_tokens": 2, "return_token_ids": True, "tool_choice": "none", **extra,
+            "temperature": 0}
+    out = http.post("/v1/chat/completions", json=chat).json()
+    assert out["prompt_token_ids"] == expected and out["usage"]["prompt_tokens"] == len(expected)
+    assert all("prompt_token_ids" not in c for c in out["choices"])
+    firsts = {}
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "n": 2, "stream": True}) as response:
+        for chunk in _events(response):
+            for choice in chunk["choices"]:
+                if choice["index"] not in firsts:
+                    firsts[choice["index"]] = chunk.get("prompt_token_ids")
+                else:
+                    assert "prompt_token_ids" not in chunk  # the first chunk of each choice only
+    assert firsts == {0: expected, 1: expected}
+
+
+def test_add_special_tokens_on_both_forms():
+    """With a tokenizer that adds a BOS: the text form adds it by default, the chat form only
+    when asked (its template writes its own markers), on top of the chat endpoint's ids."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from hyprefix.server.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+    from hyprefix.server.serving import Tokenization
+    from hyprefix.text import chat_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_path("dense")), bos_token="<|endoftext|>",
+                                              add_bos_token=True)
+    bos = tokenizer.bos_token_id
+    tokenization = Tokenization(tokenizer, len(tokenizer), 512, [MODEL])
+
+    def tokens(form, **body) -> list[int]:
+        return asyncio.run(tokenization.tokenize(form.model_validate(body))).tokens
+
+    plain = tokenizer.encode("Hi there", add_special_tokens=False)
+    assert tokens(TokenizeCompletionRequest, prompt="Hi there") == [bos, *plain]
+    assert tokens(TokenizeCompletionRequest, prompt="Hi there", add_special_tokens=False) == plain
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = chat_token_ids(tokenizer, messages)
+    assert bos not in chat
+    assert tokens(TokenizeChatRequest, messages=messages) == chat
+    assert tokens(TokenizeChatRequest, messages=messages, add_special_tokens=True) == [bos, *chat]
+
+
+def _events(response) -> list[dict]:
+    assert response.status_code == 200
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_completions_return_each_prompts_ids_whole_and_streamed(app_client):
+    _, http = app_client
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True, "ignore_eos": True,
+            "temperature": 0}
+    out = http.post("/v1/completions", json=body).json()
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    assert out["usage"]["prompt_tokens"] == 7
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()
+    assert all(c["prompt_token_ids"] is None and c["token_ids"] is None for c in plain["choices"])
+    for echo in (False, True):
+        firsts, token_ids = {}, {}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True, "echo": echo}) as response:
+            for chunk in _events(response):
+                for choice in chunk["choices"]:
+                    if choice["index"] not in firsts:
+                        firsts[choice["index"]] = choice.get("prompt_token_ids")
+                    else:
+                        assert "prompt_token_ids" not in choice
+                    token_ids.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+        assert firsts == {0: prompts[0], 1: prompts[0], 2: prompts[1], 3: prompts[1]}
+        assert token_ids == {i: c["token_ids"] for i, c in enumerate(out["choices"])}
+
+
+def test_the_stop_token_keeps_its_text_with_skip_special_tokens_false(app_client):
+    """EOS forced as the first token: the text is the EOS token's text when special tokens
+    are not skipped (text = decode(token_ids)), empty otherwise (vLLM's rule), whole and
+    streamed, on both endpoints."""
+    engine, http = app_client
+    eos = engine.tokenizer.eos_token_id
+    assert eos in engine.eos_token_ids
+    eos_text = engine.tokenizer.decode([eos], skip_special_tokens=False)
+    assert eos_text == "<|im_end|>"
+    forced = {"max_tokens": 5, "logit_bias": {str(eos): 100}, "temperature": 0, "return_token_ids": True}
+    for skip, text in ((False, eos_text), (True, ""), (None, "")):
+        fields = {**forced, **({} if skip is None else {"skip_special_tokens": skip})}
+        out = http.post("/v1/completions", json={"prompt": "Hello", **fields}).json()["choices"][0]
+        assert (out["text"], out["token_ids"], out["finish_reason"], out["stop_reason"]) == (text, [eos], "stop", None)
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                       **fields}).json()["choices"][0]
+        assert (chat["message"]["content"], chat["token_ids"], chat["finish_reason"]) == (text, [eos], "stop")
+        with http.stream("POST", "/v1/completions", json={"prompt": "Hello", "stream": True, **fields}) as response:
+            assert "".join(c["choices"][0]["text"] for c in _events(response) if c["choices"]) == text
+    stop_id = engine.tokenizer.encode(" cache")[0]  # an ordinary token as a stop token id
+    stop_text = engine.tokenizer.decode([stop_id])
+    assert stop_text
+    for skip, text in ((False, stop_text), (True, "")):
+        out = http.post("/v1/completions", json={"prompt": "Hello", **forced, "logit_bias": {str(stop_id): 100},
+                                                 "stop_token_ids": [stop_id], "skip_special_tokens": skip}).json()
+        choice = out["choices"][0]
+        assert (choice["text"], choice["token_ids"], choice["stop_reason"]) == (text, [stop_id], stop_id)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [5], "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [5, 4096]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "5"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [5], "skip_special_tokens": True}, 400, "skip_special_tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, 400, "max_tokens"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% if %}"}, 400, "messages"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", [1, 2], 400, None),
+])
+def test_tokenize_errors(app_client, path, body, status, param):
+    _, http = app_client
+    response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"], error
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_tokenize_refuses_text_that_is_not_unicode_and_bad_json(app_client):
+    _, http = app_client
+    headers = {"Content-Type": "application/json"}
+    surrogate = http.post("/tokenize", content=b'{"prompt": "a\\ud800"}', headers=headers)
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt", surrogate.text
+    broken = http.post("/tokenize", content=b'{"prompt": "hi", ', headers=headers)
+    assert broken.status_code == 400 and broken.json()["error"]["message"].startswith("The request body is not valid")
+
+
+def test_tokenize_needs_no_engine_thread_and_sits_behind_the_api_key(app_client):
+    engine, _ = app_client
+    app = build_app(engine, [MODEL], api_key="k3y")
+    http = TestClient(app)  # no lifespan: this app's engine thread never starts
+    assert not app.state.async_engine.is_running
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        assert http.post(path, json=body).status_code == 401
+        response = http.post(path, json=body, headers={"Authorization": "Bearer k3y"})
+        assert response.status_code == 200, response.text

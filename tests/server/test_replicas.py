@@ -168,6 +168,29 @@ def test_greedy_tokens_and_streams_match_one_engine(cluster):
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3
 
 
+def test_tokenize_at_the_ingress_is_what_a_replica_is_fed(cluster):
+    from transformers import AutoTokenizer
+
+    client, path = cluster
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "hello replicas"
+    tokens = client.post("/tokenize", json={"model": MODEL_NAME, "prompt": text, "return_token_strs": True}).json()
+    assert tokens["tokens"] == tokenizer.encode(text)
+    assert tokens["token_strs"] == tokenizer.convert_ids_to_tokens(tokens["tokens"])
+    assert complete(client, text, max_tokens=1)["choices"][0]["prompt_token_ids"] == tokens["tokens"]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()
+    fed = client.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 1, "messages": messages,
+                                                    "return_token_ids": True}).json()
+    assert fed["prompt_token_ids"] == chat["tokens"] == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    detokenized = client.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens["tokens"]})
+    assert detokenized.json() == {"prompt": text}
+    outside = client.post("/detokenize", json={"tokens": [5, 10**6]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    assert client.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+
+
 def test_errors_are_the_single_server_errors(cluster):
     client, _ = cluster
     unknown = client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
@@ -271,3 +294,31 @@ def test_renice():
     else:
         assert "NICE 5 5" in done.stdout
         assert "could not lower it" in done.stderr
+
+
+def test_generation_control_reaches_every_replica(cluster, tmp_path):
+    """Run last: it changes the replicas' weights. The update is broadcast (each replica
+    answers the new version) and the ingress hashes with the new identity; pause, continue
+    and abort go to every replica."""
+    from tests.support.compare import hf_greedy
+    from tests.support.models import build_tiny_model
+
+    client, _ = cluster
+    bases = [prompt(300 + s, 4 * BLOCK) for s in range(4)]
+    for base in bases:
+        complete(client, base)
+    new_hf = build_tiny_model("llama", tmp_path / "llama-v2", seed=1)
+    result = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "llama-v2"),
+                                                            "weight_version": "v2"})
+    assert result.status_code == 200 and result.json()["weight_version"] == "v2", result.text
+    assert client.get("/get_weight_version").json() == {"weight_version": "v2"}
+    for base in bases:  # every replica runs the new weights and hits nothing cached before
+        out = complete(client, base)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert out["choices"][0]["token_ids"] == hf_greedy(new_hf, base, 4)
+    bad = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
+    assert client.post("/pause_generation", json={"mode": "in_place"}).json()["success"]
+    assert client.post("/continue_generation").json() == {"success": True}
+    assert client.post("/abort_request", json={"abort_all": True}).json()["num_aborted_requests"] == 0
+    assert complete(client, bases[0])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -354,6 +354,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [99999]}, 400, "prompt"),
+    ("completions", {"prompt": [[5, 6], [7, 4096]]}, 400, "prompt"),  # a batch: one id outside the vocabulary
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
@@ -472,6 +473,10 @@ def test_api_key(server, client):
     bad = httpx.post(f"{server}/v1/completions", content=body, headers={"Authorization": "Basic " + API_KEY})
     _assert_error(bad, 401)
     assert httpx.get(f"{server}/v1/models").status_code == 401
+    for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(server + path, json=payload).status_code == 401
+        authorized = httpx.post(server + path, json=payload, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert authorized.status_code == 200, authorized.text
     assert httpx.get(f"{server}/health").status_code == 200  # probes and scrapes need no key
     assert httpx.get(f"{server}/metrics").status_code == 200
     wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
