@@ -106,3 +106,20 @@ def test_weights_that_do_not_fit_are_refused_and_change_nothing(tiny_models, new
         llm.update_weights("/nonexistent/checkpoint")
     assert llm.weight_version == "default"
     assert tokens(llm) == before == [hf_greedy(old_hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.slow  # a subprocess loading transformers and the engine
+def test_the_rl_rollout_example_runs_and_finds_no_old_block(tmp_path):
+    """``examples/rl_rollout.py`` end to end, small: rollouts with logprobs, a trainer step,
+    save, update; it exits non-zero if a prompt of the last step hits a block after an update."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "rl_rollout.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "2", "--prompts", "2", "--n", "2",
+                          "--system-len", "32", "--question-len", "8", "--max-tokens", "4",
+                          "--save-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step 1:" in out.stdout and "old-version tokens hit 0" in out.stdout
+    assert "no block of an old weight version was hit" in out.stdout
