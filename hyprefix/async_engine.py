@@ -150,7 +150,7 @@ class AsyncEngine:
         # Generation control (engine thread only): paused, no step runs; an update that waits for
         # the requests in flight to finish, and the adds held meanwhile.
         self.paused = False
-        self._update: tuple[Callable[[], Any], asyncio.Future] | None = None
+        self._update: _Command | None = None
         self._held: list[_Command] = []
         self._lock = threading.RLock()  # re-entrant: a GC finalizer may abort under it
         self._closing = False
@@ -251,10 +251,11 @@ class AsyncEngine:
                 raise RuntimeError("another weight update is in progress")
             if abort_all_requests:
                 self._abort_delivering(self.engine.request_ids)
+            command = _Command(update, future)
             if self.paused or not self.engine.has_unfinished_sequences():
-                self._to_loop(_settle, *_outcome(update, future))
+                self._execute(command)
             else:  # drain: run in _run once the requests in flight are done
-                self._update = (update, future)
+                self._update = command
         await self.call(run)
         return await future
 
@@ -370,8 +371,8 @@ class AsyncEngine:
 
     def _finish_update(self) -> None:
         """Run the drained weight update, then the adds held while it waited."""
-        (update, future), self._update = self._update, None
-        self._to_loop(_settle, *_outcome(update, future))
+        update, self._update = self._update, None
+        self._execute(update)
         held, self._held = self._held, []
         for command in held:
             if command.future is None or not command.future.cancelled():  # its caller left: nothing to add
@@ -422,7 +423,7 @@ class AsyncEngine:
         error = (EngineClosedError("the server is shutting down") if self.dead is None
                  else EngineDeadError(f"the engine failed: {self.dead!r}"))
         if self._update is not None:  # an update still waiting for the engine to drain, and its held adds
-            self._to_loop(_settle, self._update[1], None, error)
+            self._to_loop(_settle, self._update.future, None, error)
             self._update = None
         for command in self._held:
             if command.future is not None:
@@ -435,14 +436,6 @@ class AsyncEngine:
                 return
             if isinstance(command, _Command) and command.future is not None:
                 self._to_loop(_settle, command.future, None, error)
-
-
-def _outcome(fn: Callable[[], Any], future: asyncio.Future) -> tuple[asyncio.Future, Any, BaseException | None]:
-    """``_settle``'s arguments for ``fn()``'s result or exception."""
-    try:
-        return future, fn(), None
-    except Exception as exc:
-        return future, None, exc
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

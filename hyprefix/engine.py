@@ -234,13 +234,11 @@ class Engine:
             config = load_config(path)
         except (OSError, ValueError) as exc:
             raise RequestError(f"{path} is not a checkpoint this server reads: {exc}", param="model_path") from exc
-        ours = self.hf_config
         for key in ("model_type", "architectures"):
-            theirs, mine = getattr(config, key, None), getattr(ours, key, None)
+            theirs, mine = getattr(config, key, None), getattr(self.hf_config, key, None)
             if theirs != mine and (key == "model_type" or (theirs and mine)):  # a GGUF may name no architectures
-                raise RequestError(f"the checkpoint at {path} is another architecture ({key} "
-                                   f"{getattr(config, key, None)!r}, this model's {getattr(ours, key, None)!r})",
-                                   param="model_path")
+                raise RequestError(f"the checkpoint at {path} is another architecture ({key} {theirs!r}, this "
+                                   f"model's {mine!r})", param="model_path")
         return iter_gguf(path, config) if path.suffix == ".gguf" else iter_safetensors(path)
 
     def _eos_ids(self) -> frozenset[int]:

@@ -204,6 +204,17 @@ void linear(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t n, i
   });
 }
 
+// run(T{}) for the element type T of a float32, bfloat16 or float16 tensor; other types: an error.
+template <typename F>
+void by_float_type(at::ScalarType type, const char* op, F&& run) {
+  switch (type) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only");
+  }
+}
+
 at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "invariant_linear: CPU tensors only");
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
@@ -230,12 +241,7 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const
     const T* b = bc.defined() ? bc.const_data_ptr<T>() : nullptr;
     linear<T>(xc.const_data_ptr<T>(), wc.const_data_ptr<T>(), b, out.mutable_data_ptr<T>(), m, n, k);
   };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "invariant_linear: float32, bfloat16 or float16 only");
-  }
+  by_float_type(x.scalar_type(), "invariant_linear", run);
   return out;
 }
 
@@ -296,12 +302,7 @@ at::Tensor invariant_gated_act(const at::Tensor& gate_up, int64_t activation) {
     using T = decltype(tag);
     gated_rows<T>(in.const_data_ptr<T>(), out.mutable_data_ptr<T>(), rows, inter, activation);
   };
-  switch (gate_up.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "invariant_gated_act: float32, bfloat16 or float16 only");
-  }
+  by_float_type(gate_up.scalar_type(), "invariant_gated_act", run);
   return out;
 }
 

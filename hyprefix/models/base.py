@@ -322,22 +322,20 @@ class CausalLM(nn.Module):
         anything changed. Returns how many parameters changed."""
         modules = dict(self.named_modules())
         staged: dict[str, torch.Tensor] = {}
+        targets: list[tuple[nn.Parameter, MatrixForms | None, torch.Tensor]] = []
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             module = modules[module_name]
-            shape = param.shape
-            if leaf == "weight" and isinstance(module, Linear | Embedding):
-                shape = torch.Size((module.forms.rows, module.forms.cols))  # the plain one may be emptied
+            forms = module.forms if leaf == "weight" and isinstance(module, Linear | Embedding) else None
+            shape = param.shape if forms is None else torch.Size((forms.rows, forms.cols))  # the plain may be emptied
             staged[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
+            targets.append((param, forms, staged[name]))
         self.load_weights(weights, into=staged)
-        for name, new in staged.items():
-            module_name, _, leaf = name.rpartition(".")
-            module = modules[module_name]
-            param = getattr(module, leaf)
+        for param, forms, new in targets:
             if param.numel():
                 param.data.copy_(new)
-            if leaf == "weight" and isinstance(module, Linear | Embedding):
-                module.forms.refresh(new)
+            if forms is not None:
+                forms.refresh(new)
         self.weights_changed()
         return len(staged)
 

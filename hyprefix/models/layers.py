@@ -70,6 +70,12 @@ class Rotary(nn.Module):
                           self.rotary_dim)
 
 
+def drop_plain(weight: nn.Parameter) -> None:
+    """Empty a matrix's plain tensor once another form replaces it (the parameter stays, with
+    its dtype and device, for the weight loader and the accounting)."""
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose matrix, after loading, may also (or instead) be held packed, as int8
     or as bf16 tiles (``weights.MatrixForms``, ``forms``), which picks the form each step
@@ -86,7 +92,7 @@ class Linear(nn.Linear):
         """Add the packed form where the device allows it; ``keep_plain``: compiled decode steps
         read the matrix, so keep the plain weight (or bf16 tiles in its place)."""
         if self.forms.pack(self.weight, keep_plain, self.pack_halves):
-            self._drop_plain()
+            drop_plain(self.weight)
 
     def quantize(self) -> None:
         """Switch to int8 weights quantized from the float weight."""
@@ -95,16 +101,13 @@ class Linear(nn.Linear):
     def use_int8(self, weight: Int8Weight) -> None:
         """Switch to these int8 weights [out_features, in_features]; the float one goes."""
         self.forms.use_int8(weight)
-        self._drop_plain()
+        drop_plain(self.weight)
 
     def use_batch_invariant(self) -> None:
         """The batch-invariant mode's matmul from now on (``MatrixForms.use_batch_invariant``);
         the plain weight goes where bf16 tiles replace it."""
         if self.forms.use_batch_invariant(self.weight):
-            self._drop_plain()
-
-    def _drop_plain(self) -> None:
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            drop_plain(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forms.matmul(x, self.weight, self.bias)
@@ -124,13 +127,13 @@ class Embedding(nn.Embedding):
         """The table's packed form for a tied LM head (and, with ``keep_plain``, its bf16 tiles,
         which then replace the table); the lookups keep the plain table otherwise."""
         if self.forms.pack(self.weight, keep_plain) and self.forms.bf16 is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            drop_plain(self.weight)
 
     def use_batch_invariant_head(self) -> None:
         """A tied LM head in the batch-invariant mode (``MatrixForms.use_batch_invariant``); where
         bf16 tiles replace the table, they serve the lookups too."""
         if self.forms.use_batch_invariant(self.weight):
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            drop_plain(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: hidden @ table^T, in the form ``forms`` picks."""

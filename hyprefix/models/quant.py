@@ -150,14 +150,10 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
     """Symmetric int8, scale = max |w| / 127 over each output row, or with ``group`` over
     each run of ``group`` input channels of a row (GGUF Q8_0's layout, for 32)."""
     w = weight.detach().float()
-    if group is None:
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return Int8Weight(q, scales)
-    runs = w.unflatten(1, (-1, group))
+    runs = w.unflatten(1, (-1, group or w.shape[1]))  # per channel: one run a row
     scales = runs.abs().amax(dim=2).clamp(min=1e-12) / 127.0
     q = torch.round(runs / scales[:, :, None]).clamp(-127, 127).to(torch.int8).flatten(1)
-    return Int8Weight(q, scales)
+    return Int8Weight(q, scales if group else scales[:, 0].contiguous())
 
 
 def stored(x: torch.Tensor) -> torch.Tensor:

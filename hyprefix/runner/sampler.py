@@ -135,26 +135,31 @@ class Sampler:
             source[drawn] = sampled_from[[random_row[asking[k]] for k in drawn]]
         return source
 
-    def _draw(self, seq: ScheduledSeq) -> float:
-        """One uniform in [0, 1) from the request's generator (its own where seeded)."""
-        generator = self.generator if seq.params.seed is None else self._generator_for(seq)
-        return float(torch.rand(1, dtype=torch.float64, generator=generator))
-
-    def _inverse_cdf(self, probs: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """One token per row of ``probs`` [R, V]: where its float64 cumulative sum passes
-        ``u`` times its total, ``u`` uniform in [0, 1) from the row's generator."""
+    def _draws(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """One uniform in [0, 1) per sequence, float64 [len]: from the request's own generator
+        where it has a seed, else the sampler's (in row order)."""
         draws = torch.empty(len(seqs), dtype=torch.float64)
         unseeded = [j for j, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:
             draws[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
         for j, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                draws[j] = self._draw(seq)
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
-        picks = torch.searchsorted(cdf, targets, right=True)[:, 0]  # first entry past the target: p > 0
-        overflow = picks >= probs.shape[1]  # u x total rounded up to the total
-        return torch.where(overflow, probs.argmax(dim=-1), picks)
+                draws[j] = float(torch.rand(1, dtype=torch.float64, generator=self._generator_for(seq)))
+        return draws
+
+    def _search(self, weights: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Per row of ``weights`` [R, V] (unnormalised probabilities), the first entry where their
+        float64 cumulative sum passes ``u`` times its total, ``u`` the row's draw (``_draws``); V
+        where ``u`` times the total rounded up to the total (or the row is all zero)."""
+        cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+        targets = (self._draws(seqs).to(cdf.device) * cdf[:, -1])[:, None]
+        return torch.searchsorted(cdf, targets, right=True)[:, 0]  # first entry past the target: p > 0
+
+    def _inverse_cdf(self, probs: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """One token per row of ``probs`` [R, V] (``_search``; the most likely token where it
+        rounds up to the end)."""
+        picks = self._search(probs, seqs)
+        return torch.where(picks >= probs.shape[1], probs.argmax(dim=-1), picks)
 
     def _follow_grammars(self, rows: list[int], masked: set[int], seqs: list[ScheduledSeq], tokens: list[int],
                          logits: torch.Tensor, probs: torch.Tensor | None, random_row: dict[int, int]) -> None:
@@ -172,9 +177,7 @@ class Sampler:
             drawn = [k for k, i in enumerate(refused) if some[k] and i in random_row]
             if drawn:
                 weights = probs[[random_row[refused[k]] for k in drawn]] * allowed[drawn]
-                cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-                draws = torch.tensor([self._draw(seqs[refused[k]]) for k in drawn], dtype=torch.float64)
-                picks = torch.searchsorted(cdf, (draws.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+                picks = self._search(weights, [seqs[refused[k]] for k in drawn])
                 for k, token in zip(drawn, picks.tolist(), strict=True):
                     tokens[refused[k]] = token
             # greedy rows, and drawn ones where u x total rounded up to the total (or no allowed

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import FastAPI
 from pydantic import Field, model_validator
 
-from hyprefix.server.protocol import APIError, _Request
+from hyprefix.server.protocol import _Request
 
 if TYPE_CHECKING:
     from hyprefix.server.backend import ServingBackend
@@ -68,14 +68,3 @@ def add_control_routes(app: FastAPI, backend: ServingBackend, responses: dict[in
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
         return {"success": True, "num_aborted_requests": await backend.abort(None if body.abort_all else body.rid)}
 
-
-def update_failed(results: list[Any]) -> APIError | None:
-    """The error to answer for a broadcast update whose replicas answered ``results`` (a
-    replica's exception, or its result dict), or None when every one succeeded."""
-    failed = [r for r in results if not isinstance(r, dict)]
-    if not failed:
-        return None
-    if isinstance(failed[0], APIError):
-        return failed[0]
-    return APIError(503, f"{len(failed)} of {len(results)} replicas failed to update: {failed[0]!r}",
-                    type="service_unavailable")

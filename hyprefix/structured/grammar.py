@@ -163,5 +163,4 @@ def unpack_mask(bitmask: torch.Tensor) -> np.ndarray:
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit whose bit in ``bitmask`` (int32 [R, ceil(V / 32)],
     one row per row of ``logits`` [R, V]) is clear."""
-    allowed = torch.from_numpy(unpack_mask(bitmask)[:, :logits.shape[1]]).to(logits.device)
-    logits.masked_fill_(~allowed, float("-inf"))
+    logits.masked_fill_(~unpack_allowed(bitmask, logits.shape[1]).to(logits.device), float("-inf"))

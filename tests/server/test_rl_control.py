@@ -7,6 +7,7 @@ aborting the requests in flight."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,8 +75,6 @@ def running_and_waiting(backend) -> tuple[int, int]:
 def stream_tokens(http: TestClient, chunks: list, **fields) -> dict:
     """A streamed completion: each chunk with tokens goes to ``chunks``; returns the final
     (token ids, finish reason)."""
-    import json
-
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": True, **fields}
     ids, reason = [], None
