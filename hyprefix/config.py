@@ -6,7 +6,7 @@ import warnings
 from dataclasses import InitVar, dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("none", "int8", "int4")
 # vLLM's --logprobs-mode: "raw" = the model's logits before any processing, "processed" = the
 # distribution each token was sampled from (``runner/sampler.py``); "_logits" = values before log-softmax.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -61,11 +61,14 @@ class EngineArgs:
         "name of the weights loaded at start; a weight update (/update_weights_from_disk, LLM.update_weights) "
         "sets a new one, which is part of every block hash, so no block computed by other weights is hit")})
     seed: int = field(default=0, metadata={"help": "seed of requests sampled without a seed of their own"})
-    # models/quant.py: a GGUF's Q8_0 blocks as they are, per-channel scales for float weights;
-    # activations quantized per 32 at run time.
+    # models/quant.py, models/gguf_weights.py, docs/quantization.md: activations quantized per 32
+    # at run time for every quantized matrix.
     quantization: str | None = field(default=None, metadata={"help": (
-        "int8: int8 linear layers and LM head (a GGUF's Q8_0 blocks kept; activations quantized per 32 at run "
-        "time)"), "choices": QUANTIZATIONS})
+        "default: a GGUF file's quantized matrices stay in their blocks on a CPU (Q4_0, Q4_1, Q4_K, Q6_K and "
+        "Q8_0 as they are, Q5_K rounded to 4 bits; other types dequantized), a Hugging Face checkpoint's "
+        "weights stay float; none: dequantize everything; int8: int8 linear layers and LM head (a GGUF's Q8_0 "
+        "blocks kept, the rest quantized per channel); int4: a checkpoint's linear layers and LM head quantized "
+        "to 4 bits per group of 32"), "choices": QUANTIZATIONS})
     enforce_eager: bool = field(default=False, metadata={"help": (
         "no torch.compile: neither the kernels of large steps nor the compiled decode steps (faster start-up, "
         "slower steps)")})
@@ -125,12 +128,14 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.batch_invariant and self.quantization == "int8":
-            raise ValueError("batch_invariant cannot be combined with quantization='int8': the int8 matmuls are not "
-                             "batch-invariant (drop one of --batch-invariant and --quantization int8)")
-        if self.lm_head_fp32 and self.quantization == "int8":
-            raise ValueError("lm_head_fp32 cannot be combined with quantization='int8': the int8 LM head has no "
-                             "float32 form (drop one of --lm-head-fp32 and --quantization int8)")
+        if self.batch_invariant and self.quantization in ("int8", "int4"):
+            raise ValueError(f"batch_invariant cannot be combined with quantization={self.quantization!r}: the "
+                             f"quantized matmuls are not batch-invariant (drop one of --batch-invariant and "
+                             f"--quantization {self.quantization})")
+        if self.lm_head_fp32 and self.quantization in ("int8", "int4"):
+            raise ValueError(f"lm_head_fp32 cannot be combined with quantization={self.quantization!r}: the "
+                             f"quantized LM head has no float32 form (drop one of --lm-head-fp32 and --quantization "
+                             f"{self.quantization})")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_kv_blocks",
                      "max_state_checkpoints"):
             value = getattr(self, name)

@@ -33,7 +33,7 @@
 //
 // Not traced by torch.compile: the K/V caches it writes are held here, not arguments.
 #include "decode_attention.h"
-#include "int8_tiles.h"
+#include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -47,37 +47,69 @@
 
 namespace {
 
-struct Int8Matrix {  // a weight of int8_tiles.h: rows n, columns k
-  const uint8_t* tiles;
-  const void* scales;
-  bool per_group;
-  const float* bias;  // or nullptr
-  int64_t n, k;
+// A weight: int8 tiles (int8_tiles.h, scales per row or per group: ``Int8Tiles``), or a list of
+// parts in quant_tiles.h's formats (``QuantTiles``: a GGUF's low-bit and Q8_0 blocks).
+struct Matrix {
+  std::vector<TilePart> parts;  // empty: the int8 tiles below
+  const uint8_t* tiles = nullptr;
+  const void* scales = nullptr;
+  bool per_group = false;
+  const float* bias = nullptr;  // or nullptr
+  int64_t n = 0, k = 0;
 
-  // Tile t's bytes start here; tiles [t0, t1) are (t1 - t0) * tile_bytes() in a row.
-  const uint8_t* tile(int64_t t) const { return tiles + t * tile_bytes(); }
-  int64_t tile_bytes() const { return 16 * k; }
+  // Where tile t's bytes start, and how many of tiles [t, t1) lie in a row from there (one part).
+  const uint8_t* tile(int64_t t) const {
+    if (parts.empty()) return tiles + t * 16 * k;
+    const TilePart& p = part_of(t);
+    return p.data + (t - p.tile0) * p.tile_bytes(k);
+  }
+  int64_t bytes(int64_t t, int64_t t1) const {
+    if (t >= t1) return 0;
+    if (parts.empty()) return (t1 - t) * 16 * k;
+    const TilePart& p = part_of(t);
+    return (std::min(t1, p.tile0 + p.tiles) - t) * p.tile_bytes(k);
+  }
+  const TilePart& part_of(int64_t t) const {
+    for (const TilePart& p : parts)
+      if (t < p.tile0 + p.tiles) return p;
+    return parts.back();
+  }
 };
 
-Int8Matrix matrix(const at::Tensor& tiles, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
-                  int64_t n, const char* name) {
-  const bool per_group = check_tiles(tiles, scales, n, "DecodeModel");
-  TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "DecodeModel: ", name,
-              " tiles and scales must be contiguous");
-  const float* b = nullptr;
+// A weight from its tensors: [tiles, scales] (int8 tiles) or [data, scales, extra] per part.
+Matrix matrix(const std::vector<at::Tensor>& tensors, const std::optional<at::Tensor>& bias, int64_t n,
+              const char* name) {
+  Matrix w;
+  w.n = n;
+  if (tensors.size() == 2) {
+    const at::Tensor &tiles = tensors[0], &scales = tensors[1];
+    w.per_group = check_tiles(tiles, scales, n, "DecodeModel");
+    TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "DecodeModel: ", name,
+                " tiles and scales must be contiguous");
+    w.tiles = tiles.const_data_ptr<uint8_t>();
+    w.scales = scales.const_data_ptr();
+    w.k = tiles.size(1) * 4;
+  } else {
+    TORCH_CHECK(!tensors.empty() && tensors.size() % 3 == 0, "DecodeModel: ", name,
+                " takes [tiles, scales] or [data, scales, extra] per part");
+    const at::Tensor& data = tensors[0];
+    w.k = data.size(2) == 16 ? data.size(1) * 4 : data.size(1) * kGroup;
+    w.parts = parts_of(tensors, n, w.k, "DecodeModel");
+  }
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "DecodeModel: ", name, " bias must be float32 [", n, "]");
-    b = bias->const_data_ptr<float>();
+    w.bias = bias->const_data_ptr<float>();
   }
-  return {tiles.const_data_ptr<uint8_t>(), scales.const_data_ptr(), per_group, b, n, tiles.size(1) * 4};
+  return w;
 }
 
 // Tiles [t0, t1) of w times q's rows: their columns of out [rows, w.n], plus the bias.
-void matmul_tiles(const Int8Matrix& w, const GroupedActivations& q, int64_t rows, float* out, int64_t t0,
-                  int64_t t1) {
+void matmul_tiles(const Matrix& w, const GroupedActivations& q, int64_t rows, float* out, int64_t t0, int64_t t1) {
   if (t0 >= t1) return;
-  if (w.per_group) {
+  if (!w.parts.empty()) {
+    parts_span(w.parts, q, rows, w.n, w.k, out, t0, t1);
+  } else if (w.per_group) {
     tile_span<true>(q, w.tiles, static_cast<const uint16_t*>(w.scales), rows, w.n, w.k, out, t0, t1);
   } else {
     tile_span<false>(q, w.tiles, static_cast<const float*>(w.scales), rows, w.n, w.k, out, t0, t1);
@@ -145,7 +177,7 @@ void argmax_span(const float* x, int64_t n, int64_t first, float& best, int64_t&
 
 struct Layer {
   const float *input_norm, *qk_norm, *post_norm;  // qk_norm: nullptr where none
-  Int8Matrix qkv, o, gate_up, down;
+  Matrix qkv, o, gate_up, down;
   float *k_cache, *v_cache;
   size_t plan;  // its window's index in DecodeModel::windows
 };
@@ -162,47 +194,62 @@ struct DecodeModel : torch::CustomClassHolder {
   int64_t hidden, vocab, num_heads, rotary_dim, max_positions;
   int64_t kv_heads = 0, dim = 0, block_size = 0, cache_slots = 0, intermediate = 0;
   double norm_eps, qk_norm_eps, scale;
-  const float *embed, *final_norm, *cos, *sin;  // cos, sin: [max_positions, rotary_dim]
-  std::optional<Int8Matrix> head;
+  const float *final_norm, *cos, *sin;  // cos, sin: [max_positions, rotary_dim]
+  const float* embed = nullptr;  // a float32 table [vocab, hidden], or
+  std::vector<TilePart> embed_parts;  // its low-bit tiles (a GGUF's quantized table, no float copy)
+  std::optional<Matrix> head;
   std::vector<int64_t> cache_shape;
   std::vector<int64_t> windows;  // the layers' distinct sliding windows (0: none), one attention plan each
 
-  // embed: float32 [vocab, hidden]; head: its int8 tiles and scales, or none (logits unavailable);
-  // cos, sin: float32 [max_positions, rotary_dim] (models/layers.py's Rotary).
-  DecodeModel(at::Tensor embed_, at::Tensor final_norm_, std::optional<at::Tensor> head_tiles,
-              std::optional<at::Tensor> head_scales, at::Tensor cos_, at::Tensor sin_, int64_t num_heads_,
-              double norm_eps_, double qk_norm_eps_, double scale_)
-      : hidden(embed_.size(-1)), vocab(embed_.size(0)), num_heads(num_heads_), rotary_dim(cos_.size(-1)),
+  // embed: [float32 table [vocab, hidden]] or its parts [data, scales, extra] * parts; head: its
+  // tensors (``matrix``), or none (logits unavailable); cos, sin: float32 [max_positions,
+  // rotary_dim] (models/layers.py's Rotary).
+  DecodeModel(std::vector<at::Tensor> embed_, int64_t vocab_, int64_t hidden_, at::Tensor final_norm_,
+              std::vector<at::Tensor> head_, at::Tensor cos_, at::Tensor sin_, int64_t num_heads_, double norm_eps_,
+              double qk_norm_eps_, double scale_)
+      : hidden(hidden_), vocab(vocab_), num_heads(num_heads_), rotary_dim(cos_.size(-1)),
         max_positions(cos_.size(0)), norm_eps(norm_eps_), qk_norm_eps(qk_norm_eps_), scale(scale_) {
-    TORCH_CHECK(embed_.device().is_cpu() && embed_.dim() == 2, "DecodeModel: embed must be [vocab, hidden] on CPU");
-    check_vector(embed_, vocab * hidden, "embed");
+    if (embed_.size() == 1) {
+      TORCH_CHECK(embed_[0].device().is_cpu() && embed_[0].dim() == 2, "DecodeModel: embed must be [vocab, hidden] on CPU");
+      check_vector(embed_[0], vocab * hidden, "embed");
+      embed = embed_[0].const_data_ptr<float>();
+    } else {
+      embed_parts = parts_of(embed_, vocab, hidden, "DecodeModel embed");
+    }
     check_vector(final_norm_, hidden, "final_norm");
     TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && rotary_dim % 2 == 0,
                 "DecodeModel: cos and sin must be [max_positions, rotary_dim]");
     check_vector(cos_, cos_.numel(), "cos");
     check_vector(sin_, sin_.numel(), "sin");
-    TORCH_CHECK(head_tiles.has_value() == head_scales.has_value(), "DecodeModel: head tiles and scales go together");
-    if (head_tiles.has_value()) {
-      head = matrix(*head_tiles, *head_scales, std::nullopt, vocab, "head");
+    if (!head_.empty()) {
+      head = matrix(head_, std::nullopt, vocab, "head");
       TORCH_CHECK(head->k == hidden, "DecodeModel: the head takes ", head->k, " inputs, hidden is ", hidden);
-      held.insert(held.end(), {*head_tiles, *head_scales});
+      held.insert(held.end(), head_.begin(), head_.end());
     }
-    held.insert(held.end(), {embed_, final_norm_, cos_, sin_});
-    embed = embed_.const_data_ptr<float>();
+    held.insert(held.end(), embed_.begin(), embed_.end());
+    held.insert(held.end(), {final_norm_, cos_, sin_});
     final_norm = final_norm_.const_data_ptr<float>();
     cos = cos_.const_data_ptr<float>();
     sin = sin_.const_data_ptr<float>();
   }
 
+  // Row `id` of the embedding table into dst.
+  void embed_row(int64_t id, float* dst) const {
+    if (embed != nullptr) {
+      std::copy_n(embed + id * hidden, hidden, dst);
+    } else {
+      matrix_row(embed_parts, id, hidden, dst);
+    }
+  }
+
   // The next layer: its weights (int8 tiles and scales, optional biases), its norms (qk_norm:
   // float32 [(num_heads + kv_heads) * dim] or none), its caches (float32 [blocks, block_size,
   // kv_heads, dim], every layer's the same shape) and its sliding window (0: none).
-  void add_layer(at::Tensor input_norm, at::Tensor qkv_tiles, at::Tensor qkv_scales,
-                 std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> qk_norm, at::Tensor o_tiles,
-                 at::Tensor o_scales, std::optional<at::Tensor> o_bias, at::Tensor post_norm, at::Tensor gate_up_tiles,
-                 at::Tensor gate_up_scales, std::optional<at::Tensor> gate_up_bias, at::Tensor down_tiles,
-                 at::Tensor down_scales, std::optional<at::Tensor> down_bias, at::Tensor k_cache, at::Tensor v_cache,
-                 int64_t window) {
+  void add_layer(at::Tensor input_norm, std::vector<at::Tensor> qkv_w, std::optional<at::Tensor> qkv_bias,
+                 std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> o_w, std::optional<at::Tensor> o_bias,
+                 at::Tensor post_norm, std::vector<at::Tensor> gate_up_w, std::optional<at::Tensor> gate_up_bias,
+                 std::vector<at::Tensor> down_w, std::optional<at::Tensor> down_bias, at::Tensor k_cache,
+                 at::Tensor v_cache, int64_t window) {
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu(),
@@ -213,7 +260,7 @@ struct DecodeModel : torch::CustomClassHolder {
       dim = k_cache.size(3);
       block_size = k_cache.size(1);
       cache_slots = k_cache.size(0) * block_size;
-      intermediate = down_tiles.size(1) * 4;
+      intermediate = matrix(down_w, std::nullopt, hidden, "down").k;
       TORCH_CHECK(num_heads % kv_heads == 0, "DecodeModel: ", num_heads, " heads over ", kv_heads, " KV heads");
       TORCH_CHECK(dim % 16 == 0 && rotary_dim <= dim, "DecodeModel: head dim ", dim,
                   " (a multiple of 16, at least rotary_dim ", rotary_dim, ")");
@@ -227,10 +274,10 @@ struct DecodeModel : torch::CustomClassHolder {
     l.input_norm = input_norm.const_data_ptr<float>();
     l.post_norm = post_norm.const_data_ptr<float>();
     l.qk_norm = qk_norm ? qk_norm->const_data_ptr<float>() : nullptr;
-    l.qkv = matrix(qkv_tiles, qkv_scales, qkv_bias, qkv_n, "qkv");
-    l.o = matrix(o_tiles, o_scales, o_bias, hidden, "o_proj");
-    l.gate_up = matrix(gate_up_tiles, gate_up_scales, gate_up_bias, 2 * intermediate, "gate_up");
-    l.down = matrix(down_tiles, down_scales, down_bias, hidden, "down");
+    l.qkv = matrix(qkv_w, qkv_bias, qkv_n, "qkv");
+    l.o = matrix(o_w, o_bias, hidden, "o_proj");
+    l.gate_up = matrix(gate_up_w, gate_up_bias, 2 * intermediate, "gate_up");
+    l.down = matrix(down_w, down_bias, hidden, "down");
     TORCH_CHECK(l.qkv.k == hidden && l.o.k == q_size && l.gate_up.k == hidden && l.down.k == intermediate,
                 "DecodeModel: layer ", layers.size(), "'s weights do not fit hidden ", hidden, ", ", num_heads, " x ",
                 dim, ", intermediate ", intermediate);
@@ -238,9 +285,8 @@ struct DecodeModel : torch::CustomClassHolder {
     l.v_cache = v_cache.mutable_data_ptr<float>();
     l.plan = std::find(windows.begin(), windows.end(), window) - windows.begin();
     if (l.plan == windows.size()) windows.push_back(window);
-    for (const auto& t : {input_norm, qkv_tiles, qkv_scales, o_tiles, o_scales, post_norm, gate_up_tiles,
-                          gate_up_scales, down_tiles, down_scales, k_cache, v_cache})
-      held.push_back(t);
+    for (const auto& t : {input_norm, post_norm, k_cache, v_cache}) held.push_back(t);
+    for (const auto* w : {&qkv_w, &o_w, &gate_up_w, &down_w}) held.insert(held.end(), w->begin(), w->end());
     for (const auto* t : {&qkv_bias, &qk_norm, &o_bias, &gate_up_bias, &down_bias})
       if (t->has_value()) held.push_back(**t);
     layers.push_back(l);
@@ -354,7 +400,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
     ThreadScratch& mine = w.threads[tid];
     float* res = mine.res.data();
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(m.embed + in.ids[r] * n, n, res + r * n);
+    for (int64_t r = 0; r < rows; ++r) m.embed_row(in.ids[r], res + r * n);
     const auto [h0, h1] = share(heads_qkv, tid, threads);
     const auto [a0, a1] = share(groups_attn, tid, threads);
     const auto [u0, u1] = share(groups_act, tid, threads);
@@ -378,11 +424,14 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
         // this thread's o_proj tiles, then its gate and up tiles, as far as the budget goes
         Prefetcher& ahead = mine.attention.ahead;
         ahead.start(kAheadLinesPerRow);
-        const int64_t o_bytes = std::min(ahead_budget(), (o1 - o0) * l.o.tile_bytes());
-        const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2, 2 * (u1 - u0) * l.gate_up.tile_bytes());
+        const int64_t o_bytes = std::min(ahead_budget(), l.o.bytes(o0, o1));
+        const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2,
+                                            l.gate_up.bytes(2 * u0, std::min(2 * u1, gate_tiles)));
+        const int64_t up_bytes = std::min((ahead_budget() - o_bytes) / 2,
+                                          l.gate_up.bytes(gate_tiles + 2 * u0, gate_tiles + 2 * u1));
         ahead.add(0, l.o.tile(o0), o_bytes);
         ahead.add(1, l.gate_up.tile(2 * u0), gate_bytes);
-        ahead.add(2, l.gate_up.tile(gate_tiles + 2 * u0), gate_bytes);
+        ahead.add(2, l.gate_up.tile(gate_tiles + 2 * u0), up_bytes);
         for (int64_t t = next.fetch_add(1); t < attention.tasks; t = next.fetch_add(1))
           attention.task(t, mine.attention);
       }
@@ -473,7 +522,7 @@ std::tuple<at::Tensor, at::Tensor> decode_model_logits(const c10::intrusive_ptr<
                                                        const at::Tensor& input_ids, const at::Tensor& positions,
                                                        const at::Tensor& slot_mapping, const at::Tensor& tables,
                                                        const at::Tensor& context_lens) {
-  TORCH_CHECK(m->head.has_value(), "DecodeModel: no int8 head, so no logits (decode_model_hidden gives the states)");
+  TORCH_CHECK(m->head.has_value(), "DecodeModel: no quantized head, so no logits (decode_model_hidden gives the states)");
   const StepInputs in = check_step(*m, input_ids, positions, slot_mapping, tables, context_lens);
   at::Tensor logits = at::empty({in.rows, m->vocab}, input_ids.options().dtype(at::kFloat));
   at::Tensor greedy = at::empty({in.rows}, input_ids.options());
@@ -486,7 +535,7 @@ std::tuple<at::Tensor, at::Tensor> decode_model_logits(const c10::intrusive_ptr<
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.class_<DecodeModel>("DecodeModel")
-      .def(torch::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
+      .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, at::Tensor, std::vector<at::Tensor>, at::Tensor,
                        at::Tensor, int64_t, double, double, double>())
       .def("add_layer", &DecodeModel::add_layer);
   m.def("decode_model_hidden(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "

@@ -27,6 +27,7 @@ struct GroupedActivations {  // per row: K int8 values, and per group its scale 
   std::vector<int8_t> values;
   std::vector<float> scales;
   std::vector<int32_t> starts;
+  std::vector<int32_t> halves;  // per group, the sums of its two runs of 16 values (quant_tiles.h's offsets)
 };
 
 // Per-group weight scales are float16 (bits), per-row ones float32.
@@ -42,9 +43,10 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One group of 32 values: its int8 values to dst, its scale; returns -128 * sum of the values.
+// One group of 32 values: its int8 values to dst, its scale, the sums of its two halves; returns
+// -128 * sum of the values.
 template <typename T>
-inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale, int32_t* halves) {
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 a = load16(src), b = load16(src + 16);
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign_off), _mm512_and_ps(b, sign_off)));
@@ -55,7 +57,9 @@ inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
   *scale = d;
-  return -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  halves[0] = _mm512_reduce_add_epi32(qa);
+  halves[1] = _mm512_reduce_add_epi32(qb);
+  return -128 * (halves[0] + halves[1]);
 }
 
 // MB activation rows times one tile: the 16 rows' results of each into out[i].
@@ -106,8 +110,15 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
 template <typename T>
-inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
+inline int32_t quantize_group(const T* src, int8_t* dst, float* scale, int32_t* halves) {
   const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[4];
   __m256 amax8 = _mm256_setzero_ps();
@@ -127,6 +138,8 @@ inline int32_t quantize_group(const T* src, int8_t* dst, float* scale) {
   bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
   *scale = d;
+  halves[0] = sum8(_mm256_add_epi32(q[0], q[1]));
+  halves[1] = sum8(_mm256_add_epi32(q[2], q[3]));
   return 0;  // the AVX2 tiles hold signed weights: nothing to take back
 }
 
@@ -185,7 +198,7 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
 template <typename T>
 inline void quantize_span(const T* x, int64_t begin, int64_t end, GroupedActivations& q) {
   for (int64_t i = begin; i < end; ++i) {
-    q.starts[i] = quantize_group(x + i * kGroup, q.values.data() + i * kGroup, &q.scales[i]);
+    q.starts[i] = quantize_group(x + i * kGroup, q.values.data() + i * kGroup, &q.scales[i], &q.halves[2 * i]);
   }
 }
 
@@ -193,6 +206,7 @@ inline void size_for(GroupedActivations& q, int64_t rows, int64_t k) {
   q.values.resize(rows * k);
   q.scales.resize(rows * (k / kGroup));
   q.starts.resize(rows * (k / kGroup));
+  q.halves.resize(2 * rows * (k / kGroup));
 }
 
 template <typename T>

@@ -13,9 +13,10 @@ from torch import nn
 
 from hyprefix.kernels import decode_attention as decode_kernel
 from hyprefix.kernels import invariant_linear as invariant_kernel
+from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models import fused
-from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary
-from hyprefix.models.quant import Int8Weight
+from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
+from hyprefix.models.quant import Int8Weight, int8_part, join_parts, quantize_q4
 from hyprefix.models.weights import MatrixForms
 
 log = logging.getLogger("hyprefix.models")
@@ -131,8 +132,9 @@ class CausalLM(nn.Module):
         if self.dtype == torch.float32:
             return False
         forms = self.head_forms
-        if forms.int8 is not None:
-            raise ValueError("--lm-head-fp32 cannot be used with an int8 LM head (--quantization int8)")
+        if forms.quantized is not None:
+            raise ValueError("--lm-head-fp32 cannot be used with a quantized LM head (--quantization int8, or a GGUF "
+                             "file's quantized head: load it with --quantization none)")
         plain = self.lm_head.weight if self.lm_head is not None else self.embed.weight
         if not plain.numel() or forms.bf16 is not None:
             raise RuntimeError("use_fp32_head runs before pack_weights, while the head's plain weight is there")
@@ -210,10 +212,25 @@ class CausalLM(nn.Module):
         """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
         int8 copy; the embedding lookup keeps the float table)."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.forms.int8 is None:
+            if isinstance(module, Linear) and module.forms.quantized is None:
                 module.quantize()
-        if self.lm_head is None and self.embed.forms.int8 is None:
+        if self.lm_head is None and self.embed.forms.quantized is None:
             self.embed.forms.quantize(self.embed.weight)
+
+    def quantize_weights_q4(self) -> None:
+        """4-bit weights (``--quantization int4``): every linear layer and the LM head whose
+        columns fill groups of 32 as Q4 tiles (``quant.quantize_q4``: an unsigned code per weight
+        over each group's range, float16 scale and offset); a tied head gets a 4-bit copy, the
+        embedding lookup keeps the float table. Needs ``kernels/quant_linear`` (x86 with AVX2)."""
+        if not quant_kernel.available():
+            raise ValueError("--quantization int4 needs hyprefix's quant_linear kernel (an x86 CPU with AVX2 and a "
+                             "C++ compiler); it does not run here")
+        for module in self.modules():
+            if isinstance(module, Linear) and module.forms.quantized is None and module.in_features % 32 == 0:
+                module.forms.use_quant(quantize_q4(module.weight))
+                drop_plain(module.weight)
+        if self.lm_head is None and self.embed.forms.quantized is None and self.embed.embedding_dim % 32 == 0:
+            self.embed.forms.use_quant(quantize_q4(self.embed.weight))
 
     def load_int8_weights(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
         """Checkpoint int8 weights (GGUF Q8_0 blocks) straight into their linear layers,
@@ -248,6 +265,34 @@ class CausalLM(nn.Module):
                                            torch.cat([p.scales for p in ordered])))
                 switched += 1
         return switched
+
+    def load_quantized(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """A GGUF file's quantized matrices (``gguf_weights``: ``Int8Weight`` for Q8_0, ``QuantPart``
+        for the low-bit types) kept as they are, before ``load_weights`` reads the rest: each
+        linear's shards (q/k/v, gate/up) joined into one ``QuantTiles`` once all came (every
+        shard but the last of whole 16-row tiles: the caller sends only such), the embedding
+        table likewise (its lookups then read it: no float table). The float tensor of each such
+        matrix is dropped. Returns the names of the parameters so held (``load_weights``'
+        ``quantized``)."""
+        modules = dict(self.named_modules())
+        shards: dict[str, dict[int, list[torch.Tensor]]] = {}
+        held: set[str] = set()
+        for name, weight in weights:
+            target = self.map_name(name)
+            if target is None:
+                continue
+            param_name, shard, sizes = target
+            module_name, _ = param_name.rsplit(".", 1)
+            module = modules[module_name]
+            parts = shards.setdefault(module_name, {})
+            parts[0 if shard is None else shard] = int8_part(weight) if isinstance(weight, Int8Weight) \
+                else list(weight.tensors)
+            if len(parts) < (1 if sizes is None else len(sizes)):
+                continue
+            module.forms.use_quant(join_parts([parts[i] for i in range(len(parts))]))
+            drop_plain(module.weight)
+            held.add(param_name)
+        return held
 
     def weight_memory_bytes(self) -> int:
         """Bytes the weights hold in memory: parameters, and each matrix's int8 weights, bf16
@@ -291,10 +336,11 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     into: dict[str, torch.Tensor] | None = None) -> None:
+                     into: dict[str, torch.Tensor] | None = None, quantized: set[str] = frozenset()) -> None:
         """Copy checkpoint tensors (HF names) into the parameters, or into ``into`` (parameter
         name -> a tensor of the parameter's shape, ``update_weights``' staging). Raises
-        ValueError on a tensor with no place, a wrong shape, or a parameter left without one."""
+        ValueError on a tensor with no place, a wrong shape, or a parameter left without one
+        (``quantized``: parameters ``load_quantized`` already holds, which need none)."""
         params = {name: p.data for name, p in self.named_parameters()} if into is None else into
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -309,7 +355,7 @@ class CausalLM(nn.Module):
                 dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
             _copy(dst, tensor, name)
             loaded.add(f"{param_name}#{shard}")
-        missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
+        missing = [n for n in params if n not in quantized and not any(k.startswith(n + "#") for k in loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 

@@ -113,10 +113,10 @@ class Gemma3ForCausalLM(CausalLM):
         return x + residual
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     into: dict[str, torch.Tensor] | None = None) -> None:
+                     into: dict[str, torch.Tensor] | None = None, quantized: set[str] = frozenset()) -> None:
         """Gemma norms scale by ``1 + w``: stored so (in float32, as HF adds it)."""
         super().load_weights(((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights),
-                             into)
+                             into, quantized)
 
     def relative_name(self, name: str) -> str | None:
         return language_model_name(name)

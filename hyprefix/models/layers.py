@@ -115,8 +115,9 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     """nn.Embedding with the forms of its table as a tied LM head (``forms``: packed, int8,
-    bf16 tiles). Where compiled decode steps read the head as bf16 tiles, the tiles also
-    serve the lookups, gathered from them, instead of a second plain copy."""
+    bf16 tiles, low-bit tiles). Where compiled decode steps read the head as bf16 tiles, the
+    tiles also serve the lookups, gathered from them, instead of a second plain copy; so do a
+    GGUF's quantized blocks (``forms.quant``), which replace the table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
                  device: torch.device | None = None) -> None:
@@ -141,7 +142,12 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tiles = self.forms.bf16
-        return super().forward(ids) if tiles is None else bf16_kernel.rows(tiles.tiles, ids, tiles.rows)
+        if tiles is not None:
+            return bf16_kernel.rows(tiles.tiles, ids, tiles.rows)
+        quant = self.forms.quant
+        if quant is not None and not self.weight.numel():  # a GGUF's quantized table, no float copy
+            return quant.lookup(ids).to(self.weight.dtype)
+        return super().forward(ids)
 
 
 # Gate activations: the eager function, and the oneDNN epilogue (attr, scalars, algorithm)

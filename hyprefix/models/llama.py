@@ -11,7 +11,8 @@ from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, RopeTables
-from hyprefix.models.quant import Int8Tiles
+from hyprefix.models.quant import Int8Tiles, QuantTiles
+from hyprefix.models.weights import MatrixForms
 
 
 class Attention(nn.Module):
@@ -86,12 +87,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def fits_decode_kernel(self) -> bool:
-        """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 tiles for every
-        matmul, SiLU, no output gate, a head dim of a multiple of 16."""
+        """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 or low-bit tiles for
+        every matmul, SiLU, no output gate, a head dim of a multiple of 16."""
         attn, mlp = self.attn, self.mlp
         return (self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
                 and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
-                and all(isinstance(linear.forms.int8, Int8Tiles)
+                and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
                         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))
 
 
@@ -201,20 +202,27 @@ def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Ten
                         ) -> tuple[torch.ScriptObject, bool]:
     """The ``DecodeModel`` (``kernels/decode_layers``) of a model whose layers fit it
     (``use_decode_kernel``) over these caches, one (K, V) a layer, and whether it has the
-    LM head (int8 tiles), so ``decode_model_logits`` runs. It holds the weights as they are now."""
-    head = model.head_forms.int8
-    tiled = isinstance(head, Int8Tiles)
+    LM head (int8 or low-bit tiles), so ``decode_model_logits`` runs. It holds the weights as they are now."""
+    head = _tensors(model.head_forms)
+    embed = model.embed
+    table = [embed.weight] if embed.weight.numel() else _tensors(embed.forms)  # a GGUF's quantized table
     first = model.layers[0].attn
     out = torch.classes.hyprefix.DecodeModel(
-        model.embed.weight, model.norm.weight, head.tiles if tiled else None, head.scales if tiled else None,
-        model.rotary.cos, model.rotary.sin, first.num_heads, model.norm.eps, first.qk_norm_eps, first.scale)
+        table, embed.num_embeddings, embed.embedding_dim, model.norm.weight, head, model.rotary.cos, model.rotary.sin,
+        first.num_heads, model.norm.eps, first.qk_norm_eps, first.scale)
     for layer, (k, v) in zip(model.layers, kv_caches, strict=True):
         attn, mlp = layer.attn, layer.mlp
-        out.add_layer(layer.input_norm.weight, *_weight(attn.qkv), attn.qk_norm_weight, *_weight(attn.o_proj),
-                      layer.post_norm.weight, *_weight(mlp.gate_up), *_weight(mlp.down), k, v, attn.window or 0)
-    return out, tiled
+        out.add_layer(layer.input_norm.weight, _tensors(attn.qkv.forms), attn.qkv.bias, attn.qk_norm_weight,
+                      _tensors(attn.o_proj.forms), attn.o_proj.bias, layer.post_norm.weight,
+                      _tensors(mlp.gate_up.forms), mlp.gate_up.bias, _tensors(mlp.down.forms), mlp.down.bias, k, v,
+                      attn.window or 0)
+    return out, bool(head)
 
 
-def _weight(linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    int8 = linear.forms.int8
-    return int8.tiles, int8.scales, linear.bias
+def _tensors(forms: MatrixForms) -> list[torch.Tensor]:
+    """A matrix as ``DecodeModel`` takes it: [tiles, scales] (int8 tiles), [data, scales, extra]
+    per part (low-bit tiles), or [] (neither: a float head, no logits from the kernel)."""
+    quantized = forms.quantized
+    if isinstance(quantized, Int8Tiles):
+        return [quantized.tiles, quantized.scales]
+    return list(quantized.tensors) if isinstance(quantized, QuantTiles) else []

@@ -1,6 +1,7 @@
 """Load a checkpoint: an HF directory (config, safetensors, tokenizer), a hub id, a demo
-alias, or a GGUF file (config, weights dequantized to the engine dtype, tokenizer and
-chat template all from the file, read by transformers' GGUF support)."""
+alias, or a GGUF file (its tensors read from the file's memory map by ``gguf_weights``, the
+quantized matrices kept in their blocks unless asked otherwise; config, tokenizer and chat
+template from the file's metadata by transformers' GGUF support)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import DTYPES, resolve_dtype
-from hyprefix.models.quant import Int8Weight
+from hyprefix.models import gguf_hybrid
+from hyprefix.models.gguf_weights import GGUFWeights
 from hyprefix.models.registry import model_class
 
 
@@ -123,6 +125,14 @@ def gguf_architecture(path: Path) -> str:
     return str(field.contents())
 
 
+def hybrid_gguf(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file of a hybrid architecture (``gguf_hybrid.ARCHITECTURES``):
+    its config, tokenizer and weights come from ``gguf_hybrid``, which undoes what llama.cpp's
+    converter did to them (transformers' GGUF reader does not know these architectures)."""
+    path = Path(path)
+    return path.suffix == ".gguf" and path.is_file() and gguf_architecture(path) in gguf_hybrid.ARCHITECTURES
+
+
 def pretrained_location(path: str | os.PathLike) -> dict[str, str]:
     """``from_pretrained``'s location arguments: a checkpoint directory or hub id as it is; a
     GGUF file as transformers reads one, its directory and ``gguf_file``."""
@@ -138,9 +148,11 @@ def load_config(path: Path):
     if path.suffix != ".gguf":
         return AutoConfig.from_pretrained(str(path))
     arch = gguf_architecture(path)
+    if arch in gguf_hybrid.ARCHITECTURES:
+        return gguf_hybrid.load_config(path)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; hyprefix loads GGUF "
-                         f"files of {', '.join(GGUF_ARCHITECTURES)}")
+                         f"files of {', '.join(GGUF_ARCHITECTURES + gguf_hybrid.ARCHITECTURES)}")
     try:
         return AutoConfig.from_pretrained(**pretrained_location(path))
     except ValueError as exc:
@@ -157,60 +169,67 @@ def _meta_reference(hf_config) -> torch.nn.Module:
 
 
 def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors under transformers' names, dequantized to float32."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    try:
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
-                                       model_to_load=_meta_reference(hf_config))["tensors"]
-    except NotImplementedError as exc:  # a quantization type gguf cannot dequantize
-        raise ValueError(f"cannot load the GGUF file {path.name}: {exc} ({_tensors_named_in(path, str(exc))})") \
-            from exc
-    yield from tensors.items()
+    """The file's tensors under transformers' names, dequantized to float32 (a hybrid
+    architecture's through ``gguf_hybrid``)."""
+    if hybrid_gguf(path):
+        yield from gguf_hybrid.iter_tensors(path, hf_config)
+    else:
+        yield from GGUFWeights(path, hf_config, gguf_architecture(path)).floats(set())
 
 
-def iter_gguf_q8_0(path: Path, hf_config) -> Iterator[tuple[str, Int8Weight]]:
-    """The file's Q8_0 matrices as int8 weights with one scale per 32 values, the blocks'
-    own numbers (no float detour), under transformers' names and with the row permutation
-    transformers undoes on load (Llama's q/k) applied to values and scales. The float16
-    scales are widened to float32 (exactly): a compiled step reads one per 32 weights, and
-    Inductor's C++ (built without F16C) converts a float16 scalar in a slow software loop."""
-    import gguf
-    import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+def kept_quantized(net: torch.nn.Module, weights: GGUFWeights) -> dict[str, str]:
+    """The file's matrices ``net`` keeps in their quantized blocks (transformers name -> GGUF
+    name): a linear's or the embedding table's, where every shard of the matrix (q/k/v, gate/up)
+    can stay quantized (``GGUFWeights.can_keep``), its columns fill groups of 32 and every shard
+    but the last holds whole 16-row tiles (the kernel's parts)."""
+    from hyprefix.models.layers import Embedding, Linear
 
-    reader = gguf.GGUFReader(str(path))
-    processor = TENSOR_PROCESSORS.get(gguf_architecture(path), TensorProcessor)(config=hf_config.to_dict())
-    names = get_gguf_hf_weights_map(_meta_reference(hf_config), processor)
-    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
-    for tensor in reader.tensors:
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0 or tensor.data.ndim != 2 or tensor.name not in names:
+    modules = dict(net.named_modules())
+    groups: dict[str, list[tuple[int, str, str]]] = {}
+    expected: dict[str, list[int] | None] = {}
+    for gguf_name, hf_name in ((g, weights.names[g]) for g in weights.tensors):
+        target = net.map_name(hf_name)
+        if target is None:
             continue
-        blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, block_bytes)
-        scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0]
-        values = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1)
-        values = processor.process(weights=values, name=tensor.name).weights
-        scales = processor.process(weights=scales, name=tensor.name).weights
-        yield names[tensor.name], Int8Weight(torch.from_numpy(np.ascontiguousarray(values)),
-                                             torch.from_numpy(np.ascontiguousarray(scales)).float())
+        param_name, shard, sizes = target
+        module_name, leaf = param_name.rsplit(".", 1)
+        if leaf != "weight" or not isinstance(modules.get(module_name), Linear | Embedding):
+            continue
+        groups.setdefault(param_name, []).append((0 if shard is None else shard, hf_name, gguf_name))
+        expected[param_name] = sizes
+    kept: dict[str, str] = {}
+    for param_name, shards in groups.items():
+        sizes = expected[param_name] or [None]
+        shards.sort()
+        whole = len(shards) == len(sizes) and all(size % 16 == 0 for size in sizes[:-1])
+        if whole and all(weights.can_keep(g) and weights.tensors[g].data.ndim == 2 for _, _, g in shards) \
+                and int(weights.tensors[shards[0][2]].shape[0]) % 32 == 0:
+            kept.update({hf_name: gguf_name for _, hf_name, gguf_name in shards})
+    return kept
 
 
-def _tensors_named_in(path: Path, message: str) -> str:
-    """The file's tensors whose quantization type the message names."""
-    import re
-
-    from gguf import GGUFReader
-
-    names = [t.name for t in GGUFReader(str(path)).tensors
-             if re.search(rf"\b{re.escape(t.tensor_type.name)}\b", message)]
-    return f"tensors of that type: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | None) -> None:
+    """Fill ``net`` from a GGUF file read from its memory map (``gguf_weights``): with
+    ``quantization`` None the quantized matrices stay in their blocks (``kept_quantized``; the
+    low-bit ones where ``kernels/quant_linear`` runs), "int8" keeps Q8_0 matrices as int8 and
+    reads the rest as floats (quantized per channel afterwards), "none" dequantizes all."""
+    weights = GGUFWeights(path, hf_config, gguf_architecture(path))
+    kept = kept_quantized(net, weights) if quantization is None else {}
+    held = net.load_quantized((hf, weights.quantized(g)) for hf, g in kept.items())
+    net.load_weights(weights.floats(set(kept)), quantized=held)
+    if quantization == "int8":
+        net.load_int8_weights((weights.names[g], weights.quantized(g)) for g in weights.tensors
+                              if weights.type_name(g) == "Q8_0" and weights.can_keep(g))
 
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
                revision: str | None = None, quantization: str | None = None,
                compiled_decode: bool = False, lm_head_fp32: bool = False,
                batch_invariant: bool = False) -> LoadedModel:
-    """``quantization`` "int8": int8 linears (``quant.py``). ``lm_head_fp32``: the final norm and
+    """``quantization`` None: a GGUF's quantized matrices stay quantized on a CPU (``load_gguf``),
+    an HF checkpoint's weights float; "none": floats throughout; "int8": int8 linears
+    (``quant.py``; a GGUF's Q8_0 blocks kept); "int4": an HF checkpoint's linears quantized to 4
+    bits per group of 32 (Q4 tiles, ``CausalLM.quantize_weights_q4``). ``lm_head_fp32``: the final norm and
     the LM head in float32 (``CausalLM.use_fp32_head``). ``compiled_decode``:
     the runner will compile decode steps, which read the plain weights (or their bf16 tiles):
     keep them beside the prepacked copies (models without recurrent layers; those decode eagerly).
@@ -224,14 +243,19 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
     net.materialize(device)
-    net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
+    if path.suffix == ".gguf" and not hybrid_gguf(path):  # hybrids: floats (gguf_hybrid) for now
+        # the kept blocks run on the CPU kernels only, and have no batch-invariant matmul
+        as_floats = quantization is None and (batch_invariant or device.type != "cpu")
+        load_gguf(net, path, hf_config, "none" if as_floats else quantization)
+    else:
+        net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
     net.eval()
     if lm_head_fp32:  # from the plain weight, before any other form replaces it
         net.use_fp32_head()
     if quantization == "int8":
-        if path.suffix == ".gguf":  # Q8_0 matrices keep the file's int8 blocks
-            net.load_int8_weights(iter_gguf_q8_0(path, hf_config))
-        net.quantize_weights()  # the rest: per-channel int8 from the float weights
+        net.quantize_weights()  # what the checkpoint did not give as int8: per-channel int8 from the float weights
+    elif quantization == "int4":
+        net.quantize_weights_q4()
     if batch_invariant:
         net.use_batch_invariant()
     net.pack_weights(keep_plain=compiled_decode and net.decode_graph_capable)
@@ -263,5 +287,7 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
+        if hybrid_gguf(path):
+            return gguf_hybrid.load_tokenizer(path)
         return AutoTokenizer.from_pretrained(**pretrained_location(path))
     return AutoTokenizer.from_pretrained(str(path))

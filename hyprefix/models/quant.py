@@ -3,7 +3,7 @@
 An ``Int8Weight`` holds int8 values [N, K] and symmetric scales: one per output channel
 ([N], what ``quantize_int8`` makes from a float weight) or one per group of ``group``
 input channels ([N, K / group]: GGUF Q8_0's blocks of 32 with their float16 scales, loaded as
-they are by ``loader.iter_gguf_q8_0``). The value of an element is ``q * scale``.
+they are by ``gguf_weights.GGUFWeights.quantized``). The value of an element is ``q * scale``.
 
 Where K is a multiple of 32 the activations are quantized too, to int8 per group of 32
 (scale max|x| / 127, round to nearest even): llama.cpp's Q8_0 dot product. On an x86 CPU
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from hyprefix.kernels import bf16_linear as bf16_kernel
 from hyprefix.kernels import int8_linear as kernel
+from hyprefix.kernels import quant_linear as quant_kernel
 
 GROUP = 32  # activation quantization group
 
@@ -109,6 +110,101 @@ class Int8Tiles:
         return out if bias is None else out + bias
 
 
+@dataclass
+class QuantTiles:
+    """A matrix in ``kernels/quant_tiles.h``'s low-bit tiles: a list of parts (a GGUF's Q4_0 /
+    Q4_1 / Q4_K / Q5_K blocks as Q4 tiles, Q6_K as Q6 tiles, Q8_0 as int8 tiles), each a run of
+    whole 16-row tiles but the last, so a fused matrix keeps each shard's own format. Multiplied
+    by ``quant_linear`` (activations quantized per 32, as the int8 kernel); lookups and the
+    portable path dequantize rows (``quant_rows``)."""
+
+    tensors: list[torch.Tensor]  # [data, scales, extra] per part
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids``, dequantized to float32 [*ids.shape, cols] (an embedding's lookups)."""
+        return quant_kernel.rows(self.tensors, self.rows, self.cols, ids)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.lookup(torch.arange(self.rows)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The kernel for CPU float32 / bfloat16 inputs; otherwise the dequantized matrix (as
+        ``quantize_activations`` rounds the inputs, so both paths compute the same numbers)."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(quantize_activations(x), self.dequantize(x.dtype).to(x.device), bias)
+        out = quant_kernel.quant_linear(x, self.tensors, self.rows)
+        return out if bias is None else out + bias
+
+
+def int8_part(weight: Int8Weight) -> list[torch.Tensor]:
+    """A GGUF Q8_0 matrix (scales per 32) as a ``QuantTiles`` part: the int8 kernel's tiles."""
+    tiles, scales = kernel.pack(weight.qweight, weight.scales)
+    return [tiles, scales, torch.empty(0, dtype=torch.uint8)]
+
+
+def join_parts(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Consecutive parts of one format joined into one (every part but the last holds whole
+    tiles): fewer, longer runs for the kernel. The format is the data's third dimension."""
+    joined: list[list[torch.Tensor]] = []
+    for part in parts:
+        if joined and joined[-1][0].shape[2] == part[0].shape[2]:
+            joined[-1] = [torch.cat([a, b]) if a.numel() else a for a, b in zip(joined[-1], part, strict=True)]
+        else:
+            joined.append(list(part))
+    return [t for part in joined for t in part]
+
+
+def quantize_q4(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A float matrix [n, K] (K a multiple of 32) as a Q4 part: per group of 32 an unsigned
+    4-bit code over the group's range, float16 scale and offset (value = s * q + o)."""
+    w = weight.detach().float().unflatten(1, (-1, GROUP))
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).half().float()
+    offset = low.half().float()
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((w - offset[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
+    return list(quant_kernel.pack(q, scale.half(), offset.half()))
+
+
+def quantize_q6(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A float matrix [n, K] (K a multiple of 256) as a Q6 part, as GGUF's Q6_K lays it out: per
+    run of 16 a 6-bit code q - 32 times an int8 scale, times a float16 d per 256."""
+    w = weight.detach().float().unflatten(1, (-1, 16))
+    run_scale = w.abs().amax(-1) / 31  # [n, K/16]: q - 32 in [-32, 31]
+    d = (run_scale.unflatten(1, (-1, 16)).amax(-1) / 127).half().float()  # [n, K/256]
+    d_runs = d.repeat_interleave(16, dim=1)
+    sc = torch.where(d_runs > 0, torch.round(run_scale / d_runs.clamp(min=1e-30)), torch.zeros_like(d_runs))
+    sc = sc.clamp(-127, 127)
+    step = sc * d_runs
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    q = (torch.round(w * inverse[..., None]).clamp(-32, 31) + 32).to(torch.uint8).flatten(1)
+    return list(quant_kernel.pack(q, sc.to(torch.int8), d.half()))
+
+
+def requantize_like(weight: torch.Tensor, tiles: QuantTiles) -> list[torch.Tensor]:
+    """``weight`` (a new value of the matrix, [rows, cols]) quantized into ``tiles``' parts, each
+    in its own format and rows (a weight update of a GGUF model keeps its layout)."""
+    out: list[list[torch.Tensor]] = []
+    start = 0
+    for i in range(0, len(tiles.tensors), 3):
+        data = tiles.tensors[i]
+        rows = min(data.shape[0] * 16, tiles.rows - start)
+        piece = weight[start:start + rows]
+        start += rows
+        kind = data.shape[2]
+        if kind == 16:
+            out.append(int8_part(quantize_int8(piece, GROUP)))
+        else:
+            out.append(quantize_q6(piece) if kind == 6 else quantize_q4(piece))
+    return [t for part in out for t in part]
+
+
 def tiles_fit(weight: Int8Weight) -> bool:
     """Whether ``weight`` goes to the int8 kernel's tiles (CPU, K a multiple of 32, the kernel built)."""
     return weight.qweight.device.type == "cpu" and weight.quantizes_activations and kernel.available()
@@ -167,11 +263,11 @@ def stored(x: torch.Tensor) -> torch.Tensor:
     return inductor_prims.force_stride_order(x, x.stride()) if torch.compiler.is_compiling() else x
 
 
-def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles,
+def reduction_linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles | QuantTiles,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) as a reduction per (output, row): see the module doc.
-    Tiled int8 and bf16 weights call their kernels instead (extern calls inside the graph)."""
-    if isinstance(weight, Int8Tiles | Bf16Tiles):
+    Tiled int8, low-bit and bf16 weights call their kernels instead (extern calls inside the graph)."""
+    if isinstance(weight, Int8Tiles | Bf16Tiles | QuantTiles):
         return weight.matmul(x, bias)
     x = stored(x)
     if isinstance(weight, Int8Weight):

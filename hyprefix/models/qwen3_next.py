@@ -130,8 +130,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     # ------------------------------------------------------------------ loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     into: dict[str, torch.Tensor] | None = None) -> None:
-        super().load_weights(self._converted(weights), into)
+                     into: dict[str, torch.Tensor] | None = None, quantized: set[str] = frozenset()) -> None:
+        super().load_weights(self._converted(weights), into, quantized)
 
     def _converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors -> ours: ``1 + w`` norms; the attention q_proj split into query and

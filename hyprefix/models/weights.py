@@ -10,6 +10,8 @@ embedding table a tied LM head reuses). After loading it may gain, by the loader
   in the matmuls' epilogues (``packed_gate_up``);
 * **int8**: ``Int8Weight`` or the int8 kernel's ``Int8Tiles`` (``quant.py``), in place of
   the float matrix for every matmul;
+* **quant**: ``QuantTiles``, a GGUF's low-bit blocks (Q4 / Q6 / Q8_0 tiles, ``quant.py``), in
+  place of the float matrix for every matmul (and, for an embedding table, every lookup);
 * **bf16 tiles**: ``Bf16Tiles``, what a compiled decode step multiplies where the bf16 kernel
   runs, kept in place of the plain tensor beside the packed copy.
 
@@ -33,10 +35,20 @@ from torch import nn
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import bf16_linear as bf16_kernel
 from hyprefix.kernels import invariant_linear as invariant_kernel
-from hyprefix.models.quant import Bf16Tiles, Int8Tiles, Int8Weight, quantize_int8, reduction_linear, tiles_fit
+from hyprefix.models.quant import (
+    Bf16Tiles,
+    Int8Tiles,
+    Int8Weight,
+    QuantTiles,
+    quantize_int8,
+    reduction_linear,
+    requantize_like,
+    tiles_fit,
+)
 
-# What a matmul of a compiled decode step reads: the int8 weights, the bf16 tiles, or the plain weight.
-GraphWeight = torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles
+# What a matmul of a compiled decode step reads: the int8 or low-bit weights, the bf16 tiles, or
+# the plain weight.
+GraphWeight = torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles | QuantTiles
 
 
 def mkldnn_packing_available(weight: torch.Tensor) -> bool:
@@ -94,6 +106,33 @@ class MatrixForms(nn.Module):
         return None if qweight is None else Int8Weight(qweight, buffers["scales"])
 
     @property
+    def quant(self) -> QuantTiles | None:
+        """The low-bit tiles (buffers ``quant{i}_tiles``, ``_scales``, ``_extra`` per part)."""
+        if "quant0_tiles" not in self._buffers:
+            return None
+        tensors = []
+        for i in range(len(self._buffers) // 3 + 1):
+            if f"quant{i}_tiles" not in self._buffers:
+                break
+            tensors += [self._buffers[f"quant{i}_{leaf}"] for leaf in ("tiles", "scales", "extra")]
+        return QuantTiles(tensors, self.rows, self.cols)
+
+    @property
+    def quantized(self) -> Int8Weight | Int8Tiles | QuantTiles | None:
+        """The int8 or low-bit form, whichever this matrix has (None: float)."""
+        int8 = self.int8
+        return int8 if int8 is not None else self.quant
+
+    def use_quant(self, tensors: list[torch.Tensor]) -> None:
+        """Multiply by these low-bit tiles from now on ([data, scales, extra] per part, ``QuantTiles``)."""
+        for name in [n for n in self._buffers if n.startswith("quant")]:
+            del self._buffers[name]
+        for i in range(0, len(tensors), 3):
+            for leaf, tensor in zip(("tiles", "scales", "extra"), tensors[i:i + 3], strict=True):
+                self.register_buffer(f"quant{i // 3}_{leaf}", tensor, persistent=False)
+        self.packed = self.packed_halves = None
+
+    @property
     def bf16(self) -> Bf16Tiles | None:
         tiles = self._buffers.get("bf16_tiles")
         return None if tiles is None else Bf16Tiles(tiles, self.rows)
@@ -112,19 +151,21 @@ class MatrixForms(nn.Module):
         self.register_buffer("fp32_weight", plain.detach().float().contiguous(), persistent=False)
 
     def graph_weight(self, plain: torch.Tensor) -> GraphWeight:
-        """What a compiled decode step multiplies: the int8 weights, the bf16 tiles, or ``plain``."""
-        int8 = self.int8
-        if int8 is not None:
-            return int8
+        """What a compiled decode step multiplies: the int8 or low-bit weights, the bf16 tiles, or ``plain``."""
+        quantized = self.quantized
+        if quantized is not None:
+            return quantized
         tiles = self.bf16
         return tiles if tiles is not None else plain
 
     @property
     def batched_kernel(self) -> str | None:
         """The extern kernel a batched compiled decode step multiplies this matrix with
-        (``runner/decode_graph.batched_graph_capable``): "int8_tiles", "packed", or None."""
+        (``runner/decode_graph.batched_graph_capable``): "int8_tiles", "quant_tiles", "packed", or None."""
         if isinstance(self.int8, Int8Tiles):
             return "int8_tiles"
+        if self.quant is not None:
+            return "quant_tiles"
         return "packed" if self.packed is not None or self.packed_halves is not None else None
 
     def pack(self, plain: torch.Tensor, keep_plain: bool, halves: bool = False) -> bool:
@@ -132,7 +173,7 @@ class MatrixForms(nn.Module):
         its top and bottom halves); with ``keep_plain`` (compiled decode steps read the
         matrix) also its bf16 tiles where the bf16 kernel takes them. Returns whether
         ``plain`` is no longer needed for matmuls: packed, and not kept or tiled."""
-        if self.packed is not None or self.packed_halves is not None or self.int8 is not None or self.invariant \
+        if self.packed is not None or self.packed_halves is not None or self.quantized is not None or self.invariant \
                 or not plain.numel() or not mkldnn_packing_available(plain):
             return False
         if halves:
@@ -191,6 +232,10 @@ class MatrixForms(nn.Module):
             else:
                 self._buffers["qweight"].copy_(fresh.qweight)
                 self._buffers["scales"].copy_(fresh.scales)
+        quant = self.quant
+        if quant is not None:
+            for old, new in zip(quant.tensors, requantize_like(plain, quant), strict=True):
+                old.copy_(new)
         tiles = self._buffers.get("bf16_tiles")
         if tiles is not None:
             tiles.copy_(bf16_kernel.pack(plain.to(tiles.dtype)))
@@ -206,8 +251,9 @@ class MatrixForms(nn.Module):
         LM head's float32 copy (``fp32``) stays what the head multiplies, by the latter. Call
         before ``pack``, which then adds nothing; int8 weights are refused (ValueError), as the
         mode has no invariant int8 matmul. Returns whether ``plain`` is no longer needed (tiled)."""
-        if self.int8 is not None:
-            raise ValueError("--batch-invariant does not support int8 weights (--quantization int8)")
+        if self.quantized is not None:
+            raise ValueError("--batch-invariant does not support quantized weights (--quantization int8, or a GGUF "
+                             "file's quantized matrices: load it with --quantization none)")
         if self.packed is not None or self.packed_halves is not None or self.bf16 is not None:
             raise ValueError("use_batch_invariant must come before the weights are packed")
         self.invariant = True
@@ -232,9 +278,9 @@ class MatrixForms(nn.Module):
             if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
                 return packed_linear(x, self.packed, bias)
             return reduction_linear(x, self.graph_weight(plain), bias)
-        int8 = self.int8
-        if int8 is not None:
-            return int8.matmul(x, bias)
+        quantized = self.quantized
+        if quantized is not None:
+            return quantized.matmul(x, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, plain, bias)
@@ -251,5 +297,5 @@ class MatrixForms(nn.Module):
         float matrix."""
         if self.fp32 is not None:
             return self.fp32.nbytes
-        int8 = self.int8
-        return int8.nbytes if int8 is not None else self.rows * self.cols * dtype.itemsize
+        quantized = self.quantized
+        return quantized.nbytes if quantized is not None else self.rows * self.cols * dtype.itemsize

@@ -43,7 +43,8 @@ def test_q8_0_blocks_become_int8_weights_exactly(q8_0_file):
     """Every linear (fused q/k/v and gate/up included) and the untied LM head hold the
     file's int8 blocks: dequantized, they equal transformers' float dequantization of the
     same file bit for bit."""
-    floats = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, compiled_decode=True).model
+    floats = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, compiled_decode=True,
+                        quantization="none").model
     ints = load_model(str(q8_0_file), "float32", torch.device("cpu"), 64, quantization="int8").model
     reference = dict(floats.named_modules())
     linears = [(name, m) for name, m in ints.named_modules() if isinstance(m, Linear)]
@@ -77,7 +78,7 @@ def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_model
     vocabulary is no real tokenizer: a test checkpoint's serves; the prompts are token ids
     under 16.)"""
     common = {"dtype": "float32", "num_kv_blocks": 64, "tokenizer": str(tiny_models["llama"][0])}
-    floats = LLM(str(q8_0_file), enforce_eager=True, **common)
+    floats = LLM(str(q8_0_file), quantization="none", enforce_eager=True, **common)
     ints = LLM(str(q8_0_file), quantization="int8", enforce_eager=enforce_eager, **common)
     qkv = ints.engine.runner.model.layers[0].attn.qkv  # its weight equals the float model's (test above)
     x = torch.randn(5, qkv.in_features)

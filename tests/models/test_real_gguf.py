@@ -38,7 +38,7 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(gguf_path) -> LLM:
-    return LLM(str(gguf_path), dtype="float32", enforce_eager=True, log_stats_interval=0)
+    return LLM(str(gguf_path), dtype="float32", quantization="none", enforce_eager=True, log_stats_interval=0)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,8 @@ def gemma_path() -> Path:
 @pytest.fixture(scope="module")
 def gemma_llm(gemma_path, one_gguf_parse) -> LLM:
     # Prefill chunks of 256 tokens: a long prompt's chunks cross the 512-token window.
-    return LLM(str(gemma_path), dtype="float32", enforce_eager=True, log_stats_interval=0, max_model_len=2048,
+    return LLM(str(gemma_path), dtype="float32", quantization="none", enforce_eager=True, log_stats_interval=0,
+               max_model_len=2048,
                num_kv_blocks=512, max_num_batched_tokens=256)
 
 

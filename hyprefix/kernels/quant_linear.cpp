@@ -1,0 +1,327 @@
+// hyprefix::quant_linear and its packing: low-bit weight tiles (quant_tiles.h has the formats and
+// the arithmetic), built for AVX512-VNNI or for AVX2 like int8_linear.cpp.
+//
+//   quant_linear(x, parts, n): x [.., K] (float32 / bfloat16) @ the n-row matrix whose parts are
+//     the flat list [data, scales, extra] * parts (each part whole tiles but the last).
+//   quant_pack(q, scales, extra): a matrix unpacked (q uint8 [n, K]; Q4: float16 s and o [n, K/32];
+//     Q6: int8 scales [n, K/16] and float16 d [n, K/256]) -> one part's (data, scales, extra).
+//   quant_pack_gguf(raw, type, k, rows): the same from a GGUF tensor's bytes (uint8 [rows_in_file,
+//     row_bytes], blocks of ggml type Q4_0, Q4_1, Q4_K, Q5_K or Q6_K), taking file row rows[i] as
+//     row i (a row permutation such as Llama's q/k, applied while packing). Q5_K's 5-bit groups
+//     are rounded to 4 bits (Q4 keeps its bytes within Q5_K's); the others are kept exactly, up to
+//     Q4_K's products d * scale and dmin * min rounded to float16.
+//   quant_rows(parts, n, k, ids): rows ids of the matrix dequantized to float32 [len(ids), K]
+//     (embedding lookups; tests).
+// Packing and unpacking run over ATen's threads, a tile per task.
+#include "quant_tiles.h"
+
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ5_K = 13, kTypeQ4_K = 12, kTypeQ6_K = 14;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint16_t half_bits(float v) { return c10::Half(v).x; }
+
+// One row unpacked: q per column, and per group (Q4: s, o as float16 bits) or per run of 16 and per
+// 256 (Q6: int8 scales, float16 d bits).
+struct RowCodes {
+  std::vector<uint8_t> q;
+  std::vector<uint16_t> s, o;  // Q4 per 32; Q6: o unused
+  std::vector<int8_t> sc;      // Q6 per 16
+  std::vector<uint16_t> d;     // Q6 per 256
+};
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Group g of a row (32 values s * q5 + o with q5 < 32) to 4 bits: the span of its codes mapped onto 0..15.
+inline void round_q5_group(uint8_t* q, float s, float o, RowCodes& out, int64_t g) {
+  int lo = 31, hi = 0;
+  for (int i = 0; i < 32; ++i) {
+    lo = std::min<int>(lo, q[i]);
+    hi = std::max<int>(hi, q[i]);
+  }
+  const float step = hi - lo <= 15 ? 1.0f : static_cast<float>(hi - lo) / 15.0f;
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::lround((q[i] - lo) / step));
+  out.s[g] = half_bits(s * step);
+  out.o[g] = half_bits(o + s * static_cast<float>(lo));
+}
+
+// Decodes one GGUF row of k values of `type` into codes (q, s, o for Q4; q, sc, d for Q6).
+void decode_row(const uint8_t* row, int64_t type, int64_t k, RowCodes& out) {
+  uint8_t* q = out.q.data();
+  if (type == kTypeQ4_0 || type == kTypeQ4_1) {
+    const int64_t bytes = type == kTypeQ4_0 ? 18 : 20;
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      const float d = half_at(blk);
+      const uint8_t* qs = blk + (type == kTypeQ4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) {
+        q[b * 32 + j] = qs[j] & 0xF;
+        q[b * 32 + j + 16] = qs[j] >> 4;
+      }
+      out.s[b] = half_bits(d);
+      out.o[b] = type == kTypeQ4_0 ? half_bits(-8.0f * d) : half_bits(half_at(blk + 2));
+    }
+    return;
+  }
+  if (type == kTypeQ4_K || type == kTypeQ5_K) {
+    const int64_t bytes = type == kTypeQ4_K ? 144 : 176;
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      const float d = half_at(blk), dmin = half_at(blk + 2);
+      const uint8_t* scales = blk + 4;
+      const uint8_t* qh = blk + 16;  // Q5_K only
+      const uint8_t* qs = blk + (type == kTypeQ4_K ? 16 : 48);
+      for (int c = 0; c < 4; ++c) {
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * c + half;
+          int sc, m;
+          scale_min_k4(j, scales, &sc, &m);
+          uint8_t* dst = q + b * 256 + j * 32;
+          for (int l = 0; l < 32; ++l) {
+            int v = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0xF;
+            if (type == kTypeQ5_K) v += ((qh[l] >> j) & 1) << 4;
+            dst[l] = static_cast<uint8_t>(v);
+          }
+          const int64_t g = b * 8 + j;
+          if (type == kTypeQ4_K) {
+            out.s[g] = half_bits(d * static_cast<float>(sc));
+            out.o[g] = half_bits(-dmin * static_cast<float>(m));
+          } else {
+            round_q5_group(dst, d * static_cast<float>(sc), -dmin * static_cast<float>(m), out, g);
+          }
+        }
+      }
+    }
+    return;
+  }
+  TORCH_CHECK(type == kTypeQ6_K, "quant_pack_gguf: ggml type ", type, " is not one of Q4_0, Q4_1, Q4_K, Q5_K, Q6_K");
+  for (int64_t b = 0; b < k / 256; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    out.d[b] = half_bits(half_at(blk + 208));
+    for (int j = 0; j < 16; ++j) out.sc[b * 16 + j] = sc[j];
+    uint8_t* y = q + b * 256;
+    for (int n = 0; n < 2; ++n) {  // halves of 128: ql 64 bytes, qh 32 bytes each
+      for (int l = 0; l < 32; ++l) {
+        y[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
+        y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+        y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+      y += 128;
+      ql += 64;
+      qh += 32;
+    }
+  }
+}
+
+// Row r of a tile (of format Q4 or Q6) from its codes: the data bytes of the row and its scales.
+void place_row(const RowCodes& codes, bool q6, int64_t k, int64_t r, uint8_t* tile, uint16_t* tile_s,
+               uint16_t* tile_o, int8_t* tile_sc, uint16_t* tile_d) {
+  const int64_t groups = k / kGroup;
+  const uint8_t* q = codes.q.data();
+  for (int64_t g = 0; g < groups; ++g) {
+    uint8_t* wg = tile + g * (q6 ? 384 : 256);
+    const uint8_t* qg = q + g * kGroup;
+    for (int p = 0; p < 4; ++p)
+      for (int b = 0; b < 4; ++b)
+        wg[p * 64 + r * 4 + b] = (qg[8 * p + b] & 0xF) | ((qg[8 * p + 4 + b] & 0xF) << 4);
+    if (q6) {
+      for (int c = 0; c < 2; ++c)
+        for (int b = 0; b < 4; ++b) {
+          uint8_t v = 0;
+          for (int i = 0; i < 4; ++i) v |= ((qg[16 * c + 4 * i + b] >> 4) & 3) << (2 * i);
+          wg[(4 + c) * 64 + r * 4 + b] = v;
+        }
+      tile_sc[(2 * g) * 16 + r] = codes.sc[2 * g];
+      tile_sc[(2 * g + 1) * 16 + r] = codes.sc[2 * g + 1];
+    } else {
+      tile_s[g * 16 + r] = codes.s[g];
+      tile_o[g * 16 + r] = codes.o[g];
+    }
+  }
+  if (q6)
+    for (int64_t b = 0; b < k / 256; ++b) tile_d[b * 16 + r] = codes.d[b];
+}
+
+struct PackedPart {
+  at::Tensor data, scales, extra;
+};
+
+PackedPart allocate(int64_t n, int64_t k, bool q6) {
+  const int64_t tiles = (n + 15) / 16, groups = k / kGroup;
+  auto bytes = at::TensorOptions().dtype(at::kByte);
+  PackedPart p;
+  p.data = at::zeros({tiles, groups, q6 ? 6 : 4, 64}, bytes);
+  if (q6) {
+    p.scales = at::zeros({tiles, 2 * groups, 16}, bytes.dtype(at::kChar));
+    p.extra = at::zeros({tiles, k / 256, 16}, bytes.dtype(at::kHalf));
+  } else {
+    p.scales = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
+    p.extra = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
+  }
+  return p;
+}
+
+// Fills p's tiles, a task per tile, with decode(row, codes) giving each row's codes.
+template <typename Decode>
+void fill(PackedPart& p, int64_t n, int64_t k, bool q6, const Decode& decode) {
+  const int64_t groups = k / kGroup;
+  uint8_t* data = p.data.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, p.data.size(0), 1, [&](int64_t t0, int64_t t1) {
+    RowCodes codes;
+    codes.q.resize(k);
+    codes.s.resize(groups);
+    codes.o.resize(groups);
+    codes.sc.resize(2 * groups);
+    codes.d.resize(k / 256 + 1);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
+        decode(t * 16 + r, codes);
+        uint8_t* tile = data + t * groups * (q6 ? 384 : 256);
+        if (q6) {
+          place_row(codes, true, k, r, tile, nullptr, nullptr, p.scales.mutable_data_ptr<int8_t>() + t * 2 * groups * 16,
+                    reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>()) + t * (k / 256) * 16);
+        } else {
+          place_row(codes, false, k, r, tile,
+                    reinterpret_cast<uint16_t*>(p.scales.mutable_data_ptr<at::Half>()) + t * groups * 16,
+                    reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>()) + t * groups * 16, nullptr,
+                    nullptr);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack_gguf(const at::Tensor& raw, int64_t type, int64_t k,
+                                                               const at::Tensor& rows) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1 && raw.device().is_cpu(),
+              "quant_pack_gguf: raw must be uint8 [rows, row_bytes] with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "quant_pack_gguf: rows must be int64 [n]");
+  const bool k_quant = type == kTypeQ4_K || type == kTypeQ5_K || type == kTypeQ6_K;
+  TORCH_CHECK(k % (k_quant ? 256 : 32) == 0, "quant_pack_gguf: ", k, " columns do not fill whole blocks");
+  const int64_t block_bytes = type == kTypeQ4_0 ? 18 : type == kTypeQ4_1 ? 20 : type == kTypeQ4_K ? 144
+                              : type == kTypeQ5_K ? 176 : 210;
+  TORCH_CHECK(raw.size(1) == k / (k_quant ? 256 : 32) * block_bytes, "quant_pack_gguf: rows of ", raw.size(1),
+              " bytes for ", k, " columns of type ", type);
+  const int64_t n = rows.numel(), stride = raw.stride(0);
+  const int64_t* index = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(index[i] >= 0 && index[i] < raw.size(0), "quant_pack_gguf: row ", index[i], " outside the tensor");
+  const bool q6 = type == kTypeQ6_K;
+  PackedPart p = allocate(n, k, q6);
+  const uint8_t* base = raw.const_data_ptr<uint8_t>();
+  fill(p, n, k, q6, [&](int64_t r, RowCodes& codes) { decode_row(base + index[r] * stride, type, k, codes); });
+  return {p.data, p.scales, p.extra};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack(const at::Tensor& q, const at::Tensor& scales,
+                                                          const at::Tensor& extra) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "quant_pack: q must be uint8 [n, K]");
+  const int64_t n = q.size(0), k = q.size(1), groups = k / kGroup;
+  const bool q6 = scales.scalar_type() == at::kChar;
+  TORCH_CHECK(k % kGroup == 0 && (!q6 || k % 256 == 0), "quant_pack: K must be a multiple of 32 (Q6: 256)");
+  if (q6) {
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, k / 16}) && extra.scalar_type() == at::kHalf &&
+                    extra.sizes() == at::IntArrayRef({n, k / 256}),
+                "quant_pack: Q6 takes int8 scales [n, K/16] and float16 d [n, K/256]");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && extra.scalar_type() == at::kHalf &&
+                    scales.sizes() == at::IntArrayRef({n, groups}) && extra.sizes() == scales.sizes(),
+                "quant_pack: Q4 takes float16 scales and offsets [n, K/32]");
+  }
+  at::Tensor qc = q.contiguous(), sc = scales.contiguous(), ec = extra.contiguous();
+  PackedPart p = allocate(n, k, q6);
+  fill(p, n, k, q6, [&](int64_t r, RowCodes& codes) {
+    std::copy_n(qc.const_data_ptr<uint8_t>() + r * k, k, codes.q.data());
+    const uint16_t* e = reinterpret_cast<const uint16_t*>(ec.const_data_ptr<at::Half>());
+    if (q6) {
+      std::copy_n(sc.const_data_ptr<int8_t>() + r * (k / 16), k / 16, codes.sc.data());
+      std::copy_n(e + r * (k / 256), k / 256, codes.d.data());
+    } else {
+      std::copy_n(reinterpret_cast<const uint16_t*>(sc.const_data_ptr<at::Half>()) + r * groups, groups, codes.s.data());
+      std::copy_n(e + r * groups, groups, codes.o.data());
+    }
+  });
+  return {p.data, p.scales, p.extra};
+}
+
+at::Tensor quant_rows(const std::vector<at::Tensor>& flat, int64_t n, int64_t k, const at::Tensor& ids) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "quant_rows: ids must be int64");
+  const std::vector<TilePart> parts = parts_of(flat, n, k, "quant_rows");
+  at::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < idc.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_rows: row ", id[i], " outside the matrix of ", n);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, ids.options().dtype(at::kFloat));
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, idc.numel(), 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) matrix_row(parts, id[i], k, o + i * k);
+  });
+  return out;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  const int64_t k = x.size(-1);
+  const std::vector<TilePart> parts = parts_of(flat, n, k, "quant_linear");
+  at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (rows == 0) return out;
+  auto compute = [&](auto* xp, auto* op) {
+    GroupedActivations q = quantize_groups(xp, rows, k);
+    const int64_t grain = std::max<int64_t>(1, (1 << 15) / (8 * k));
+    at::parallel_for(0, (n + 15) / 16, grain, [&](int64_t t0, int64_t t1) { parts_span(parts, q, rows, n, k, op, t0, t1); });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    compute(xc.const_data_ptr<float>(), out.mutable_data_ptr<float>());
+  } else {
+    compute(xc.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
+  m.def("quant_linear(Tensor x, Tensor[] parts, int n) -> Tensor");
+  m.def("quant_pack(Tensor q, Tensor scales, Tensor extra) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_pack_gguf(Tensor raw, int type, int k, Tensor rows) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_rows(Tensor[] parts, int n, int k, Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_pack_gguf", &quant_pack_gguf);
+  m.impl("quant_rows", &quant_rows);
+}

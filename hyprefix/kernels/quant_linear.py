@@ -1,0 +1,71 @@
+"""``torch.ops.hyprefix.quant_linear`` and its packing: 4- and 6-bit weight tiles (GGUF's Q4_0,
+Q4_1, Q4_K, Q5_K and Q6_K blocks) multiplied by activations quantized to int8 per 32, on
+AVX512-VNNI or AVX2. ``quant_tiles.h`` has the formats and the arithmetic, ``quant_linear.cpp``
+the ops.
+
+Built on first use, one build per ISA of the int8 kernel (``int8_linear.FLAGS``); ``available()``
+says whether it runs here (the int8 kernel's ISA check, and this build worked). Without it a
+GGUF's low-bit matrices are dequantized at load (``models/gguf_weights.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hyprefix.hardware import device_caps
+from hyprefix.kernels import int8_linear
+from hyprefix.kernels.build import load_kernel
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+# ggml's type ids of the blocks ``pack_gguf`` takes (gguf.GGMLQuantizationType).
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether the quant ops run in this process (builds and loads them the first time)."""
+    global _available
+    if _available is None:
+        isa = device_caps("cpu").int8_isa
+        _available = bool(isa) and int8_linear.available() and _build(isa)
+    return _available
+
+
+def _build(isa: str) -> bool:
+    name = f"hyprefix_quant_linear_{isa.lower()}"
+    if not load_kernel(name, SOURCE, int8_linear.FLAGS[isa], "GGUF low-bit weights are dequantized at load"):
+        return False
+    torch.library.register_fake("hyprefix::quant_linear")(_fake_linear)
+    return True
+
+
+def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Tensor:
+    """x [..., K] (float32 / bfloat16) times the ``n``-row matrix of ``parts`` ([data, scales,
+    extra] per part, as ``pack`` / ``pack_gguf`` return them), in x's dtype."""
+    return torch.ops.hyprefix.quant_linear(x, parts, n)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unpacked codes -> one part: Q4 from q uint8 [n, K] (< 16) with float16 scales and offsets
+    [n, K/32] (value s * q + o); Q6 from q (< 64) with int8 scales [n, K/16] and float16 d
+    [n, K/256] (value d * scale * (q - 32))."""
+    return torch.ops.hyprefix.quant_pack(q, scales, extra)
+
+
+def pack_gguf(raw: torch.Tensor, type_name: str, k: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A GGUF tensor's blocks (uint8 [rows in the file, bytes a row]) -> one part, row i being the
+    file's row ``rows[i]``."""
+    return torch.ops.hyprefix.quant_pack_gguf(raw, GGUF_TYPES[type_name], k, rows)
+
+
+def rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the matrix dequantized: float32 [*ids.shape, K]."""
+    return torch.ops.hyprefix.quant_rows(parts, n, k, ids)
+
+
+def _fake_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))

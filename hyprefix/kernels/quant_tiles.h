@@ -1,0 +1,386 @@
+// Low-bit weight tiles (GGUF's 4- and 6-bit blocks kept in the form a dot product reads) and their
+// matmul with activations quantized to int8 per 32 (int8_tiles.h's GroupedActivations): the
+// arithmetic of hyprefix::quant_linear (quant_linear.cpp) and of DecodeModel's low-bit matrices.
+//
+// A matrix of n rows and k columns (k a multiple of 32) is a list of parts, each a run of 16-row
+// tiles in one format, so a fused matrix (q/k/v) whose pieces a file stored in different types
+// keeps each piece's own. The formats:
+//
+//   Q4 (GGUF Q4_0, Q4_1, Q4_K; Q5_K rounded to it): per group of 32 columns of a row an unsigned
+//      4-bit q, a float16 scale s and a float16 offset o: the value is s * q + o. data uint8
+//      [tiles, k/32, 4, 64]: nibble line p of a group holds, at byte r * 4 + b (row r of the tile),
+//      q of column 8p + b in its low nibble and of column 8p + 4 + b in its high nibble. scales,
+//      offsets float16 [tiles, k/32, 16].
+//   Q6 (GGUF Q6_K, exactly): an unsigned 6-bit q, an int8 scale per run of 16 columns and a
+//      float16 d per 256: the value is d * scale * (q - 32). data uint8 [tiles, k/32, 6, 64]: the
+//      low 4 bits as Q4's 4 nibble lines, then 2 lines of the high 2 bits: line c, byte r * 4 + b,
+//      bits 2i and 2i + 1 are those of column 16c + 4i + b. scales int8 [tiles, k/16, 16], d
+//      float16 [tiles, k/256, 16].
+//   Int8 (GGUF Q8_0): int8_tiles.h's tiles with float16 scales per group.
+//
+// The four bytes of each row a 64-byte line holds are the columns one broadcast activation word
+// multiplies, as in int8_tiles.h: after unpacking a line (mask and shift) it is int8_tiles.h's line
+// of unsigned bytes. A group's sum over its 32 columns is exact in int32 (AVX512-VNNI: VPDPBUSD of
+// the unsigned weights and signed activations; AVX2: VPMADDUBSW, whose pairs cannot saturate as the
+// weights are below 64, then VPMADDWD), then scaled in float: Q4 adds s * x_scale * sum(q x) and
+// o * x_scale * sum(x); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
+// adds d * scale * x_scale * sum. Up to 4 activation rows share each weight load (prefill).
+#pragma once
+#include "int8_tiles.h"
+
+#include <c10/util/Half.h>
+
+namespace {
+
+enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2 };
+
+// Bytes of one tile's group of 32 columns, per format.
+constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kQ4 ? 256 : 512; }
+
+struct TilePart {  // tiles [tile0, tile0 + tiles) of a matrix in one format
+  TileFormat format;
+  const uint8_t* data;
+  const void* scales;  // Int8: float16 per group; Q4: float16 s; Q6: int8 per 16
+  const void* extra;   // Q4: float16 offsets; Q6: float16 d per 256; Int8: unused
+  int64_t tile0, tiles;
+
+  int64_t tile_bytes(int64_t k) const { return (k / kGroup) * group_bytes(format); }
+};
+
+// The format of a part's data tensor (its third dimension: 16 for int8 tiles [T, K/4, 16, 4], 4 for
+// Q4, 6 for Q6) and checks of its shapes and dtypes for an `rows`-row part of k columns.
+inline TileFormat check_part(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& extra, int64_t rows,
+                             int64_t k, const char* op) {
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 4 && data.is_contiguous() && scales.is_contiguous() &&
+                  extra.is_contiguous() && data.device().is_cpu() && scales.device().is_cpu(),
+              op, ": tiles must be contiguous uint8 CPU tensors");
+  const int64_t tiles = data.size(0);
+  TORCH_CHECK(rows > (tiles - 1) * 16 && rows <= tiles * 16, op, ": ", rows, " rows in ", tiles, " tiles");
+  if (data.size(2) == 16) {
+    TORCH_CHECK(check_tiles(data, scales, rows, op), op, ": int8 parts take scales per group");
+    TORCH_CHECK(data.size(1) * 4 == k, op, ": a part of ", data.size(1) * 4, " columns in a matrix of ", k);
+    return TileFormat::kInt8;
+  }
+  const int64_t groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && data.size(1) == groups && data.size(3) == 64, op, ": tiles of ", k, " columns");
+  if (data.size(2) == 4) {
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && extra.scalar_type() == at::kHalf &&
+                    scales.numel() == tiles * groups * 16 && extra.numel() == tiles * groups * 16,
+                op, ": Q4 tiles take float16 scales and offsets [tiles, K/32, 16]");
+    return TileFormat::kQ4;
+  }
+  TORCH_CHECK(data.size(2) == 6 && k % 256 == 0, op, ": Q6 tiles need K a multiple of 256");
+  TORCH_CHECK(scales.scalar_type() == at::kChar && extra.scalar_type() == at::kHalf &&
+                  scales.numel() == tiles * 2 * groups * 16 && extra.numel() == tiles * (k / 256) * 16,
+              op, ": Q6 tiles take int8 scales [tiles, K/16, 16] and float16 d [tiles, K/256, 16]");
+  return TileFormat::kQ6;
+}
+
+// The parts of an n-row, k-column matrix from the flat list [data, scales, extra] * parts.
+inline std::vector<TilePart> parts_of(const std::vector<at::Tensor>& flat, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(!flat.empty() && flat.size() % 3 == 0, op, ": parts come as [data, scales, extra] each");
+  std::vector<TilePart> parts;
+  int64_t tile0 = 0;
+  for (size_t i = 0; i < flat.size(); i += 3) {
+    const at::Tensor &data = flat[i], &scales = flat[i + 1], &extra = flat[i + 2];
+    const bool last = i + 3 == flat.size();
+    const int64_t rows = last ? n - tile0 * 16 : data.size(0) * 16;
+    const TileFormat format = check_part(data, scales, extra, rows, k, op);
+    parts.push_back({format, data.const_data_ptr<uint8_t>(), scales.const_data_ptr(), extra.const_data_ptr(), tile0,
+                     data.size(0)});
+    tile0 += data.size(0);
+  }
+  TORCH_CHECK(tile0 == (n + 15) / 16, op, ": the parts hold ", tile0, " tiles for ", n, " rows");
+  return parts;
+}
+
+#if defined(__AVX512VNNI__)
+
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 int8x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// MB activation rows times one Q4 or Q6 tile: the 16 rows' results of each into out[i].
+template <TileFormat F, int MB>
+inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
+                            const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = tile + g * group_bytes(F);
+    if (m0 == 0)  // later row blocks find the tile in cache
+      for (int j = 0; j < group_bytes(F) / 64; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    const int32_t* x[MB];
+    __m512i first[MB], second[MB];  // Q4: even and odd lines; Q6: the two runs of 16
+    for (int i = 0; i < MB; ++i) {
+      const int64_t at = (m0 + i) * groups + g;
+      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + at * kGroup);
+      if constexpr (F == TileFormat::kQ6) {
+        first[i] = _mm512_set1_epi32(-32 * q.halves[2 * at]);
+        second[i] = _mm512_set1_epi32(-32 * q.halves[2 * at + 1]);
+      } else {
+        first[i] = second[i] = _mm512_setzero_si512();
+      }
+    }
+    __m512i crumbs[2];
+    if constexpr (F == TileFormat::kQ6) {
+      crumbs[0] = _mm512_loadu_si512(wg + 4 * 64);
+      crumbs[1] = _mm512_loadu_si512(wg + 5 * 64);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(wg + p * 64);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (F == TileFormat::kQ6) {  // lines 2p and 2p + 1: crumbs 2p % 4 and 2p % 4 + 1 of line p / 2
+        const __m512i c = crumbs[p / 2];
+        const int s = 2 * (p % 2);  // line 2p's crumb sits at bits 2 * (2p % 4) = 2s
+        lo = _mm512_or_si512(lo, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 4) : c, high2));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 2) : _mm512_srli_epi16(c, 2), high2));
+      }
+      for (int i = 0; i < MB; ++i) {
+        __m512i& sum = (F == TileFormat::kQ6 && p >= 2) ? second[i] : first[i];
+        sum = _mm512_dpbusd_epi32(sum, lo, _mm512_set1_epi32(x[i][2 * p]));
+        if constexpr (F == TileFormat::kQ6) {
+          sum = _mm512_dpbusd_epi32(sum, hi, _mm512_set1_epi32(x[i][2 * p + 1]));
+        } else {
+          second[i] = _mm512_dpbusd_epi32(second[i], hi, _mm512_set1_epi32(x[i][2 * p + 1]));
+        }
+      }
+    }
+    if constexpr (F == TileFormat::kQ4) {
+      const __m512 s = half16(static_cast<const uint16_t*>(tile_scales) + g * 16);
+      const __m512 o = half16(static_cast<const uint16_t*>(tile_extra) + g * 16);
+      for (int i = 0; i < MB; ++i) {
+        const int64_t at = (m0 + i) * groups + g;
+        const float xs = q.scales[at];
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(first[i], second[i]));
+        acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs)), acc[i]);
+        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])),
+                                 acc[i]);
+      }
+    } else {
+      if (g % 8 == 0) d = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16);
+      const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32;
+      const __m512 s0 = _mm512_mul_ps(d, int8x16(sc)), s1 = _mm512_mul_ps(d, int8x16(sc + 16));
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xs = _mm512_set1_ps(q.scales[(m0 + i) * groups + g]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[i]), _mm512_mul_ps(s0, xs), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[i]), _mm512_mul_ps(s1, xs), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+#else  // AVX2
+
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m256 int8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <TileFormat F, int MB>
+inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
+                            const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = tile + g * group_bytes(F);
+    if (m0 == 0)
+      for (int j = 0; j < group_bytes(F) / 64; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    const int32_t* x[MB];
+    for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+    if constexpr (F == TileFormat::kQ6) {
+      if (g % 8 == 0)
+        for (int h = 0; h < 2; ++h) d[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+      // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
+      __m256i pairs[MB][2];
+      for (int i = 0; i < MB; ++i) pairs[i][0] = pairs[i][1] = _mm256_setzero_si256();
+      __m256i crumbs[2];
+      if constexpr (F == TileFormat::kQ6) {
+        crumbs[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 4 * 64 + h * 32));
+        crumbs[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 5 * 64 + h * 32));
+      }
+      __m256i run[MB][2];  // Q6's int32 sums per run
+      for (int i = 0; i < MB; ++i) run[i][0] = run[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + h * 32));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (F == TileFormat::kQ6) {
+          const __m256i c = crumbs[p / 2];
+          const int s = 2 * (p % 2);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 4) : c, high2));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 2) : _mm256_srli_epi16(c, 2), high2));
+        }
+        for (int i = 0; i < MB; ++i) {
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[i][2 * p])),
+                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[i][2 * p + 1])));
+          if constexpr (F == TileFormat::kQ6) {
+            run[i][p / 2] = _mm256_add_epi32(run[i][p / 2], _mm256_madd_epi16(pair, ones));
+          } else {
+            pairs[i][0] = _mm256_add_epi16(pairs[i][0], pair);
+          }
+        }
+      }
+      if constexpr (F == TileFormat::kQ4) {
+        const __m256 s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
+        const __m256 o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
+        for (int i = 0; i < MB; ++i) {
+          const int64_t at = (m0 + i) * groups + g;
+          const float xs = q.scales[at];
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i][0], ones));
+          acc[i][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc[i][h]);
+          acc[i][h] = _mm256_fmadd_ps(
+              o, _mm256_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])), acc[i][h]);
+        }
+      } else {
+        const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32 + h * 8;
+        const __m256 s0 = _mm256_mul_ps(d[h], int8x8(sc)), s1 = _mm256_mul_ps(d[h], int8x8(sc + 16));
+        for (int i = 0; i < MB; ++i) {
+          const int64_t at = (m0 + i) * groups + g;
+          const __m256 xs = _mm256_set1_ps(q.scales[at]);
+          const __m256i r0 = _mm256_sub_epi32(run[i][0], _mm256_set1_epi32(32 * q.halves[2 * at]));
+          const __m256i r1 = _mm256_sub_epi32(run[i][1], _mm256_set1_epi32(32 * q.halves[2 * at + 1]));
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), _mm256_mul_ps(s0, xs), acc[i][h]);
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), _mm256_mul_ps(s1, xs), acc[i][h]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out[i] + h * 8, acc[i][h]);
+}
+
+#endif
+
+// Tiles [t0, t1) of the matrix (indices over all its parts) that lie in `part`, times q's rows:
+// their columns of out ([rows, n]).
+template <typename T>
+void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, int64_t n, int64_t k, T* out,
+               int64_t t0, int64_t t1) {
+  t0 = std::max(t0, part.tile0);
+  t1 = std::min(t1, part.tile0 + part.tiles);
+  if (t0 >= t1) return;
+  const int64_t groups = k / kGroup;
+  if (part.format == TileFormat::kInt8) {  // int8_tiles.h's loop, on the part's own tile indices
+    const int64_t local_n = std::min(n - part.tile0 * 16, part.tiles * 16);
+    alignas(64) float res[4][16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = part.data + (t - part.tile0) * 16 * k;
+      const uint16_t* ts = static_cast<const uint16_t*>(part.scales) + (t - part.tile0) * groups * 16;
+      const int64_t count = std::min<int64_t>(16, local_n - (t - part.tile0) * 16);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mb = std::min<int64_t>(4, rows - m0);
+        switch (mb) {
+          case 4: tile_rows<true, 4>(tile, ts, k, q, m0, res); break;
+          case 3: tile_rows<true, 3>(tile, ts, k, q, m0, res); break;
+          case 2: tile_rows<true, 2>(tile, ts, k, q, m0, res); break;
+          default: tile_rows<true, 1>(tile, ts, k, q, m0, res); break;
+        }
+        for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * n + t * 16, res[i], count);
+      }
+    }
+    return;
+  }
+  alignas(64) float res[4][16];
+  const bool q6 = part.format == TileFormat::kQ6;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t local = t - part.tile0;
+    const uint8_t* tile = part.data + local * part.tile_bytes(k);
+    const void* scales = q6 ? static_cast<const void*>(static_cast<const int8_t*>(part.scales) + local * 2 * groups * 16)
+                            : static_cast<const void*>(static_cast<const uint16_t*>(part.scales) + local * groups * 16);
+    const void* extra = static_cast<const uint16_t*>(part.extra) + local * (q6 ? k / 256 : groups) * 16;
+    const int64_t count = std::min<int64_t>(16, n - t * 16);
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const int64_t mb = std::min<int64_t>(4, rows - m0);
+#define HYPREFIX_QUANT_ROWS(F)                                              \
+  switch (mb) {                                                             \
+    case 4: quant_tile_rows<F, 4>(tile, scales, extra, k, q, m0, res); break; \
+    case 3: quant_tile_rows<F, 3>(tile, scales, extra, k, q, m0, res); break; \
+    case 2: quant_tile_rows<F, 2>(tile, scales, extra, k, q, m0, res); break; \
+    default: quant_tile_rows<F, 1>(tile, scales, extra, k, q, m0, res); break; \
+  }
+      if (q6) {
+        HYPREFIX_QUANT_ROWS(TileFormat::kQ6)
+      } else {
+        HYPREFIX_QUANT_ROWS(TileFormat::kQ4)
+      }
+#undef HYPREFIX_QUANT_ROWS
+      for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * n + t * 16, res[i], count);
+    }
+  }
+}
+
+// Tiles [t0, t1) of a matrix of parts times q's rows into out [rows, n].
+template <typename T>
+void parts_span(const std::vector<TilePart>& parts, const GroupedActivations& q, int64_t rows, int64_t n, int64_t k,
+                T* out, int64_t t0, int64_t t1) {
+  for (const TilePart& part : parts) part_span(part, q, rows, n, k, out, t0, t1);
+}
+
+// Row r of a part (counted from the part's first row), dequantized into dst (k values).
+inline void dequantize_row(const TilePart& part, int64_t r, int64_t k, float* dst) {
+  const int64_t groups = k / kGroup, t = r / 16, rr = r % 16;
+  if (part.format == TileFormat::kInt8) {
+    const uint8_t* tile = part.data + t * 16 * k;
+    const uint16_t* s = static_cast<const uint16_t*>(part.scales) + t * groups * 16;
+#if defined(__AVX512VNNI__)
+    const int bias = 128;
+#else
+    const int bias = 0;
+#endif
+    for (int64_t c = 0; c < k; ++c) {
+      const uint8_t byte = tile[(c / 4) * 64 + rr * 4 + c % 4];
+      const int v = bias ? static_cast<int>(byte) - bias : static_cast<int>(static_cast<int8_t>(byte));
+      dst[c] = static_cast<float>(v) * static_cast<float>(c10::Half(s[(c / kGroup) * 16 + rr], c10::Half::from_bits()));
+    }
+    return;
+  }
+  const bool q6 = part.format == TileFormat::kQ6;
+  const uint8_t* tile = part.data + t * part.tile_bytes(k);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = tile + g * (q6 ? 384 : 256);
+    for (int c = 0; c < 32; ++c) {
+      const int line = c / 4, b = c % 4;
+      int v = (wg[(line / 2) * 64 + rr * 4 + b] >> (4 * (line % 2))) & 0xF;
+      if (q6) v |= ((wg[(4 + line / 4) * 64 + rr * 4 + b] >> (2 * (line % 4))) & 3) << 4;
+      float value;
+      if (q6) {
+        const int8_t sc = static_cast<const int8_t*>(part.scales)[t * 2 * groups * 16 + (2 * g + c / 16) * 16 + rr];
+        const uint16_t d = static_cast<const uint16_t*>(part.extra)[t * (k / 256) * 16 + (g / 8) * 16 + rr];
+        value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * static_cast<float>(sc) *
+                static_cast<float>(v - 32);
+      } else {
+        const uint16_t s = static_cast<const uint16_t*>(part.scales)[t * groups * 16 + g * 16 + rr];
+        const uint16_t o = static_cast<const uint16_t*>(part.extra)[t * groups * 16 + g * 16 + rr];
+        value = static_cast<float>(c10::Half(s, c10::Half::from_bits())) * static_cast<float>(v) +
+                static_cast<float>(c10::Half(o, c10::Half::from_bits()));
+      }
+      dst[g * kGroup + c] = value;
+    }
+  }
+}
+
+// Row `row` of the matrix of `parts`, dequantized into dst (k values).
+inline void matrix_row(const std::vector<TilePart>& parts, int64_t row, int64_t k, float* dst) {
+  for (const TilePart& part : parts)
+    if (row < (part.tile0 + part.tiles) * 16) return dequantize_row(part, row - part.tile0 * 16, k, dst);
+}
+
+}  // namespace

@@ -1,0 +1,131 @@
+"""A GGUF file's tensors, read straight from its memory map (``gguf.GGUFReader``) under
+transformers' parameter names: float tensors as float32, and the quantized matrices the kernels
+take kept in their blocks' numbers (no float copy of a quantized matrix, no transformers
+dequantize round-trip).
+
+Names and the per-tensor fix-ups are transformers' (``get_gguf_hf_weights_map`` and its
+``TENSOR_PROCESSORS``: Llama's q/k rows permuted back from llama.cpp's interleaved RoPE order,
+Gemma's norms shifted by one); a quantized matrix takes a fix-up only where it is a row
+permutation, which is applied while packing.
+
+Kept quantized (``quantized_matrices``), by type:
+
+* Q8_0 -> ``Int8Weight`` with the file's int8 values and one scale per 32 (``quant.py``);
+* Q4_0, Q4_1, Q4_K, Q6_K -> ``QuantPart`` in ``kernels/quant_tiles.h``'s Q4 or Q6 tiles, the same
+  numbers (Q4_K's products of its two scale levels rounded to float16);
+* Q5_K -> Q4 tiles: each group of 32 rounded from 5 to 4 bits (the nearest kernel format at no
+  more bytes than the file's; ``docs/quantization.md`` measures what it costs).
+
+Every other type (F32, F16, BF16, Q2_K, Q3_K, IQ*, ...) is dequantized to float32 by ``gguf``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.models.quant import Int8Weight
+
+Q8_0 = "Q8_0"
+TILE_TYPES = tuple(quant_kernel.GGUF_TYPES)  # Q4_0 Q4_1 Q4_K Q5_K Q6_K
+
+
+@dataclass
+class QuantPart:
+    """One matrix (or one shard of a fused one) packed for ``quant_linear``: [data, scales, extra]."""
+
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    rows: int
+
+
+class GGUFWeights:
+    """The tensors of one GGUF file under transformers' names, for ``hf_config``'s model."""
+
+    def __init__(self, path: Path, hf_config, architecture: str) -> None:
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        from hyprefix.models.loader import _meta_reference
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+        self.names = get_gguf_hf_weights_map(_meta_reference(hf_config), self.processor)
+        self.tensors = {t.name: t for t in self.reader.tensors if t.name in self.names}
+
+    def type_name(self, gguf_name: str) -> str:
+        return self.tensors[gguf_name].tensor_type.name
+
+    def hf_types(self) -> dict[str, str]:
+        """transformers name -> the file's type name of that tensor."""
+        return {self.names[name]: self.type_name(name) for name in self.tensors}
+
+    def _rows(self, gguf_name: str, n: int) -> np.ndarray | None:
+        """The fix-up of a matrix as a row order (row i of the result is the file's row
+        rows[i]); None where the fix-up is no row permutation (such a matrix is read as floats)."""
+        order = np.arange(n, dtype=np.int64).reshape(n, 1)
+        result = self.processor.process(weights=order, name=gguf_name).weights
+        rows = np.asarray(result).reshape(-1)
+        return rows if rows.shape == (n,) and np.array_equal(np.sort(rows), order[:, 0]) else None
+
+    def can_keep(self, gguf_name: str) -> bool:
+        """Whether this 2-D tensor can stay quantized here (its type has a kernel form that runs
+        here, and its fix-up is a row order)."""
+        tensor = self.tensors[gguf_name]
+        kind = tensor.tensor_type.name
+        if tensor.data.ndim != 2 or kind not in (Q8_0, *TILE_TYPES):
+            return False
+        if kind != Q8_0 and not quant_kernel.available():
+            return False
+        return self._rows(gguf_name, tensor.data.shape[0]) is not None
+
+    def quantized(self, gguf_name: str) -> Int8Weight | QuantPart:
+        """The matrix in its kernel form, rows in transformers' order."""
+        tensor = self.tensors[gguf_name]
+        raw = _tensor(tensor.data)
+        rows = self._rows(gguf_name, raw.shape[0])
+        kind = tensor.tensor_type.name
+        if kind == Q8_0:
+            blocks = raw[torch.from_numpy(rows)].view(raw.shape[0], -1, 34)
+            scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
+            values = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
+            return Int8Weight(values, scales)
+        cols = int(tensor.shape[0])  # gguf lists dimensions innermost first
+        return QuantPart(tuple(quant_kernel.pack_gguf(raw, kind, cols, torch.from_numpy(rows))), raw.shape[0])
+
+    def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor but those named in ``skip`` (transformers names), as float32 with its
+        fix-up applied."""
+        import gguf
+
+        for gguf_name, tensor in self.tensors.items():
+            hf_name = self.names[gguf_name]
+            if hf_name in skip:
+                continue
+            try:
+                values = gguf.dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError as exc:  # a type gguf cannot dequantize
+                kind = tensor.tensor_type.name
+                same = [n for n, t in self.tensors.items() if t.tensor_type.name == kind]
+                raise ValueError(f"cannot load the GGUF file {self.path.name}: type {kind} cannot be read ({exc}); "
+                                 f"tensors of that type: {', '.join(same[:4])}{' ...' if len(same) > 4 else ''}"
+                                 ) from exc
+            values = self.processor.process(weights=values, name=gguf_name).weights
+            yield hf_name, _tensor(values).float()
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """A torch view of a (read-only) memory-mapped array: the caller copies what it keeps."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(np.ascontiguousarray(values))

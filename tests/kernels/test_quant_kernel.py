@@ -1,0 +1,138 @@
+"""``kernels/quant_linear``: GGUF's Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks packed into the Q4 and
+Q6 tiles hold the file's numbers (``gguf``'s own dequantization is the reference), and the
+matmul equals the dequantized matrix times the activations rounded to int8 per 32 (what every
+quantized matmul of the engine computes), for float32 and bfloat16 inputs, every batch size the
+kernel blocks rows by, a row permutation applied while packing, and a matrix of parts in
+different formats. The blocks are random bytes with sane float16 scales: every bit pattern of
+the codes is a valid block."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyprefix.kernels import quant_linear as kernel
+from hyprefix.models.quant import (
+    QuantTiles,
+    int8_part,
+    join_parts,
+    quantize_activations,
+    quantize_int8,
+    quantize_q4,
+    quantize_q6,
+    requantize_like,
+)
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="quant_linear does not build or run here")
+
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+T = gguf.GGMLQuantizationType
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``type_name`` (uint8 [rows, bytes a row]) whose float16 scales are small
+    positive numbers (and Q4_1's minimum a small negative one)."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[T[type_name]]
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, size)
+
+    def put(offset: int, low: float, high: float) -> None:
+        values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    offsets = {"Q4_0": [(0, 0.001, 0.02)], "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.0)],
+               "Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
+               "Q6_K": [(208, 1e-4, 2e-3)]}
+    for offset, low, high in offsets[type_name]:
+        put(offset, low, high)
+    return raw
+
+
+def packed(type_name: str, rows: int, cols: int, order: torch.Tensor | None = None, seed: int = 0
+           ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the parts, the file's values of the packed rows, float32 [rows, cols])."""
+    raw = random_blocks(type_name, rows, cols, seed)
+    order = torch.arange(rows) if order is None else order
+    reference = torch.from_numpy(gguf.dequantize(raw, T[type_name]).astype(np.float32))[order]
+    return list(kernel.pack_gguf(torch.from_numpy(raw), type_name, cols, order)), reference
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_packed_blocks_hold_the_files_values(type_name):
+    """Q4_0, Q4_1 and Q6_K exactly; Q4_K up to its two scale levels' products rounded to float16;
+    Q5_K rounded to 4 bits per group of 32 (at most half a 4-bit step from the file's value)."""
+    rows, cols = 40, 512
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    parts, reference = packed(type_name, rows, cols, order)
+    values = kernel.rows(parts, rows, cols, torch.arange(rows))
+    if type_name in ("Q4_0", "Q4_1", "Q6_K"):
+        assert torch.equal(values, reference)
+    elif type_name == "Q4_K":
+        torch.testing.assert_close(values, reference, rtol=2e-3, atol=2e-3 * reference.abs().max().item())
+    else:
+        groups = reference.unflatten(1, (-1, 32))
+        half_step = (groups.amax(-1) - groups.amin(-1)) / 15 / 2
+        slack = 2e-3 * reference.abs().max()  # the new scale and offset are float16
+        assert ((values - reference).unflatten(1, (-1, 32)).abs() <= half_step[..., None] + slack).all()
+    picked = torch.tensor([[3, 0], [39, 17]])
+    assert torch.equal(kernel.rows(parts, rows, cols, picked), values[picked])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("batch", [1, 3, 4, 9])
+def test_matmul_equals_the_dequantized_matrix_times_int8_activations(type_name, batch):
+    rows, cols = 37, 768  # rows not a whole number of tiles
+    parts, _ = packed(type_name, rows, cols)
+    weight = kernel.rows(parts, rows, cols, torch.arange(rows))
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+    expected = F.linear(quantize_activations(x), weight)
+    out = kernel.quant_linear(x, parts, rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    out_bf16 = kernel.quant_linear(x.bfloat16(), parts, rows)
+    expected_bf16 = F.linear(quantize_activations(x.bfloat16()).float(), weight)
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16.float(), expected_bf16, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+def test_a_matrix_of_parts_in_three_formats():
+    """q (Q4_K), k (Q6_K), v (Q8_0 as int8 tiles): one matrix, each shard's own format, equal to
+    the three multiplied apart; joining two parts of one format changes nothing."""
+    cols = 512
+    q, _q_ref = packed("Q4_K", 32, cols, seed=1)
+    k, _k_ref = packed("Q6_K", 16, cols, seed=2)
+    v_weight = quantize_int8(torch.randn(20, cols), 32)
+    v_weight.scales = v_weight.scales.half().float()  # Q8_0's scales are float16
+    parts = join_parts([q, k, int8_part(v_weight)])
+    matrix = QuantTiles(parts, 68, cols)
+    x = torch.randn(5, cols)
+    expected = torch.cat([kernel.quant_linear(x, q, 32), kernel.quant_linear(x, k, 16),
+                          F.linear(quantize_activations(x), v_weight.dequantize(torch.float32))], dim=1)
+    torch.testing.assert_close(matrix.matmul(x, None), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(matrix.dequantize(torch.float32)[48:], v_weight.dequantize(torch.float32))
+    q2, _ = packed("Q4_K", 16, cols, seed=3)
+    joined = join_parts([q, q2])
+    assert len(joined) == 3 and joined[0].shape[0] == 3
+    both = torch.cat([kernel.quant_linear(x, q, 32), kernel.quant_linear(x, q2, 16)], dim=1)
+    torch.testing.assert_close(kernel.quant_linear(x, joined, 48), both)
+
+
+def test_quantizers_round_trip_within_their_step():
+    """``quantize_q4`` / ``quantize_q6`` (``--quantization int4``, and a weight update of a GGUF
+    model) keep each value within half a step of its group, and ``requantize_like`` keeps every
+    part's format."""
+    w = torch.randn(48, 512)
+    q4 = QuantTiles(quantize_q4(w), 48, 512).dequantize(torch.float32)
+    groups = w.unflatten(1, (-1, 32))
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    assert ((q4 - w).unflatten(1, (-1, 32)).abs() <= step[..., None] * 0.51 + 1e-3).all()
+    q6 = QuantTiles(quantize_q6(w), 48, 512).dequantize(torch.float32)
+    assert (q6 - w).abs().max() < 0.05 * w.abs().max()
+    mixed = QuantTiles(join_parts([quantize_q4(w[:32]), quantize_q6(w[32:])]), 48, 512)
+    again = requantize_like(w * 2, mixed)
+    assert [t.shape for t in again] == [t.shape for t in mixed.tensors]
+    torch.testing.assert_close(QuantTiles(again, 48, 512).dequantize(torch.float32), 2 * torch.cat([q4[:32], q6[32:]]),
+                               rtol=0, atol=0.05 * w.abs().max().item())

@@ -1,0 +1,93 @@
+"""Write a random-weight model of a real model's shape as GGUF files, the way a llama.cpp user
+gets them: an F16 GGUF in llama.cpp's layout whose tokenizer, chat template and special tokens
+are SmolLM2's (copied from its GGUF file), then ``llama-quantize`` to each requested type. For
+speed benchmarks (random weights decode at the speed of real ones).
+
+    python tools/models/make_random_gguf.py --shape llama-3.2-1b --out /tmp/m \\
+        --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp --types Q4_K_M Q8_0
+
+``--llama-cpp`` is llama.cpp's source tree (from the llama-cpp-python sdist) with
+``llama-quantize`` built in ``build/bin`` (``cmake --build build --target llama-quantize``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+SHAPES = {  # Llama-3.2-1B with SmolLM2's vocabulary (tied embeddings: no output.weight, as the real one)
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5),
+}
+
+
+def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
+    """The F16 file: llama.* metadata of the shape, SmolLM2's tokenizer.* fields, random tensors
+    (normal, std 0.02; norms 1)."""
+    import gguf
+    import numpy as np
+
+    cfg = SHAPES[shape]
+    source = gguf.GGUFReader(str(tokenizer_gguf))
+    vocab = len(source.get_field("tokenizer.ggml.tokens").contents())
+    path = out / f"{shape}-F16.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random {shape}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    rng = np.random.default_rng(0)
+    hidden, inter, heads, kv, dim = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                                     cfg["num_key_value_heads"], cfg["head_dim"])
+    tensors = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    for i in range(cfg["num_hidden_layers"]):
+        block = {"attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (heads * dim, hidden),
+                 "attn_k": (kv * dim, hidden), "attn_v": (kv * dim, hidden), "attn_output": (hidden, heads * dim),
+                 "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+        tensors.update({f"blk.{i}.{name}.weight": dims for name, dims in block.items()})
+    for name, shape_ in tensors.items():
+        if len(shape_) == 1:
+            w.add_tensor(name, np.ones(shape_, dtype=np.float32))
+        else:
+            w.add_tensor(name, (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree with build/bin")
+    parser.add_argument("--tokenizer-gguf", type=Path,
+                        default=Path(__file__).resolve().parents[2] / ".venv" / "test-models"
+                        / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0"])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    f16 = write_f16(args.shape, args.tokenizer_gguf, args.out)
+    for kind in args.types:
+        subprocess.run([str(args.llama_cpp / "build" / "bin" / "llama-quantize"), str(f16),
+                        str(args.out / f"{args.shape}-{kind}.gguf"), kind], check=True)
+
+
+if __name__ == "__main__":
+    main()
