@@ -315,7 +315,7 @@ def test_bad_quantization_is_a_value_error():
     from hyprefix.config import EngineArgs
 
     with pytest.raises(ValueError, match="quantization"):
-        EngineArgs(quantization="int4")
+        EngineArgs(quantization="int3")
 
 
 def _fake_step(body: str):
