@@ -110,9 +110,9 @@ void matmul_tiles(const Matrix& w, const GroupedActivations& q, int64_t rows, fl
   if (!w.parts.empty()) {
     parts_span(w.parts, q, rows, w.n, w.k, out, t0, t1);
   } else if (w.per_group) {
-    tile_span<true>(q, w.tiles, static_cast<const uint16_t*>(w.scales), rows, w.n, w.k, out, t0, t1);
+    tile_span<true>(q, w.tiles, static_cast<const uint16_t*>(w.scales), rows, w.n, w.n, w.k, out, t0, t1);
   } else {
-    tile_span<false>(q, w.tiles, static_cast<const float*>(w.scales), rows, w.n, w.k, out, t0, t1);
+    tile_span<false>(q, w.tiles, static_cast<const float*>(w.scales), rows, w.n, w.n, w.k, out, t0, t1);
   }
   if (w.bias == nullptr) return;
   const int64_t c0 = t0 * 16, c1 = std::min(t1 * 16, w.n);

@@ -29,20 +29,11 @@
 namespace {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && tiles.device().is_cpu() && scales.device().is_cpu(),
-              "int8_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "int8_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(tiles.device().is_cpu() && scales.device().is_cpu(), "int8_linear: CPU tensors only");
   const bool per_group = check_tiles(tiles, scales, n, "int8_linear");
   const int64_t k = tiles.size(1) * 4;
-  TORCH_CHECK(x.size(-1) == k, "int8_linear: x has ", x.size(-1), " features, the weight ", k);
-  at::Tensor xc = x.contiguous(), pc = tiles.contiguous(), sc = scales.contiguous();
-  const int64_t rows = xc.numel() / k;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  if (rows == 0) return out;
-  auto compute = [&](auto* xp, auto* op) {
+  at::Tensor pc = tiles.contiguous(), sc = scales.contiguous();
+  return linear_output(x, n, k, "int8_linear", [&](const auto* xp, auto* op, int64_t rows) {
     GroupedActivations q = quantize_groups(xp, rows, k);
     if (per_group) {
       run_tiles<true>(q, pc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()), rows,
@@ -50,13 +41,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::T
     } else {
       run_tiles<false>(q, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), rows, n, k, op);
     }
-  };
-  if (x.scalar_type() == at::kFloat) {
-    compute(xc.data_ptr<float>(), out.data_ptr<float>());
-  } else {
-    compute(xc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-  }
-  return out;
+  });
 }
 
 }  // namespace

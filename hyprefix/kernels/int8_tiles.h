@@ -243,10 +243,11 @@ inline bool check_tiles(const at::Tensor& tiles, const at::Tensor& scales, int64
   return per_group;
 }
 
-// Tiles [t0, t1) of the n-row weight times the rows of q: their columns of out ([rows, n]).
+// Tiles [t0, t1) of the n-row weight times the rows of q: their columns of out, whose rows are ld apart
+// (ld = n for an [rows, n] output; more where the weight is one part of a wider matrix).
 template <bool kPerGroup, typename T>
 void tile_span(const GroupedActivations& q, const uint8_t* packed, const WeightScale<kPerGroup>* scales,
-               int64_t rows, int64_t n, int64_t k, T* out, int64_t t0, int64_t t1) {
+               int64_t rows, int64_t n, int64_t ld, int64_t k, T* out, int64_t t0, int64_t t1) {
   const int64_t tile_scale_stride = kPerGroup ? (k / kGroup) * 16 : 16;
   alignas(64) float res[4][16];
   for (int64_t t = t0; t < t1; ++t) {
@@ -261,9 +262,31 @@ void tile_span(const GroupedActivations& q, const uint8_t* packed, const WeightS
         case 2: tile_rows<kPerGroup, 2>(tile, ts, k, q, m0, res); break;
         default: tile_rows<kPerGroup, 1>(tile, ts, k, q, m0, res); break;
       }
-      for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * n + t * 16, res[i], count);
+      for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * ld + t * 16, res[i], count);
     }
   }
+}
+
+// An op's output [.., n] for x [.., k] (float32 or bfloat16 on the CPU; `op` names the caller in
+// the messages): compute(x_data, out_data, rows) fills it, x's rows contiguous, in x's dtype.
+template <typename Compute>
+at::Tensor linear_output(const at::Tensor& x, int64_t n, int64_t k, const char* op, const Compute& compute) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(-1) == k, op, ": x has ", x.size(-1), " features, the weight ", k);
+  at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (rows == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    compute(xc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows);
+  } else {
+    compute(xc.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>(), rows);
+  }
+  return out;
 }
 
 template <bool kPerGroup, typename T>
@@ -271,7 +294,7 @@ void run_tiles(const GroupedActivations& q, const uint8_t* packed, const WeightS
                int64_t rows, int64_t n, int64_t k, T* out) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (16 * k));
   at::parallel_for(0, (n + 15) / 16, grain, [&](int64_t t0, int64_t t1) {
-    tile_span<kPerGroup>(q, packed, scales, rows, n, k, out, t0, t1);
+    tile_span<kPerGroup>(q, packed, scales, rows, n, n, k, out, t0, t1);
   });
 }
 

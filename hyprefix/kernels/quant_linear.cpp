@@ -286,28 +286,13 @@ at::Tensor quant_rows(const std::vector<at::Tensor>& flat, int64_t n, int64_t k,
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu(), "quant_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "quant_linear: x must be float32 or bfloat16");
   const int64_t k = x.size(-1);
   const std::vector<TilePart> parts = parts_of(flat, n, k, "quant_linear");
-  at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.numel() / k;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  if (rows == 0) return out;
-  auto compute = [&](auto* xp, auto* op) {
+  return linear_output(x, n, k, "quant_linear", [&](const auto* xp, auto* op, int64_t rows) {
     GroupedActivations q = quantize_groups(xp, rows, k);
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / (8 * k));
     at::parallel_for(0, (n + 15) / 16, grain, [&](int64_t t0, int64_t t1) { parts_span(parts, q, rows, n, k, op, t0, t1); });
-  };
-  if (x.scalar_type() == at::kFloat) {
-    compute(xc.const_data_ptr<float>(), out.mutable_data_ptr<float>());
-  } else {
-    compute(xc.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
-  }
-  return out;
+  });
 }
 
 }  // namespace

@@ -278,24 +278,10 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
   t1 = std::min(t1, part.tile0 + part.tiles);
   if (t0 >= t1) return;
   const int64_t groups = k / kGroup;
-  if (part.format == TileFormat::kInt8) {  // int8_tiles.h's loop, on the part's own tile indices
+  if (part.format == TileFormat::kInt8) {  // int8_tiles.h's loop over the part's own tiles and columns
     const int64_t local_n = std::min(n - part.tile0 * 16, part.tiles * 16);
-    alignas(64) float res[4][16];
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = part.data + (t - part.tile0) * 16 * k;
-      const uint16_t* ts = static_cast<const uint16_t*>(part.scales) + (t - part.tile0) * groups * 16;
-      const int64_t count = std::min<int64_t>(16, local_n - (t - part.tile0) * 16);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mb = std::min<int64_t>(4, rows - m0);
-        switch (mb) {
-          case 4: tile_rows<true, 4>(tile, ts, k, q, m0, res); break;
-          case 3: tile_rows<true, 3>(tile, ts, k, q, m0, res); break;
-          case 2: tile_rows<true, 2>(tile, ts, k, q, m0, res); break;
-          default: tile_rows<true, 1>(tile, ts, k, q, m0, res); break;
-        }
-        for (int64_t i = 0; i < mb; ++i) store16(out + (m0 + i) * n + t * 16, res[i], count);
-      }
-    }
+    tile_span<true>(q, part.data, static_cast<const uint16_t*>(part.scales), rows, local_n, n, k,
+                    out + part.tile0 * 16, t0 - part.tile0, t1 - part.tile0);
     return;
   }
   alignas(64) float res[4][16];

@@ -4,7 +4,7 @@ tables, loading HF tensors by name, prepacking weights for the CPU."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -232,34 +232,37 @@ class CausalLM(nn.Module):
         if self.lm_head is None and self.embed.forms.quantized is None and self.embed.embedding_dim % 32 == 0:
             self.embed.forms.use_quant(quantize_q4(self.embed.weight))
 
+    def _whole_matrices(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, nn.Module | None, list]]:
+        """(parameter name, its module, the matrix's shards in order) for each matrix of
+        ``weights`` (HF names), once every shard of it (q/k/v, gate/up) came; tensors with no
+        place in the model are skipped."""
+        modules = dict(self.named_modules())
+        shards: dict[str, dict[int, object]] = {}
+        for name, weight in weights:
+            target = self.map_name(name)
+            if target is None:
+                continue
+            param_name, shard, sizes = target
+            parts = shards.setdefault(param_name, {})
+            parts[0 if shard is None else shard] = weight
+            if len(parts) == (1 if sizes is None else len(sizes)):
+                yield param_name, modules.get(param_name.rsplit(".", 1)[0]), [parts[i] for i in range(len(parts))]
+
     def load_int8_weights(self, weights: Iterable[tuple[str, Int8Weight]]) -> int:
         """Checkpoint int8 weights (GGUF Q8_0 blocks) straight into their linear layers,
         after ``load_weights``. Shards of a fused linear (q/k/v, gate/up) are joined once
         all of them came as int8 with one group size; a linear missing some keeps its
         float weight. A tied head's int8 copy is the embedding's int8 table (the lookup
         keeps the float one). Returns how many linears (and heads) switched."""
-        modules = dict(self.named_modules())
-        shards: dict[str, dict[int, Int8Weight]] = {}
         switched = 0
-        for name, weight in weights:
-            target = self.map_name(name)
-            if target is None:
-                continue
-            param_name, shard, sizes = target
+        for param_name, module, ordered in self._whole_matrices(weights):
             if param_name == "embed.weight":
                 if self.lm_head is None:
-                    self.embed.forms.use_int8(weight)
+                    self.embed.forms.use_int8(ordered[0])
                     switched += 1
                 continue
-            module_name, leaf = param_name.rsplit(".", 1)
-            module = modules.get(module_name)
-            if leaf != "weight" or not isinstance(module, Linear):
+            if not param_name.endswith(".weight") or not isinstance(module, Linear):
                 continue
-            parts = shards.setdefault(module_name, {})
-            parts[0 if shard is None else shard] = weight
-            if len(parts) < (1 if sizes is None else len(sizes)):
-                continue
-            ordered = [parts[i] for i in range(len(parts))]
             if len({part.group for part in ordered}) == 1:
                 module.use_int8(Int8Weight(torch.cat([p.qweight for p in ordered]),
                                            torch.cat([p.scales for p in ordered])))
@@ -274,22 +277,10 @@ class CausalLM(nn.Module):
         table likewise (its lookups then read it: no float table). The float tensor of each such
         matrix is dropped. Returns the names of the parameters so held (``load_weights``'
         ``quantized``)."""
-        modules = dict(self.named_modules())
-        shards: dict[str, dict[int, list[torch.Tensor]]] = {}
         held: set[str] = set()
-        for name, weight in weights:
-            target = self.map_name(name)
-            if target is None:
-                continue
-            param_name, shard, sizes = target
-            module_name, _ = param_name.rsplit(".", 1)
-            module = modules[module_name]
-            parts = shards.setdefault(module_name, {})
-            parts[0 if shard is None else shard] = int8_part(weight) if isinstance(weight, Int8Weight) \
-                else list(weight.tensors)
-            if len(parts) < (1 if sizes is None else len(sizes)):
-                continue
-            module.forms.use_quant(join_parts([parts[i] for i in range(len(parts))]))
+        for param_name, module, ordered in self._whole_matrices(weights):
+            module.forms.use_quant(join_parts([int8_part(w) if isinstance(w, Int8Weight) else list(w.tensors)
+                                               for w in ordered]))
             drop_plain(module.weight)
             held.add(param_name)
         return held

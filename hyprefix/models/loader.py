@@ -202,7 +202,7 @@ def kept_quantized(net: torch.nn.Module, weights: GGUFWeights) -> dict[str, str]
         sizes = expected[param_name] or [None]
         shards.sort()
         whole = len(shards) == len(sizes) and all(size % 16 == 0 for size in sizes[:-1])
-        if whole and all(weights.can_keep(g) and weights.tensors[g].data.ndim == 2 for _, _, g in shards) \
+        if whole and all(weights.can_keep(g) for _, _, g in shards) \
                 and int(weights.tensors[shards[0][2]].shape[0]) % 32 == 0:
             kept.update({hf_name: gguf_name for _, hf_name, gguf_name in shards})
     return kept

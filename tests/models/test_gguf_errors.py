@@ -24,9 +24,10 @@ TENSORS = {
 }
 
 
-def write_gguf(path: Path, arch: str = "llama", q_type=None) -> Path:
+def write_gguf(path: Path, arch: str = "llama", q_type=None, tensors: dict | None = None) -> Path:
     """A one-layer Llama-shaped GGUF (float32 tensors; ``blk.0.attn_q.weight`` stored as
-    ``q_type`` raw bytes when given)."""
+    ``q_type`` raw bytes when given; ``tensors``: name -> a float32 array, or (raw blocks, their
+    ggml type), in place of the random float32 tensor)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -43,7 +44,12 @@ def write_gguf(path: Path, arch: str = "llama", q_type=None) -> Path:
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     rng = np.random.default_rng(0)
     for name, shape in TENSORS.items():
-        if q_type is not None and name == "blk.0.attn_q.weight":
+        given = (tensors or {}).get(name)
+        if isinstance(given, tuple):
+            w.add_tensor(name, given[0], raw_shape=given[0].shape, raw_dtype=given[1])
+        elif given is not None:
+            w.add_tensor(name, given)
+        elif q_type is not None and name == "blk.0.attn_q.weight":
             block, size = gguf.GGML_QUANT_SIZES[q_type]
             raw = np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q_type)

@@ -21,7 +21,7 @@ from hyprefix.models.layers import Linear
 from hyprefix.models.loader import load_model
 from hyprefix.models.quant import QuantTiles, quantize_activations
 from tests.kernels.test_quant_kernel import random_blocks
-from tests.models.test_gguf_errors import HIDDEN, TENSORS, VOCAB
+from tests.models.test_gguf_errors import TENSORS, write_gguf
 from tests.support.compare import our_last_logits
 
 pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="quant_linear does not build or run here")
@@ -36,35 +36,17 @@ EXACT = ("Q4_0", "Q4_1", "Q6_K", "Q8_0")
 @pytest.fixture(scope="module")
 def native_file(tmp_path_factory) -> Path:
     """The tiny Llama of ``test_gguf_errors`` with its matrices in the types of ``TYPES``."""
-    path = tmp_path_factory.mktemp("native") / "mixed.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(1)
-    w.add_feed_forward_length(HIDDEN)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(HIDDEN // 2)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
     rng = np.random.default_rng(0)
+    tensors = {}
     for i, (name, shape) in enumerate(TENSORS.items()):
         kind = TYPES.get(name)
         if kind == "Q8_0":
-            raw = gguf.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, T.Q8_0)
-            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T.Q8_0)
+            tensors[name] = (gguf.quantize(rng.standard_normal(shape).astype(np.float32) * 0.05, T.Q8_0), T.Q8_0)
         elif kind is not None:
-            raw = random_blocks(kind, *shape, seed=i)
-            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T[kind])
+            tensors[name] = (random_blocks(kind, *shape, seed=i), T[kind])
         else:
-            w.add_tensor(name, 1 + 0.1 * rng.standard_normal(shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            tensors[name] = 1 + 0.1 * rng.standard_normal(shape).astype(np.float32)
+    return write_gguf(tmp_path_factory.mktemp("native") / "mixed.gguf", tensors=tensors)
 
 
 def test_matrices_keep_the_files_blocks(native_file):
