@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/hyprefix build-kernels
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +26,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python tools/models/fetch_test_models.py
+	$(BIN)/hyprefix build-kernels --strict
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

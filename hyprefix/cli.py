@@ -1,11 +1,13 @@
-"""Command line: hyprefix serve | generate | make-demo-model | bench."""
+"""Command line: hyprefix serve | generate | make-demo-model | build-kernels | bench."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import sys
+import time
 
 from hyprefix.config import DEPRECATED_NAMES, EngineArgs
 from hyprefix.field_flags import add_field_flag
@@ -96,6 +98,16 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return run_bench(ns)
 
 
+def cmd_build_kernels(ns: argparse.Namespace) -> int:
+    from hyprefix.kernels.prebuild import build_kernels
+
+    t0 = time.perf_counter()
+    results = build_kernels(ns.jobs, report=lambda r: print(r.describe(), flush=True))
+    failed = [r.kernel for r in results if not r.ok]
+    print(f"kernels built in {time.perf_counter() - t0:.1f}s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed and ns.strict else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (``hyprefix.flag_docs`` renders its tables from it)."""
     parser = argparse.ArgumentParser(prog="hyprefix", description=__doc__)
@@ -123,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiny: for tests and the quick start; bench: the benchmark shapes (default: %(default)s)")
     demo.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")
     demo.set_defaults(func=cmd_make_demo_model)
+
+    kernels = sub.add_parser("build-kernels", help="compile this CPU's kernels ahead of time (make install runs it)")
+    kernels.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                         help="builds at once, one core each (default: this machine's cores, %(default)s)")
+    kernels.add_argument("--strict", action="store_true",
+                         help="exit with status 1 when a kernel this CPU should run does not build")
+    kernels.set_defaults(func=cmd_build_kernels)
 
     from hyprefix.bench.cli import add_bench_parser
 

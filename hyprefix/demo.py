@@ -15,15 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    GenerationConfig,
-    NemotronHConfig,
-    NemotronHForCausalLM,
-    Qwen3_5ForCausalLM,
-    Qwen3_5TextConfig,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import transformers  # a lazy module: the model classes are imported when a demo model is made
 
 # Bump whenever the recipe (configs, init, tokenizer, files written) changes: the cache
 # directory name includes it, so old cached models are not reused.
@@ -106,7 +98,7 @@ def _check(arch: str, size: str) -> None:
         raise ValueError(f"unknown demo size {size!r}; valid: {', '.join(SIZES)}")
 
 
-def _dense_config(size: str) -> Qwen3Config:
+def _dense_config(size: str) -> transformers.Qwen3Config:
     shape = _DENSE_SHAPES[size]
     note = "random weights, deterministic (seed 0)"
     if shape["vocab_size"] != TOKENIZER_VOCAB_SIZE:
@@ -114,7 +106,7 @@ def _dense_config(size: str) -> Qwen3Config:
             f"; vocab_size {shape['vocab_size']} > tokenizer vocab {TOKENIZER_VOCAB_SIZE}: "
             f"ids >= {TOKENIZER_VOCAB_SIZE} have embeddings but no tokens"
         )
-    return Qwen3Config(
+    return transformers.Qwen3Config(
         **shape,
         hidden_act="silu",
         rms_norm_eps=1e-6,
@@ -167,9 +159,9 @@ _HYBRID_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _hybrid_config(size: str) -> NemotronHConfig:
+def _hybrid_config(size: str) -> transformers.NemotronHConfig:
     shape = dict(_HYBRID_SHAPES[size])
-    return NemotronHConfig(
+    return transformers.NemotronHConfig(
         **shape,
         conv_kernel=4,
         mlp_hidden_act="relu2",
@@ -219,10 +211,10 @@ _DELTANET_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _deltanet_config(size: str) -> Qwen3_5TextConfig:
+def _deltanet_config(size: str) -> transformers.Qwen3_5TextConfig:
     shape = dict(_DELTANET_SHAPES[size])
     layers = shape["num_hidden_layers"]
-    return Qwen3_5TextConfig(
+    return transformers.Qwen3_5TextConfig(
         **shape,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         linear_conv_kernel_dim=4,
@@ -235,8 +227,8 @@ def _deltanet_config(size: str) -> Qwen3_5TextConfig:
     )
 
 
-_BUILDERS = {"dense": (_dense_config, Qwen3ForCausalLM), "hybrid": (_hybrid_config, NemotronHForCausalLM),
-             "deltanet": (_deltanet_config, Qwen3_5ForCausalLM)}
+_BUILDERS = {"dense": (_dense_config, "Qwen3ForCausalLM"), "hybrid": (_hybrid_config, "NemotronHForCausalLM"),
+             "deltanet": (_deltanet_config, "Qwen3_5ForCausalLM")}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -284,14 +276,15 @@ def make_demo_model(arch: str, out_dir: str | Path, *, size: str = "tiny") -> Pa
     _check(arch, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    make_config, model_class = _BUILDERS[arch]
+    make_config, class_name = _BUILDERS[arch]
     config = make_config(size)
+    model_class = getattr(transformers, class_name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         # _from_config builds directly in the target dtype (no float32 copy of the bench model).
         model = model_class._from_config(config, dtype=_DTYPES[size])
     model.eval()
-    model.generation_config = GenerationConfig(
+    model.generation_config = transformers.GenerationConfig(
         bos_token_id=ENDOFTEXT_ID,
         eos_token_id=IM_END_ID,
         pad_token_id=ENDOFTEXT_ID,

@@ -1,6 +1,6 @@
 """Builds a C++ kernel of this package with torch's extension builder (the compiler Inductor
-uses) into torch's extension cache: the first process compiles it (under a minute on 2
-cores), later ones load it in milliseconds. A failed build logs one warning naming the
+uses) into torch's extension cache: the first process compiles it, later ones load it without
+compiling (``prebuild`` builds them all ahead of time). A failed build logs one warning naming the
 compiler error and returns False, so the caller keeps its portable path."""
 
 from __future__ import annotations
@@ -9,10 +9,15 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("hyprefix")
+
+# Build name -> whether it built and loaded, for every ``load_kernel`` call of this process
+# (``prebuild`` reports them).
+ATTEMPTS: dict[str, bool] = {}
 
 # Flags of a kernel written on ATen's vector types, which pick their width from CPU_CAPABILITY
 # as in ATen's own kernels: one build per ISA (``load_vector_kernel``).
@@ -54,6 +59,7 @@ def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    t0 = time.perf_counter()
     try:
         # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header; without it, one thread.
         cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
@@ -63,5 +69,11 @@ def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:
         detail = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
         log.warning("the %s kernel did not build (%s: %s); %s", source.stem, type(exc).__name__,
                     detail.strip(), what)
+        ATTEMPTS[name] = False
         return False
+    ATTEMPTS[name] = True
+    seconds = time.perf_counter() - t0
+    if seconds > 2:  # compiled, not loaded from the cache
+        log.info("built the %s kernel in %.0fs (once per machine; `hyprefix build-kernels` builds all of them "
+                 "ahead of time, several at once)", source.stem, seconds)
     return True

@@ -114,10 +114,10 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+    import gguf
 
-    try:
-        field = GGUFReader(str(path)).get_field("general.architecture")
+    try:  # the module attribute: ``gguf_parsed_once`` caches it
+        field = gguf.GGUFReader(str(path)).get_field("general.architecture")
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from exc
     if field is None:
@@ -268,12 +268,15 @@ def gguf_parsed_once() -> Iterator[None]:
     """transformers parses a GGUF file's metadata on every read (config, weights,
     tokenizer), slow for a large vocabulary such as Gemma 3's; and while mapping tensor
     names it builds gguf's name table again for every submodule of the model.
-    Inside this block one parse per file and one table per (architecture, layer count)
-    serve every call (dropped at its end); the tables are only read."""
+    Inside this block one parse per file (by ``GGUFFile``, the faster reader) and one table
+    per (architecture, layer count) serve every call (dropped at its end); the tables are only
+    read."""
     import gguf
 
+    from hyprefix.models.gguf_file import GGUFFile
+
     originals = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(originals[0])
+    gguf.GGUFReader = functools.cache(GGUFFile)
     gguf.get_tensor_name_map = functools.cache(originals[1])
     try:
         yield
