@@ -4,12 +4,13 @@
 //   quant_linear(x, parts, n): x [.., K] (float32 / bfloat16) @ the n-row matrix whose parts are
 //     the flat list [data, scales, extra] * parts (each part whole tiles but the last).
 //   quant_pack(q, scales, extra): a matrix unpacked (q uint8 [n, K]; Q4: float16 s and o [n, K/32];
-//     Q6: int8 scales [n, K/16] and float16 d [n, K/256]) -> one part's (data, scales, extra).
+//     Q4K: uint8 (sc, m) [n, K/32, 2] and float16 (d, dmin) [n, K/256, 2]; Q6: int8 scales [n, K/16]
+//     and float16 d [n, K/256]) -> one part's (data, scales, extra).
 //   quant_pack_gguf(raw, type, k, rows): the same from a GGUF tensor's bytes (uint8 [rows_in_file,
 //     row_bytes], blocks of ggml type Q4_0, Q4_1, Q4_K, Q5_K or Q6_K), taking file row rows[i] as
-//     row i (a row permutation such as Llama's q/k, applied while packing). Q5_K's 5-bit groups
-//     are rounded to 4 bits (Q4 keeps its bytes within Q5_K's); the others are kept exactly, up to
-//     Q4_K's products d * scale and dmin * min rounded to float16.
+//     row i (a row permutation such as Llama's q/k, applied while packing). Q4_0 and Q4_1 become Q4,
+//     Q4_K Q4K, Q6_K Q6, all exactly; Q5_K's 5-bit groups are rounded to 4 bits in Q4 (whose bytes
+//     stay within Q5_K's).
 //   quant_rows(parts, n, k, ids): rows ids of the matrix dequantized to float32 [len(ids), K]
 //     (embedding lookups; tests).
 // Packing and unpacking run over ATen's threads, a tile per task.
@@ -32,14 +33,20 @@ inline float half_at(const uint8_t* p) {
 
 inline uint16_t half_bits(float v) { return c10::Half(v).x; }
 
-// One row unpacked: q per column, and per group (Q4: s, o as float16 bits) or per run of 16 and per
-// 256 (Q6: int8 scales, float16 d bits).
+// One row unpacked: q per column, and per group (Q4: s, o as float16 bits; Q4K: sc, m codes) or per
+// run of 16 (Q6: int8 scales) and per 256 (Q6: float16 d bits; Q4K: d and dmin bits).
 struct RowCodes {
   std::vector<uint8_t> q;
-  std::vector<uint16_t> s, o;  // Q4 per 32; Q6: o unused
-  std::vector<int8_t> sc;      // Q6 per 16
-  std::vector<uint16_t> d;     // Q6 per 256
+  std::vector<uint16_t> s, o;    // Q4 per 32
+  std::vector<uint8_t> sc4, m4;  // Q4K per 32
+  std::vector<int8_t> sc;        // Q6 per 16
+  std::vector<uint16_t> d, dmin;  // Q6 (d) and Q4K per 256
 };
+
+// The tile format a GGUF type is packed into.
+inline TileFormat format_of_type(int64_t type) {
+  return type == kTypeQ6_K ? TileFormat::kQ6 : type == kTypeQ4_K ? TileFormat::kQ4K : TileFormat::kQ4;
+}
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
@@ -88,6 +95,10 @@ void decode_row(const uint8_t* row, int64_t type, int64_t k, RowCodes& out) {
     for (int64_t b = 0; b < k / 256; ++b) {
       const uint8_t* blk = row + b * bytes;
       const float d = half_at(blk), dmin = half_at(blk + 2);
+      if (type == kTypeQ4_K) {
+        std::memcpy(&out.d[b], blk, 2);
+        std::memcpy(&out.dmin[b], blk + 2, 2);
+      }
       const uint8_t* scales = blk + 4;
       const uint8_t* qh = blk + 16;  // Q5_K only
       const uint8_t* qs = blk + (type == kTypeQ4_K ? 16 : 48);
@@ -104,8 +115,8 @@ void decode_row(const uint8_t* row, int64_t type, int64_t k, RowCodes& out) {
           }
           const int64_t g = b * 8 + j;
           if (type == kTypeQ4_K) {
-            out.s[g] = half_bits(d * static_cast<float>(sc));
-            out.o[g] = half_bits(-dmin * static_cast<float>(m));
+            out.sc4[g] = static_cast<uint8_t>(sc);
+            out.m4[g] = static_cast<uint8_t>(m);
           } else {
             round_q5_group(dst, d * static_cast<float>(sc), -dmin * static_cast<float>(m), out, g);
           }
@@ -136,10 +147,12 @@ void decode_row(const uint8_t* row, int64_t type, int64_t k, RowCodes& out) {
   }
 }
 
-// Row r of a tile (of format Q4 or Q6) from its codes: the data bytes of the row and its scales.
-void place_row(const RowCodes& codes, bool q6, int64_t k, int64_t r, uint8_t* tile, uint16_t* tile_s,
-               uint16_t* tile_o, int8_t* tile_sc, uint16_t* tile_d) {
+// Row r of a tile (of format Q4, Q4K or Q6) from its codes: the data bytes of the row, and its
+// scales and extras into the tile's (scales, extra).
+void place_row(const RowCodes& codes, TileFormat format, int64_t k, int64_t r, uint8_t* tile, void* tile_scales,
+               uint16_t* tile_extra) {
   const int64_t groups = k / kGroup;
+  const bool q6 = format == TileFormat::kQ6;
   const uint8_t* q = codes.q.data();
   for (int64_t g = 0; g < groups; ++g) {
     uint8_t* wg = tile + g * (q6 ? 384 : 256);
@@ -154,29 +167,42 @@ void place_row(const RowCodes& codes, bool q6, int64_t k, int64_t r, uint8_t* ti
           for (int i = 0; i < 4; ++i) v |= ((qg[16 * c + 4 * i + b] >> 4) & 3) << (2 * i);
           wg[(4 + c) * 64 + r * 4 + b] = v;
         }
-      tile_sc[(2 * g) * 16 + r] = codes.sc[2 * g];
-      tile_sc[(2 * g + 1) * 16 + r] = codes.sc[2 * g + 1];
+      int8_t* sc = static_cast<int8_t*>(tile_scales);
+      sc[(2 * g) * 16 + r] = codes.sc[2 * g];
+      sc[(2 * g + 1) * 16 + r] = codes.sc[2 * g + 1];
+    } else if (format == TileFormat::kQ4K) {
+      uint8_t* sm = static_cast<uint8_t*>(tile_scales) + g * 32;
+      sm[r] = codes.sc4[g];
+      sm[16 + r] = codes.m4[g];
     } else {
-      tile_s[g * 16 + r] = codes.s[g];
-      tile_o[g * 16 + r] = codes.o[g];
+      static_cast<uint16_t*>(tile_scales)[g * 16 + r] = codes.s[g];
+      tile_extra[g * 16 + r] = codes.o[g];
     }
   }
   if (q6)
-    for (int64_t b = 0; b < k / 256; ++b) tile_d[b * 16 + r] = codes.d[b];
+    for (int64_t b = 0; b < k / 256; ++b) tile_extra[b * 16 + r] = codes.d[b];
+  if (format == TileFormat::kQ4K)
+    for (int64_t b = 0; b < k / 256; ++b) {
+      tile_extra[b * 32 + r] = codes.d[b];
+      tile_extra[b * 32 + 16 + r] = codes.dmin[b];
+    }
 }
 
 struct PackedPart {
   at::Tensor data, scales, extra;
 };
 
-PackedPart allocate(int64_t n, int64_t k, bool q6) {
+PackedPart allocate(int64_t n, int64_t k, TileFormat format) {
   const int64_t tiles = (n + 15) / 16, groups = k / kGroup;
   auto bytes = at::TensorOptions().dtype(at::kByte);
   PackedPart p;
-  p.data = at::zeros({tiles, groups, q6 ? 6 : 4, 64}, bytes);
-  if (q6) {
+  p.data = at::zeros({tiles, groups, format == TileFormat::kQ6 ? 6 : 4, 64}, bytes);
+  if (format == TileFormat::kQ6) {
     p.scales = at::zeros({tiles, 2 * groups, 16}, bytes.dtype(at::kChar));
     p.extra = at::zeros({tiles, k / 256, 16}, bytes.dtype(at::kHalf));
+  } else if (format == TileFormat::kQ4K) {
+    p.scales = at::zeros({tiles, groups, 32}, bytes);
+    p.extra = at::zeros({tiles, k / 256, 32}, bytes.dtype(at::kHalf));
   } else {
     p.scales = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
     p.extra = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
@@ -186,29 +212,27 @@ PackedPart allocate(int64_t n, int64_t k, bool q6) {
 
 // Fills p's tiles, a task per tile, with decode(row, codes) giving each row's codes.
 template <typename Decode>
-void fill(PackedPart& p, int64_t n, int64_t k, bool q6, const Decode& decode) {
+void fill(PackedPart& p, int64_t n, int64_t k, TileFormat format, const Decode& decode) {
   const int64_t groups = k / kGroup;
   uint8_t* data = p.data.mutable_data_ptr<uint8_t>();
+  uint8_t* scales = static_cast<uint8_t*>(p.scales.mutable_data_ptr());
+  uint16_t* extra = reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>());
+  const int64_t scale_bytes = format == TileFormat::kQ4 ? 2 : 1;
   at::parallel_for(0, p.data.size(0), 1, [&](int64_t t0, int64_t t1) {
     RowCodes codes;
     codes.q.resize(k);
     codes.s.resize(groups);
     codes.o.resize(groups);
+    codes.sc4.resize(groups);
+    codes.m4.resize(groups);
     codes.sc.resize(2 * groups);
     codes.d.resize(k / 256 + 1);
+    codes.dmin.resize(k / 256 + 1);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
         decode(t * 16 + r, codes);
-        uint8_t* tile = data + t * groups * (q6 ? 384 : 256);
-        if (q6) {
-          place_row(codes, true, k, r, tile, nullptr, nullptr, p.scales.mutable_data_ptr<int8_t>() + t * 2 * groups * 16,
-                    reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>()) + t * (k / 256) * 16);
-        } else {
-          place_row(codes, false, k, r, tile,
-                    reinterpret_cast<uint16_t*>(p.scales.mutable_data_ptr<at::Half>()) + t * groups * 16,
-                    reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>()) + t * groups * 16, nullptr,
-                    nullptr);
-        }
+        place_row(codes, format, k, r, data + t * groups * group_bytes(format),
+                  scales + t * scales_per_tile(format, k) * scale_bytes, extra + t * extra_per_tile(format, k));
       }
     }
   });
@@ -230,10 +254,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack_gguf(const at::Tensor&
   const int64_t* index = rows.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(index[i] >= 0 && index[i] < raw.size(0), "quant_pack_gguf: row ", index[i], " outside the tensor");
-  const bool q6 = type == kTypeQ6_K;
-  PackedPart p = allocate(n, k, q6);
+  const TileFormat format = format_of_type(type);
+  PackedPart p = allocate(n, k, format);
   const uint8_t* base = raw.const_data_ptr<uint8_t>();
-  fill(p, n, k, q6, [&](int64_t r, RowCodes& codes) { decode_row(base + index[r] * stride, type, k, codes); });
+  fill(p, n, k, format, [&](int64_t r, RowCodes& codes) { decode_row(base + index[r] * stride, type, k, codes); });
   return {p.data, p.scales, p.extra};
 }
 
@@ -241,9 +265,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack(const at::Tensor& q, c
                                                           const at::Tensor& extra) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "quant_pack: q must be uint8 [n, K]");
   const int64_t n = q.size(0), k = q.size(1), groups = k / kGroup;
-  const bool q6 = scales.scalar_type() == at::kChar;
-  TORCH_CHECK(k % kGroup == 0 && (!q6 || k % 256 == 0), "quant_pack: K must be a multiple of 32 (Q6: 256)");
-  if (q6) {
+  const TileFormat format = scales.scalar_type() == at::kChar   ? TileFormat::kQ6
+                            : scales.scalar_type() == at::kByte ? TileFormat::kQ4K
+                                                                : TileFormat::kQ4;
+  const bool q6 = format == TileFormat::kQ6;
+  TORCH_CHECK(k % kGroup == 0 && (format == TileFormat::kQ4 || k % 256 == 0),
+              "quant_pack: K must be a multiple of 32 (Q4K, Q6: 256)");
+  if (format == TileFormat::kQ4K) {
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, groups, 2}) && extra.scalar_type() == at::kHalf &&
+                    extra.sizes() == at::IntArrayRef({n, k / 256, 2}),
+                "quant_pack: Q4K takes uint8 (sc, m) [n, K/32, 2] and float16 (d, dmin) [n, K/256, 2]");
+  } else if (q6) {
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, k / 16}) && extra.scalar_type() == at::kHalf &&
                     extra.sizes() == at::IntArrayRef({n, k / 256}),
                 "quant_pack: Q6 takes int8 scales [n, K/16] and float16 d [n, K/256]");
@@ -253,11 +285,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack(const at::Tensor& q, c
                 "quant_pack: Q4 takes float16 scales and offsets [n, K/32]");
   }
   at::Tensor qc = q.contiguous(), sc = scales.contiguous(), ec = extra.contiguous();
-  PackedPart p = allocate(n, k, q6);
-  fill(p, n, k, q6, [&](int64_t r, RowCodes& codes) {
+  PackedPart p = allocate(n, k, format);
+  fill(p, n, k, format, [&](int64_t r, RowCodes& codes) {
     std::copy_n(qc.const_data_ptr<uint8_t>() + r * k, k, codes.q.data());
     const uint16_t* e = reinterpret_cast<const uint16_t*>(ec.const_data_ptr<at::Half>());
-    if (q6) {
+    if (format == TileFormat::kQ4K) {
+      const uint8_t* sm = sc.const_data_ptr<uint8_t>() + r * groups * 2;
+      for (int64_t g = 0; g < groups; ++g) {
+        codes.sc4[g] = sm[2 * g];
+        codes.m4[g] = sm[2 * g + 1];
+      }
+      for (int64_t b = 0; b < k / 256; ++b) {
+        codes.d[b] = e[r * (k / 256) * 2 + 2 * b];
+        codes.dmin[b] = e[r * (k / 256) * 2 + 2 * b + 1];
+      }
+    } else if (q6) {
       std::copy_n(sc.const_data_ptr<int8_t>() + r * (k / 16), k / 16, codes.sc.data());
       std::copy_n(e + r * (k / 256), k / 256, codes.d.data());
     } else {

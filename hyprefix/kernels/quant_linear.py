@@ -51,8 +51,10 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Te
 
 def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Unpacked codes -> one part: Q4 from q uint8 [n, K] (< 16) with float16 scales and offsets
-    [n, K/32] (value s * q + o); Q6 from q (< 64) with int8 scales [n, K/16] and float16 d
-    [n, K/256] (value d * scale * (q - 32))."""
+    [n, K/32] (value s * q + o); Q4K from q (< 16) with uint8 codes (sc, m) [n, K/32, 2] and float16
+    (d, dmin) [n, K/256, 2] (value d * sc * q - dmin * m); Q6 from q (< 64) with int8 scales
+    [n, K/16] and float16 d [n, K/256] (value d * scale * (q - 32)). The scales' dtype names the
+    format."""
     return torch.ops.hyprefix.quant_pack(q, scales, extra)
 
 

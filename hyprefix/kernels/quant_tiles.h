@@ -11,6 +11,11 @@
 //      [tiles, k/32, 4, 64]: nibble line p of a group holds, at byte r * 4 + b (row r of the tile),
 //      q of column 8p + b in its low nibble and of column 8p + 4 + b in its high nibble. scales,
 //      offsets float16 [tiles, k/32, 16].
+//   Q4K (GGUF Q4_K, exactly): Q4's codes and data with two levels of scales, as Q4_K has them: per
+//      group of 32 columns of a row an unsigned 8-bit scale code sc and min code m, per 256 a
+//      float16 d and dmin: the value is d * sc * q - dmin * m. scales uint8 [tiles, k/32, 32] (sc of
+//      rows 0-15, then m of rows 0-15), extra float16 [tiles, k/256, 32] (d of rows 0-15, then dmin).
+//      4.625 bits a weight (Q4_K: 4.5) where Q4 spends 5.
 //   Q6 (GGUF Q6_K, exactly): an unsigned 6-bit q, an int8 scale per run of 16 columns and a
 //      float16 d per 256: the value is d * scale * (q - 32). data uint8 [tiles, k/32, 6, 64]: the
 //      low 4 bits as Q4's 4 nibble lines, then 2 lines of the high 2 bits: line c, byte r * 4 + b,
@@ -23,7 +28,7 @@
 // of unsigned bytes. A group's sum over its 32 columns is exact in int32 (AVX512-VNNI: VPDPBUSD of
 // the unsigned weights and signed activations; AVX2: VPMADDUBSW, whose pairs cannot saturate as the
 // weights are below 64, then VPMADDWD), then scaled in float: Q4 adds s * x_scale * sum(q x) and
-// o * x_scale * sum(x); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
+// o * x_scale * sum(x) (Q4K the same, its s and o made from the two levels); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
 // adds d * scale * x_scale * sum. Up to 4 activation rows share each weight load (prefill).
 #pragma once
 #include "int8_tiles.h"
@@ -32,23 +37,31 @@
 
 namespace {
 
-enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2 };
+enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2, kQ4K = 3 };
 
 // Bytes of one tile's group of 32 columns, per format.
-constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kQ4 ? 256 : 512; }
+constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kInt8 ? 512 : 256; }
+
+// Elements of scales and extra per tile, per format.
+constexpr int64_t scales_per_tile(TileFormat f, int64_t k) {
+  return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32 : (k / 32) * 16;
+}
+constexpr int64_t extra_per_tile(TileFormat f, int64_t k) {
+  return f == TileFormat::kQ6 ? (k / 256) * 16 : f == TileFormat::kQ4K ? (k / 256) * 32 : (k / 32) * 16;
+}
 
 struct TilePart {  // tiles [tile0, tile0 + tiles) of a matrix in one format
   TileFormat format;
   const uint8_t* data;
-  const void* scales;  // Int8: float16 per group; Q4: float16 s; Q6: int8 per 16
-  const void* extra;   // Q4: float16 offsets; Q6: float16 d per 256; Int8: unused
+  const void* scales;  // Int8: float16 per group; Q4: float16 s; Q6: int8 per 16; Q4K: uint8 sc, m per group
+  const void* extra;   // Q4: float16 offsets; Q6: float16 d per 256; Q4K: float16 d, dmin per 256; Int8: unused
   int64_t tile0, tiles;
 
   int64_t tile_bytes(int64_t k) const { return (k / kGroup) * group_bytes(format); }
 };
 
 // The format of a part's data tensor (its third dimension: 16 for int8 tiles [T, K/4, 16, 4], 4 for
-// Q4, 6 for Q6) and checks of its shapes and dtypes for an `rows`-row part of k columns.
+// Q4 and Q4K (float16 or uint8 scales), 6 for Q6) and checks of its shapes and dtypes for an `rows`-row part of k columns.
 inline TileFormat check_part(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& extra, int64_t rows,
                              int64_t k, const char* op) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 4 && data.is_contiguous() && scales.is_contiguous() &&
@@ -63,6 +76,13 @@ inline TileFormat check_part(const at::Tensor& data, const at::Tensor& scales, c
   }
   const int64_t groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && data.size(1) == groups && data.size(3) == 64, op, ": tiles of ", k, " columns");
+  if (data.size(2) == 4 && scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(k % 256 == 0 && extra.scalar_type() == at::kHalf && scales.numel() == tiles * groups * 32 &&
+                    extra.numel() == tiles * (k / 256) * 32,
+                op, ": Q4K tiles take uint8 scales [tiles, K/32, 32] and float16 d [tiles, K/256, 32] (K a multiple "
+                "of 256)");
+    return TileFormat::kQ4K;
+  }
   if (data.size(2) == 4) {
     TORCH_CHECK(scales.scalar_type() == at::kHalf && extra.scalar_type() == at::kHalf &&
                     scales.numel() == tiles * groups * 16 && extra.numel() == tiles * groups * 16,
@@ -104,7 +124,11 @@ inline __m512 int8x16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MB activation rows times one Q4 or Q6 tile: the 16 rows' results of each into out[i].
+inline __m512 uint8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// MB activation rows times one Q4, Q4K or Q6 tile: the 16 rows' results of each into out[i].
 template <TileFormat F, int MB>
 inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
@@ -112,7 +136,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
   const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = tile + g * group_bytes(F);
     if (m0 == 0)  // later row blocks find the tile in cache
@@ -155,9 +179,20 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
         }
       }
     }
-    if constexpr (F == TileFormat::kQ4) {
-      const __m512 s = half16(static_cast<const uint16_t*>(tile_scales) + g * 16);
-      const __m512 o = half16(static_cast<const uint16_t*>(tile_extra) + g * 16);
+    if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
+      __m512 s, o;
+      if constexpr (F == TileFormat::kQ4K) {
+        if (g % 8 == 0) {
+          d = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32);
+          dmin = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16);
+        }
+        const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32;
+        s = _mm512_mul_ps(d, uint8x16(sm));
+        o = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, uint8x16(sm + 16)));
+      } else {
+        s = half16(static_cast<const uint16_t*>(tile_scales) + g * 16);
+        o = half16(static_cast<const uint16_t*>(tile_extra) + g * 16);
+      }
       for (int i = 0; i < MB; ++i) {
         const int64_t at = (m0 + i) * groups + g;
         const float xs = q.scales[at];
@@ -188,6 +223,10 @@ inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline __m256 uint8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 template <TileFormat F, int MB>
 inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
@@ -195,7 +234,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   __m256 acc[MB][2];
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = tile + g * group_bytes(F);
     if (m0 == 0)
@@ -206,6 +245,12 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
     if constexpr (F == TileFormat::kQ6) {
       if (g % 8 == 0)
         for (int h = 0; h < 2; ++h) d[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
+    } else if constexpr (F == TileFormat::kQ4K) {
+      if (g % 8 == 0)
+        for (int h = 0; h < 2; ++h) {
+          d[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + h * 8);
+          dmin[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16 + h * 8);
+        }
     }
     for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
       // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
@@ -238,9 +283,16 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
           }
         }
       }
-      if constexpr (F == TileFormat::kQ4) {
-        const __m256 s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
-        const __m256 o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
+      if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
+        __m256 s, o;
+        if constexpr (F == TileFormat::kQ4K) {
+          const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32 + h * 8;
+          s = _mm256_mul_ps(d[h], uint8x8(sm));
+          o = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin[h], uint8x8(sm + 16)));
+        } else {
+          s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
+          o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
+        }
         for (int i = 0; i < MB; ++i) {
           const int64_t at = (m0 + i) * groups + g;
           const float xs = q.scales[at];
@@ -277,7 +329,6 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
   t0 = std::max(t0, part.tile0);
   t1 = std::min(t1, part.tile0 + part.tiles);
   if (t0 >= t1) return;
-  const int64_t groups = k / kGroup;
   if (part.format == TileFormat::kInt8) {  // int8_tiles.h's loop over the part's own tiles and columns
     const int64_t local_n = std::min(n - part.tile0 * 16, part.tiles * 16);
     tile_span<true>(q, part.data, static_cast<const uint16_t*>(part.scales), rows, local_n, n, k,
@@ -285,13 +336,12 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     return;
   }
   alignas(64) float res[4][16];
-  const bool q6 = part.format == TileFormat::kQ6;
+  const int scale_bytes = part.format == TileFormat::kQ4 ? 2 : 1;  // float16, or int8 / uint8 codes
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t local = t - part.tile0;
     const uint8_t* tile = part.data + local * part.tile_bytes(k);
-    const void* scales = q6 ? static_cast<const void*>(static_cast<const int8_t*>(part.scales) + local * 2 * groups * 16)
-                            : static_cast<const void*>(static_cast<const uint16_t*>(part.scales) + local * groups * 16);
-    const void* extra = static_cast<const uint16_t*>(part.extra) + local * (q6 ? k / 256 : groups) * 16;
+    const void* scales = static_cast<const uint8_t*>(part.scales) + local * scales_per_tile(part.format, k) * scale_bytes;
+    const void* extra = static_cast<const uint16_t*>(part.extra) + local * extra_per_tile(part.format, k);
     const int64_t count = std::min<int64_t>(16, n - t * 16);
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
       const int64_t mb = std::min<int64_t>(4, rows - m0);
@@ -302,8 +352,10 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     case 2: quant_tile_rows<F, 2>(tile, scales, extra, k, q, m0, res); break; \
     default: quant_tile_rows<F, 1>(tile, scales, extra, k, q, m0, res); break; \
   }
-      if (q6) {
+      if (part.format == TileFormat::kQ6) {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ6)
+      } else if (part.format == TileFormat::kQ4K) {
+        HYPREFIX_QUANT_ROWS(TileFormat::kQ4K)
       } else {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ4)
       }
@@ -352,6 +404,12 @@ inline void dequantize_row(const TilePart& part, int64_t r, int64_t k, float* ds
         const uint16_t d = static_cast<const uint16_t*>(part.extra)[t * (k / 256) * 16 + (g / 8) * 16 + rr];
         value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * static_cast<float>(sc) *
                 static_cast<float>(v - 32);
+      } else if (part.format == TileFormat::kQ4K) {
+        const uint8_t* sm = static_cast<const uint8_t*>(part.scales) + t * groups * 32 + g * 32;
+        const uint16_t* dd = static_cast<const uint16_t*>(part.extra) + t * (k / 256) * 32 + (g / 8) * 32;
+        value = static_cast<float>(c10::Half(dd[rr], c10::Half::from_bits())) * static_cast<float>(sm[rr]) *
+                    static_cast<float>(v) -
+                static_cast<float>(c10::Half(dd[16 + rr], c10::Half::from_bits())) * static_cast<float>(sm[16 + rr]);
       } else {
         const uint16_t s = static_cast<const uint16_t*>(part.scales)[t * groups * 16 + g * 16 + rr];
         const uint16_t o = static_cast<const uint16_t*>(part.extra)[t * groups * 16 + g * 16 + rr];

@@ -16,7 +16,7 @@ from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models import fused
 from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
-from hyprefix.models.quant import Int8Weight, int8_part, join_parts, quantize_q4
+from hyprefix.models.quant import Int8Weight, int8_part, join_parts, quantize_low_bit
 from hyprefix.models.weights import MatrixForms
 
 log = logging.getLogger("hyprefix.models")
@@ -219,18 +219,19 @@ class CausalLM(nn.Module):
 
     def quantize_weights_q4(self) -> None:
         """4-bit weights (``--quantization int4``): every linear layer and the LM head whose
-        columns fill groups of 32 as Q4 tiles (``quant.quantize_q4``: an unsigned code per weight
-        over each group's range, float16 scale and offset); a tied head gets a 4-bit copy, the
+        columns fill groups of 32 (``quant.quantize_low_bit``: Q4K tiles, Q4_K's two levels of
+        scales, where they fill groups of 256, else Q4 with a float16 scale and offset per group;
+        an unsigned code per weight over each group's range); a tied head gets a 4-bit copy, the
         embedding lookup keeps the float table. Needs ``kernels/quant_linear`` (x86 with AVX2)."""
         if not quant_kernel.available():
             raise ValueError("--quantization int4 needs hyprefix's quant_linear kernel (an x86 CPU with AVX2 and a "
                              "C++ compiler); it does not run here")
         for module in self.modules():
             if isinstance(module, Linear) and module.forms.quantized is None and module.in_features % 32 == 0:
-                module.forms.use_quant(quantize_q4(module.weight))
+                module.forms.use_quant(quantize_low_bit(module.weight))
                 drop_plain(module.weight)
         if self.lm_head is None and self.embed.forms.quantized is None and self.embed.embedding_dim % 32 == 0:
-            self.embed.forms.use_quant(quantize_q4(self.embed.weight))
+            self.embed.forms.use_quant(quantize_low_bit(self.embed.weight))
 
     def _whole_matrices(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, nn.Module | None, list]]:
         """(parameter name, its module, the matrix's shards in order) for each matrix of

@@ -11,8 +11,8 @@ permutation, which is applied while packing.
 Kept quantized (``quantized_matrices``), by type:
 
 * Q8_0 -> ``Int8Weight`` with the file's int8 values and one scale per 32 (``quant.py``);
-* Q4_0, Q4_1, Q4_K, Q6_K -> ``QuantPart`` in ``kernels/quant_tiles.h``'s Q4 or Q6 tiles, the same
-  numbers (Q4_K's products of its two scale levels rounded to float16);
+* Q4_0, Q4_1, Q4_K, Q6_K -> ``QuantPart`` in ``kernels/quant_tiles.h``'s Q4, Q4K or Q6 tiles, the
+  same numbers;
 * Q5_K -> Q4 tiles: each group of 32 rounded from 5 to 4 bits (the nearest kernel format at no
   more bytes than the file's; ``docs/quantization.md`` measures what it costs).
 

@@ -113,12 +113,12 @@ class Int8Tiles:
 @dataclass
 class QuantTiles:
     """A matrix in ``kernels/quant_tiles.h``'s low-bit tiles: a list of parts (a GGUF's Q4_0 /
-    Q4_1 / Q4_K / Q5_K blocks as Q4 tiles, Q6_K as Q6 tiles, Q8_0 as int8 tiles), each a run of
+    Q4_1 / Q5_K blocks as Q4 tiles, Q4_K as Q4K, Q6_K as Q6, Q8_0 as int8 tiles), each a run of
     whole 16-row tiles but the last, so a fused matrix keeps each shard's own format. Multiplied
     by ``quant_linear`` (activations quantized per 32, as the int8 kernel); lookups and the
     portable path dequantize rows (``quant_rows``)."""
 
-    tensors: list[torch.Tensor]  # [data, scales, extra] per part
+    tensors: list[torch.Tensor]  # [data, scales, extra] per part (``part_format`` tells their format)
     rows: int
     cols: int
 
@@ -148,12 +148,19 @@ def int8_part(weight: Int8Weight) -> list[torch.Tensor]:
     return [tiles, scales, torch.empty(0, dtype=torch.uint8)]
 
 
+def part_format(part: list[torch.Tensor]) -> str:
+    """A part's format ([data, scales, extra]): the data's third dimension (16 int8, 4 Q4 or Q4K,
+    6 Q6), Q4 and Q4K told apart by their scales (float16 or uint8 codes)."""
+    data, scales = part[0], part[1]
+    return {16: "int8", 6: "q6"}.get(data.shape[2]) or ("q4k" if scales.dtype == torch.uint8 else "q4")
+
+
 def join_parts(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """Consecutive parts of one format joined into one (every part but the last holds whole
-    tiles): fewer, longer runs for the kernel. The format is the data's third dimension."""
+    tiles): fewer, longer runs for the kernel."""
     joined: list[list[torch.Tensor]] = []
     for part in parts:
-        if joined and joined[-1][0].shape[2] == part[0].shape[2]:
+        if joined and part_format(joined[-1]) == part_format(part):
             joined[-1] = [torch.cat([a, b]) if a.numel() else a for a, b in zip(joined[-1], part, strict=True)]
         else:
             joined.append(list(part))
@@ -170,6 +177,35 @@ def quantize_q4(weight: torch.Tensor) -> list[torch.Tensor]:
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - offset[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
     return list(quant_kernel.pack(q, scale.half(), offset.half()))
+
+
+def quantize_q4k(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A float matrix [n, K] (K a multiple of 256) as a Q4K part, GGUF's Q4_K with 8-bit codes
+    for its two levels: per group of 32 a 4-bit code over [min(low, 0), high], the group's step
+    and -min as 8-bit codes of a float16 d and dmin per 256 (value d * sc * q - dmin * m)."""
+    w = weight.detach().float().unflatten(1, (-1, GROUP))  # [n, K/32, 32]
+    low = w.amin(-1).clamp(max=0)
+    step, lift = (w.amax(-1) - low) / 15, -low  # [n, K/32]
+    supers = (-1, 256 // GROUP)
+    d = (step.unflatten(1, supers).amax(-1) / 255).half().float()  # [n, K/256]
+    dmin = (lift.unflatten(1, supers).amax(-1) / 255).half().float()
+
+    def codes(values: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        per_group = unit.repeat_interleave(256 // GROUP, dim=1)
+        # rounded up, so the group's range stays within the codes' (0..15 steps from the min)
+        return torch.where(per_group > 0, torch.ceil(values / per_group.clamp(min=1e-30)), 0).clamp(0, 255)
+
+    sc, m = codes(step, d), codes(lift, dmin)
+    group_step = sc * d.repeat_interleave(256 // GROUP, dim=1)
+    group_min = m * dmin.repeat_interleave(256 // GROUP, dim=1)
+    inverse = torch.where(group_step > 0, 1.0 / group_step, torch.zeros_like(group_step))
+    q = torch.round((w + group_min[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
+    return list(quant_kernel.pack(q, torch.stack([sc, m], -1).to(torch.uint8), torch.stack([d, dmin], -1).half()))
+
+
+def quantize_low_bit(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``--quantization int4``'s part for a float matrix: Q4K where K fills groups of 256, else Q4."""
+    return quantize_q4k(weight) if weight.shape[1] % 256 == 0 else quantize_q4(weight)
 
 
 def quantize_q6(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -197,11 +233,9 @@ def requantize_like(weight: torch.Tensor, tiles: QuantTiles) -> list[torch.Tenso
         rows = min(data.shape[0] * 16, tiles.rows - start)
         piece = weight[start:start + rows]
         start += rows
-        kind = data.shape[2]
-        if kind == 16:
-            out.append(int8_part(quantize_int8(piece, GROUP)))
-        else:
-            out.append(quantize_q6(piece) if kind == 6 else quantize_q4(piece))
+        quantize = {"int8": lambda w: int8_part(quantize_int8(w, GROUP)), "q4": quantize_q4, "q4k": quantize_q4k,
+                    "q6": quantize_q6}[part_format(tiles.tensors[i:i + 3])]
+        out.append(quantize(piece))
     return [t for part in out for t in part]
 
 

@@ -1,5 +1,5 @@
-"""``kernels/quant_linear``: GGUF's Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks packed into the Q4 and
-Q6 tiles hold the file's numbers (``gguf``'s own dequantization is the reference), and the
+"""``kernels/quant_linear``: GGUF's Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks packed into the Q4, Q4K
+and Q6 tiles hold the file's numbers (``gguf``'s own dequantization is the reference), and the
 matmul equals the dequantized matrix times the activations rounded to int8 per 32 (what every
 quantized matmul of the engine computes), for float32 and bfloat16 inputs, every batch size the
 kernel blocks rows by, a row permutation applied while packing, and a matrix of parts in
@@ -19,9 +19,11 @@ from hyprefix.models.quant import (
     QuantTiles,
     int8_part,
     join_parts,
+    part_format,
     quantize_activations,
     quantize_int8,
     quantize_q4,
+    quantize_q4k,
     quantize_q6,
     requantize_like,
 )
@@ -63,16 +65,15 @@ def packed(type_name: str, rows: int, cols: int, order: torch.Tensor | None = No
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_packed_blocks_hold_the_files_values(type_name):
-    """Q4_0, Q4_1 and Q6_K exactly; Q4_K up to its two scale levels' products rounded to float16;
-    Q5_K rounded to 4 bits per group of 32 (at most half a 4-bit step from the file's value)."""
+    """Q4_0, Q4_1, Q4_K (in Q4K tiles, its two levels of scales kept) and Q6_K exactly; Q5_K
+    rounded to 4 bits per group of 32 (at most half a 4-bit step from the file's value)."""
     rows, cols = 40, 512
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     parts, reference = packed(type_name, rows, cols, order)
     values = kernel.rows(parts, rows, cols, torch.arange(rows))
-    if type_name in ("Q4_0", "Q4_1", "Q6_K"):
+    assert part_format(parts) == {"Q4_K": "q4k", "Q6_K": "q6"}.get(type_name, "q4")
+    if type_name != "Q5_K":
         assert torch.equal(values, reference)
-    elif type_name == "Q4_K":
-        torch.testing.assert_close(values, reference, rtol=2e-3, atol=2e-3 * reference.abs().max().item())
     else:
         groups = reference.unflatten(1, (-1, 32))
         half_step = (groups.amax(-1) - groups.amin(-1)) / 15 / 2
@@ -99,20 +100,23 @@ def test_matmul_equals_the_dequantized_matrix_times_int8_activations(type_name, 
 
 
 def test_a_matrix_of_parts_in_three_formats():
-    """q (Q4_K), k (Q6_K), v (Q8_0 as int8 tiles): one matrix, each shard's own format, equal to
-    the three multiplied apart; joining two parts of one format changes nothing."""
+    """q (Q4_K), k (Q6_K), o (Q4_0), v (Q8_0 as int8 tiles; the last part, not whole tiles): one
+    matrix, each shard's own format, equal to the four multiplied apart; joining two parts of one
+    format changes nothing."""
     cols = 512
     q, _q_ref = packed("Q4_K", 32, cols, seed=1)
     k, _k_ref = packed("Q6_K", 16, cols, seed=2)
     v_weight = quantize_int8(torch.randn(20, cols), 32)
     v_weight.scales = v_weight.scales.half().float()  # Q8_0's scales are float16
-    parts = join_parts([q, k, int8_part(v_weight)])
-    matrix = QuantTiles(parts, 68, cols)
+    o, _o_ref = packed("Q4_0", 16, cols, seed=4)
+    parts = join_parts([q, k, o, int8_part(v_weight)])
+    assert [part_format(parts[i:i + 3]) for i in range(0, len(parts), 3)] == ["q4k", "q6", "q4", "int8"]
+    matrix = QuantTiles(parts, 84, cols)
     x = torch.randn(5, cols)
-    expected = torch.cat([kernel.quant_linear(x, q, 32), kernel.quant_linear(x, k, 16),
+    expected = torch.cat([kernel.quant_linear(x, q, 32), kernel.quant_linear(x, k, 16), kernel.quant_linear(x, o, 16),
                           F.linear(quantize_activations(x), v_weight.dequantize(torch.float32))], dim=1)
     torch.testing.assert_close(matrix.matmul(x, None), expected, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(matrix.dequantize(torch.float32)[48:], v_weight.dequantize(torch.float32))
+    torch.testing.assert_close(matrix.dequantize(torch.float32)[64:], v_weight.dequantize(torch.float32))
     q2, _ = packed("Q4_K", 16, cols, seed=3)
     joined = join_parts([q, q2])
     assert len(joined) == 3 and joined[0].shape[0] == 3
@@ -121,18 +125,28 @@ def test_a_matrix_of_parts_in_three_formats():
 
 
 def test_quantizers_round_trip_within_their_step():
-    """``quantize_q4`` / ``quantize_q6`` (``--quantization int4``, and a weight update of a GGUF
-    model) keep each value within half a step of its group, and ``requantize_like`` keeps every
-    part's format."""
+    """``quantize_q4`` / ``quantize_q4k`` / ``quantize_q6`` (``--quantization int4``, and a weight
+    update of a GGUF model) keep each value within about half a step of its group, and
+    ``requantize_like`` keeps every part's format."""
     w = torch.randn(48, 512)
     q4 = QuantTiles(quantize_q4(w), 48, 512).dequantize(torch.float32)
     groups = w.unflatten(1, (-1, 32))
     step = (groups.amax(-1) - groups.amin(-1)) / 15
     assert ((q4 - w).unflatten(1, (-1, 32)).abs() <= step[..., None] * 0.51 + 1e-3).all()
+    q4k_parts = quantize_q4k(w)
+    assert part_format(q4k_parts) == "q4k" and sum(t.nbytes for t in q4k_parts) * 8 / w.numel() == 4.625
+    q4k = QuantTiles(q4k_parts, 48, 512).dequantize(torch.float32)
+    # the codes of a group's step and min are rounded up on a grid of 1/255 of their row's largest per 256
+    low = groups.amin(-1).clamp(max=0)
+    wide = (groups.amax(-1) - low) / 15
+    grid = wide.unflatten(1, (-1, 8)).amax(-1, keepdim=True) / 255
+    lift = (-low).unflatten(1, (-1, 8)).amax(-1, keepdim=True) / 255
+    bound = ((wide.unflatten(1, (-1, 8)) + grid) * 0.51 + lift + 1e-3).flatten(1)
+    assert ((q4k - w).unflatten(1, (-1, 32)).abs() <= bound[..., None]).all()
     q6 = QuantTiles(quantize_q6(w), 48, 512).dequantize(torch.float32)
     assert (q6 - w).abs().max() < 0.05 * w.abs().max()
-    mixed = QuantTiles(join_parts([quantize_q4(w[:32]), quantize_q6(w[32:])]), 48, 512)
+    mixed = QuantTiles(join_parts([quantize_q4(w[:16]), quantize_q4k(w[16:32]), quantize_q6(w[32:])]), 48, 512)
     again = requantize_like(w * 2, mixed)
-    assert [t.shape for t in again] == [t.shape for t in mixed.tensors]
-    torch.testing.assert_close(QuantTiles(again, 48, 512).dequantize(torch.float32), 2 * torch.cat([q4[:32], q6[32:]]),
-                               rtol=0, atol=0.05 * w.abs().max().item())
+    assert [(t.shape, t.dtype) for t in again] == [(t.shape, t.dtype) for t in mixed.tensors]
+    torch.testing.assert_close(QuantTiles(again, 48, 512).dequantize(torch.float32),
+                               2 * torch.cat([q4[:16], q4k[16:32], q6[32:]]), rtol=0, atol=0.05 * w.abs().max().item())
