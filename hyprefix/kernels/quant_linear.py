@@ -40,6 +40,7 @@ def _build(isa: str) -> bool:
     if not load_kernel(name, SOURCE, int8_linear.FLAGS[isa], "GGUF low-bit weights are dequantized at load"):
         return False
     torch.library.register_fake("hyprefix::quant_linear")(_fake_linear)
+    torch.library.register_fake("hyprefix::quant_rows")(_fake_rows)  # embedding lookups inside a compiled step
     return True
 
 
@@ -71,3 +72,7 @@ def rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> torch.
 
 def _fake_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _fake_rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    return ids.new_empty((*ids.shape, k), dtype=torch.float32)

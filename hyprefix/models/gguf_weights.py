@@ -10,7 +10,8 @@ permutation, which is applied while packing.
 
 Kept quantized (``quantized_matrices``), by type:
 
-* Q8_0 -> ``Int8Weight`` with the file's int8 values and one scale per 32 (``quant.py``);
+* Q8_0 -> ``Int8Weight`` with the file's int8 values and one scale per 32 (``quant.py``); Q5_0
+  likewise, exactly (its 5-bit codes minus 16 are int8 values, its float16 d the scale);
 * Q4_0, Q4_1, Q4_K, Q6_K -> ``QuantPart`` in ``kernels/quant_tiles.h``'s Q4, Q4K or Q6 tiles, the
   same numbers;
 * Q5_K -> Q4 tiles: each group of 32 rounded from 5 to 4 bits (the nearest kernel format at no
@@ -33,6 +34,7 @@ from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.quant import Int8Weight
 
 Q8_0 = "Q8_0"
+INT8_TYPES = (Q8_0, "Q5_0")  # kept as int8 with a scale per 32, exactly
 TILE_TYPES = tuple(quant_kernel.GGUF_TYPES)  # Q4_0 Q4_1 Q4_K Q5_K Q6_K
 
 
@@ -83,9 +85,9 @@ class GGUFWeights:
         here, and its fix-up is a row order)."""
         tensor = self.tensors[gguf_name]
         kind = tensor.tensor_type.name
-        if tensor.data.ndim != 2 or kind not in (Q8_0, *TILE_TYPES):
+        if tensor.data.ndim != 2 or kind not in (*INT8_TYPES, *TILE_TYPES):
             return False
-        if kind != Q8_0 and not quant_kernel.available():
+        if kind not in INT8_TYPES and not quant_kernel.available():
             return False
         return self._rows(gguf_name, tensor.data.shape[0]) is not None
 
@@ -95,11 +97,8 @@ class GGUFWeights:
         raw = _tensor(tensor.data)
         rows = self._rows(gguf_name, raw.shape[0])
         kind = tensor.tensor_type.name
-        if kind == Q8_0:
-            blocks = raw[torch.from_numpy(rows)].view(raw.shape[0], -1, 34)
-            scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
-            values = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
-            return Int8Weight(values, scales)
+        if kind in INT8_TYPES:
+            return _int8_blocks(raw[torch.from_numpy(rows)], kind)
         cols = int(tensor.shape[0])  # gguf lists dimensions innermost first
         return QuantPart(tuple(quant_kernel.pack_gguf(raw, kind, cols, torch.from_numpy(rows))), raw.shape[0])
 
@@ -122,6 +121,22 @@ class GGUFWeights:
                                  ) from exc
             values = self.processor.process(weights=values, name=gguf_name).weights
             yield hf_name, _tensor(values).float()
+
+
+def _int8_blocks(raw: torch.Tensor, kind: str) -> Int8Weight:
+    """Q8_0 (float16 d, 32 int8 values) or Q5_0 blocks (float16 d, 32 high bits, 32 low nibbles;
+    value d * (q - 16), ggml's order: nibble j low then high of byte j) of uint8 [rows, row bytes]
+    as int8 values with their scales per 32."""
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, 34 if kind == Q8_0 else 22)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
+    if kind == Q8_0:
+        return Int8Weight(blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1), scales)
+    high_bits = blocks[:, :, 2:6].contiguous().view(torch.int32)  # [n, blocks, 1], bit e of element e
+    low = blocks[:, :, 6:].to(torch.int32)
+    nibbles = torch.cat([low & 0xF, low >> 4], dim=2)  # elements 0-15, then 16-31
+    high = (high_bits >> torch.arange(32, dtype=torch.int32)) & 1
+    return Int8Weight(((nibbles | (high << 4)) - 16).to(torch.int8).reshape(n, -1), scales)
 
 
 def _tensor(values: np.ndarray) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from hyprefix.hardware import DTYPES, resolve_dtype
 from hyprefix.models import gguf_hybrid
-from hyprefix.models.gguf_weights import GGUFWeights
+from hyprefix.models.gguf_weights import INT8_TYPES, GGUFWeights
 from hyprefix.models.registry import model_class
 
 
@@ -211,7 +211,7 @@ def kept_quantized(net: torch.nn.Module, weights: GGUFWeights) -> dict[str, str]
 def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | None) -> None:
     """Fill ``net`` from a GGUF file read from its memory map (``gguf_weights``): with
     ``quantization`` None the quantized matrices stay in their blocks (``kept_quantized``; the
-    low-bit ones where ``kernels/quant_linear`` runs), "int8" keeps Q8_0 matrices as int8 and
+    low-bit ones where ``kernels/quant_linear`` runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and
     reads the rest as floats (quantized per channel afterwards), "none" dequantizes all."""
     weights = GGUFWeights(path, hf_config, gguf_architecture(path))
     kept = kept_quantized(net, weights) if quantization is None else {}
@@ -219,7 +219,7 @@ def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | N
     net.load_weights(weights.floats(set(kept)), quantized=held)
     if quantization == "int8":
         net.load_int8_weights((weights.names[g], weights.quantized(g)) for g in weights.tensors
-                              if weights.type_name(g) == "Q8_0" and weights.can_keep(g))
+                              if weights.type_name(g) in INT8_TYPES and weights.can_keep(g))
 
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,

@@ -46,7 +46,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
         values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
         blocks[:, :, offset:offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
 
-    offsets = {"Q4_0": [(0, 0.001, 0.02)], "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.0)],
+    offsets = {"Q4_0": [(0, 0.001, 0.02)], "Q5_0": [(0, 0.001, 0.02)], "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.0)],
                "Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
                "Q6_K": [(208, 1e-4, 2e-3)]}
     for offset, low, high in offsets[type_name]:

@@ -1,6 +1,6 @@
 """A GGUF's quantized matrices stay quantized by default (``models/gguf_weights.py``): a tiny
-Llama file whose matrices are Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks (a fused q/k/v of two
-formats, a 6-bit head, a 4-bit embedding table with no float copy) loads into the kernels'
+Llama file whose matrices are Q4_K, Q6_K, Q4_0, Q5_0, Q4_1 and Q8_0 blocks (a fused q/k/v and
+gate/up of two formats each, a 6-bit head, a 4-bit embedding table with no float copy) loads into the kernels'
 tiles with the file's numbers, computes what the dequantized file computes with activations
 rounded per 32, and decodes the same tokens eagerly, through the compiled step and through the
 one-call decode kernel; ``--quantization none`` reads it as floats, ``int4`` quantizes an HF
@@ -28,13 +28,16 @@ pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="quant_line
 
 T = gguf.GGMLQuantizationType
 TYPES = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
-         "blk.0.attn_output.weight": "Q4_0", "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q4_K",
+         "blk.0.attn_output.weight": "Q4_0", "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_0",
          "blk.0.ffn_down.weight": "Q8_0", "output.weight": "Q6_K", "token_embd.weight": "Q4_1"}
-EXACT = ("Q4_0", "Q4_1", "Q6_K", "Q8_0")
 
 
 @pytest.fixture(scope="module")
 def native_file(tmp_path_factory) -> Path:
+    return write_mixed_gguf(tmp_path_factory.mktemp("native") / "mixed.gguf")
+
+
+def write_mixed_gguf(path: Path) -> Path:
     """The tiny Llama of ``test_gguf_errors`` with its matrices in the types of ``TYPES``."""
     rng = np.random.default_rng(0)
     tensors = {}
@@ -46,7 +49,7 @@ def native_file(tmp_path_factory) -> Path:
             tensors[name] = (random_blocks(kind, *shape, seed=i), T[kind])
         else:
             tensors[name] = 1 + 0.1 * rng.standard_normal(shape).astype(np.float32)
-    return write_gguf(tmp_path_factory.mktemp("native") / "mixed.gguf", tensors=tensors)
+    return write_gguf(path, tensors=tensors)
 
 
 def test_matrices_keep_the_files_blocks(native_file):
@@ -65,6 +68,8 @@ def test_matrices_keep_the_files_blocks(native_file):
         assert torch.equal(tiles.dequantize(torch.float32), reference[name].weight), name
     qkv = native.layers[0].attn.qkv.forms.quant.tensors
     assert [part_format(qkv[i:i + 3]) for i in range(0, len(qkv), 3)] == ["q4k", "q6"]  # q and k joined, then v
+    gate_up = native.layers[0].mlp.gate_up.forms.quant.tensors
+    assert [part_format(gate_up[i:i + 3]) for i in range(0, len(gate_up), 3)] == ["q4k", "int8"]  # up: Q5_0
     assert not native.embed.weight.numel()
     ids = torch.tensor([[0, 15, 3]])
     assert torch.equal(native.embed(ids), floats.embed(ids))
