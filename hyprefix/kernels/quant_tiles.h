@@ -6,7 +6,7 @@
 // tiles in one format, so a fused matrix (q/k/v) whose pieces a file stored in different types
 // keeps each piece's own. The formats:
 //
-//   Q4 (GGUF Q4_0, Q4_1, Q4_K; Q5_K rounded to it): per group of 32 columns of a row an unsigned
+//   Q4 (GGUF Q4_0, Q4_1; Q5_K rounded to it): per group of 32 columns of a row an unsigned
 //      4-bit q, a float16 scale s and a float16 offset o: the value is s * q + o. data uint8
 //      [tiles, k/32, 4, 64]: nibble line p of a group holds, at byte r * 4 + b (row r of the tile),
 //      q of column 8p + b in its low nibble and of column 8p + 4 + b in its high nibble. scales,
