@@ -67,8 +67,8 @@ class EngineArgs:
         "default: a GGUF file's quantized matrices stay in their blocks on a CPU (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K "
         "and Q8_0 as they are, Q5_K rounded to 4 bits; other types dequantized), a Hugging Face checkpoint's "
         "weights stay float; none: dequantize everything; int8: int8 linear layers and LM head (a GGUF's Q8_0 "
-        "and Q5_0 blocks kept, the rest quantized per channel); int4: a checkpoint's linear layers and LM head quantized "
-        "to 4 bits per group of 32"), "choices": QUANTIZATIONS})
+        "and Q5_0 blocks kept, the rest quantized per channel); int4: a checkpoint's linear layers and LM head "
+        "quantized to 4 bits per group of 32"), "choices": QUANTIZATIONS})
     enforce_eager: bool = field(default=False, metadata={"help": (
         "no torch.compile: neither the kernels of large steps nor the compiled decode steps (faster start-up, "
         "slower steps)")})

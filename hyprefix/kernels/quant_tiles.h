@@ -227,42 +227,42 @@ inline __m256 uint8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The two halves of a tile (rows 0-7, rows 8-15) one after the other, each over every group: one
+// half's MB accumulators and scales fit AVX2's 16 registers (both at once spilled to the stack).
 template <TileFormat F, int MB>
 inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  __m256 acc[MB][2];
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = tile + g * group_bytes(F);
-    if (m0 == 0)
-      for (int j = 0; j < group_bytes(F) / 64; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
-    const int32_t* x[MB];
-    for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
-    if constexpr (F == TileFormat::kQ6) {
-      if (g % 8 == 0)
-        for (int h = 0; h < 2; ++h) d[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
-    } else if constexpr (F == TileFormat::kQ4K) {
-      if (g % 8 == 0)
-        for (int h = 0; h < 2; ++h) {
-          d[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + h * 8);
-          dmin[h] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16 + h * 8);
+  for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wg = tile + g * group_bytes(F);
+      if (m0 == 0 && h == 0)
+        for (int j = 0; j < group_bytes(F) / 64; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      const int32_t* x[MB];
+      for (int i = 0; i < MB; ++i)
+        x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+      if constexpr (F == TileFormat::kQ6) {
+        if (g % 8 == 0) d = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
+      } else if constexpr (F == TileFormat::kQ4K) {
+        if (g % 8 == 0) {
+          d = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + h * 8);
+          dmin = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16 + h * 8);
         }
-    }
-    for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+      }
       // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
-      __m256i pairs[MB][2];
-      for (int i = 0; i < MB; ++i) pairs[i][0] = pairs[i][1] = _mm256_setzero_si256();
+      __m256i pairs[MB];
+      __m256i run[MB][2];  // Q6's int32 sums per run
+      for (int i = 0; i < MB; ++i) pairs[i] = run[i][0] = run[i][1] = _mm256_setzero_si256();
       __m256i crumbs[2];
       if constexpr (F == TileFormat::kQ6) {
         crumbs[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 4 * 64 + h * 32));
         crumbs[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 5 * 64 + h * 32));
       }
-      __m256i run[MB][2];  // Q6's int32 sums per run
-      for (int i = 0; i < MB; ++i) run[i][0] = run[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + h * 32));
@@ -279,7 +279,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
           if constexpr (F == TileFormat::kQ6) {
             run[i][p / 2] = _mm256_add_epi32(run[i][p / 2], _mm256_madd_epi16(pair, ones));
           } else {
-            pairs[i][0] = _mm256_add_epi16(pairs[i][0], pair);
+            pairs[i] = _mm256_add_epi16(pairs[i], pair);
           }
         }
       }
@@ -287,8 +287,8 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
         __m256 s, o;
         if constexpr (F == TileFormat::kQ4K) {
           const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32 + h * 8;
-          s = _mm256_mul_ps(d[h], uint8x8(sm));
-          o = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin[h], uint8x8(sm + 16)));
+          s = _mm256_mul_ps(d, uint8x8(sm));
+          o = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, uint8x8(sm + 16)));
         } else {
           s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
           o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
@@ -296,27 +296,26 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
         for (int i = 0; i < MB; ++i) {
           const int64_t at = (m0 + i) * groups + g;
           const float xs = q.scales[at];
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i][0], ones));
-          acc[i][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc[i][h]);
-          acc[i][h] = _mm256_fmadd_ps(
-              o, _mm256_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])), acc[i][h]);
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones));
+          acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc[i]);
+          acc[i] = _mm256_fmadd_ps(
+              o, _mm256_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])), acc[i]);
         }
       } else {
         const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32 + h * 8;
-        const __m256 s0 = _mm256_mul_ps(d[h], int8x8(sc)), s1 = _mm256_mul_ps(d[h], int8x8(sc + 16));
+        const __m256 s0 = _mm256_mul_ps(d, int8x8(sc)), s1 = _mm256_mul_ps(d, int8x8(sc + 16));
         for (int i = 0; i < MB; ++i) {
           const int64_t at = (m0 + i) * groups + g;
           const __m256 xs = _mm256_set1_ps(q.scales[at]);
           const __m256i r0 = _mm256_sub_epi32(run[i][0], _mm256_set1_epi32(32 * q.halves[2 * at]));
           const __m256i r1 = _mm256_sub_epi32(run[i][1], _mm256_set1_epi32(32 * q.halves[2 * at + 1]));
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), _mm256_mul_ps(s0, xs), acc[i][h]);
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), _mm256_mul_ps(s1, xs), acc[i][h]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), _mm256_mul_ps(s0, xs), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), _mm256_mul_ps(s1, xs), acc[i]);
         }
       }
     }
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i] + h * 8, acc[i]);
   }
-  for (int i = 0; i < MB; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out[i] + h * 8, acc[i][h]);
 }
 
 #endif
