@@ -1,7 +1,8 @@
-"""Checks on user text, and a conversation's token ids (no torch)."""
+"""Checks on user text, a conversation's token ids, and the common prefix of two sequences (no torch)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,3 +91,8 @@ def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_genera
     if add_special_tokens:  # rendered as text: tokenized as a completion prompt would be
         return list(tokenizer.encode(rendered, add_special_tokens=True))
     return list(rendered)
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (token ids, block hashes) ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -21,6 +21,7 @@ from typing import Any
 
 from hyprefix.bench.arms import COMPARE_ARM, WorkloadRun, split_arm
 from hyprefix.bench.workloads import Workload
+from hyprefix.text import common_prefix
 
 DISTURBED_CORES = 0.25  # a timed run is "disturbed" when other processes used more cores meanwhile
 # (numerator arm, denominator arm): time_num / time_den is how many times faster the denominator arm is.
@@ -159,10 +160,6 @@ def _request_ratios(arms: dict[str, dict[str, Any]], case: str, servers: Sequenc
     return out
 
 
-def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
-
-
 def agreement(runs: Runs, cases: dict[str, Workload]) -> list[dict[str, Any]]:
     out = []
     for case_name, case in cases.items():
@@ -172,7 +169,7 @@ def agreement(runs: Runs, cases: dict[str, Workload]) -> list[dict[str, Any]]:
             xs, ys = ({f"{r.repeat}/{rec.tag}": rec.output_ids for r in runs[arm][case_name] for rec in r.requests}
                       for arm in (a, b))
             tags = [t for t in xs if t in ys]
-            diverged = {t: _common_prefix(xs[t], ys[t]) for t in tags if xs[t] != ys[t]}
+            diverged = {t: common_prefix(xs[t], ys[t]) for t in tags if xs[t] != ys[t]}
             out.append({"case": case_name, "arms": [a, b], "of": len(tags), "identical": len(tags) - len(diverged),
                         "same_first_token": sum(xs[t][:1] == ys[t][:1] for t in tags), "first_difference_at": diverged})
     return out

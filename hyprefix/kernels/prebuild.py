@@ -49,10 +49,6 @@ def _builders() -> dict[str, Callable[[], object]]:
     }
 
 
-KERNELS = ("int8_linear", "decode_attention", "prefill_attention", "bf16_linear", "invariant_linear",
-           "packed_linear", "quant_linear", "decode_layers")
-
-
 @dataclass
 class BuildResult:
     kernel: str
@@ -97,9 +93,10 @@ def _build_in_child(kernel: str) -> BuildResult:
     return BuildResult(kernel, json.loads(lines[-1]), seconds)
 
 
-def build_kernels(jobs: int, kernels: tuple[str, ...] = KERNELS,
+def build_kernels(jobs: int, kernels: tuple[str, ...] | None = None,
                   report: Callable[[BuildResult], None] | None = None) -> list[BuildResult]:
-    """Build ``kernels`` in ``jobs`` child processes at a time; ``report`` hears each as it ends."""
+    """Build ``kernels`` (default: every one) in ``jobs`` child processes at a time; ``report``
+    hears each as it ends."""
     def one(kernel: str) -> BuildResult:
         result = _build_in_child(kernel)
         if report is not None:
@@ -107,7 +104,7 @@ def build_kernels(jobs: int, kernels: tuple[str, ...] = KERNELS,
         return result
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        return list(pool.map(one, kernels))
+        return list(pool.map(one, kernels or tuple(_builders())))
 
 
 if __name__ == "__main__":  # the child of ``_build_in_child``: its builds as one JSON line

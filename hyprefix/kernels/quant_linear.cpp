@@ -217,7 +217,6 @@ void fill(PackedPart& p, int64_t n, int64_t k, TileFormat format, const Decode& 
   uint8_t* data = p.data.mutable_data_ptr<uint8_t>();
   uint8_t* scales = static_cast<uint8_t*>(p.scales.mutable_data_ptr());
   uint16_t* extra = reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>());
-  const int64_t scale_bytes = format == TileFormat::kQ4 ? 2 : 1;
   at::parallel_for(0, p.data.size(0), 1, [&](int64_t t0, int64_t t1) {
     RowCodes codes;
     codes.q.resize(k);
@@ -232,7 +231,7 @@ void fill(PackedPart& p, int64_t n, int64_t k, TileFormat format, const Decode& 
       for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
         decode(t * 16 + r, codes);
         place_row(codes, format, k, r, data + t * groups * group_bytes(format),
-                  scales + t * scales_per_tile(format, k) * scale_bytes, extra + t * extra_per_tile(format, k));
+                  scales + t * scale_bytes_per_tile(format, k), extra + t * extra_per_tile(format, k));
       }
     }
   });

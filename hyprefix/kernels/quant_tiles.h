@@ -42,9 +42,10 @@ enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2, kQ4K = 3 };
 // Bytes of one tile's group of 32 columns, per format.
 constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kInt8 ? 512 : 256; }
 
-// Elements of scales and extra per tile, per format.
-constexpr int64_t scales_per_tile(TileFormat f, int64_t k) {
-  return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32 : (k / 32) * 16;
+// Bytes of scales (Q4: float16; Q4K, Q6: one-byte codes) and elements of extra (float16) per tile,
+// per low-bit format.
+constexpr int64_t scale_bytes_per_tile(TileFormat f, int64_t k) {
+  return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32 : (k / 32) * 16 * 2;
 }
 constexpr int64_t extra_per_tile(TileFormat f, int64_t k) {
   return f == TileFormat::kQ6 ? (k / 256) * 16 : f == TileFormat::kQ4K ? (k / 256) * 32 : (k / 32) * 16;
@@ -335,11 +336,10 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     return;
   }
   alignas(64) float res[4][16];
-  const int scale_bytes = part.format == TileFormat::kQ4 ? 2 : 1;  // float16, or int8 / uint8 codes
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t local = t - part.tile0;
     const uint8_t* tile = part.data + local * part.tile_bytes(k);
-    const void* scales = static_cast<const uint8_t*>(part.scales) + local * scales_per_tile(part.format, k) * scale_bytes;
+    const void* scales = static_cast<const uint8_t*>(part.scales) + local * scale_bytes_per_tile(part.format, k);
     const void* extra = static_cast<const uint16_t*>(part.extra) + local * extra_per_tile(part.format, k);
     const int64_t count = std::min<int64_t>(16, n - t * 16);
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {

@@ -186,18 +186,17 @@ def quantize_q4k(weight: torch.Tensor) -> list[torch.Tensor]:
     w = weight.detach().float().unflatten(1, (-1, GROUP))  # [n, K/32, 32]
     low = w.amin(-1).clamp(max=0)
     step, lift = (w.amax(-1) - low) / 15, -low  # [n, K/32]
-    supers = (-1, 256 // GROUP)
-    d = (step.unflatten(1, supers).amax(-1) / 255).half().float()  # [n, K/256]
-    dmin = (lift.unflatten(1, supers).amax(-1) / 255).half().float()
+    per_super = 256 // GROUP
+    d = (step.unflatten(1, (-1, per_super)).amax(-1) / 255).half().float()  # [n, K/256]
+    dmin = (lift.unflatten(1, (-1, per_super)).amax(-1) / 255).half().float()
+    d_groups, dmin_groups = d.repeat_interleave(per_super, dim=1), dmin.repeat_interleave(per_super, dim=1)
 
     def codes(values: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-        per_group = unit.repeat_interleave(256 // GROUP, dim=1)
         # rounded up, so the group's range stays within the codes' (0..15 steps from the min)
-        return torch.where(per_group > 0, torch.ceil(values / per_group.clamp(min=1e-30)), 0).clamp(0, 255)
+        return torch.where(unit > 0, torch.ceil(values / unit.clamp(min=1e-30)), 0).clamp(0, 255)
 
-    sc, m = codes(step, d), codes(lift, dmin)
-    group_step = sc * d.repeat_interleave(256 // GROUP, dim=1)
-    group_min = m * dmin.repeat_interleave(256 // GROUP, dim=1)
+    sc, m = codes(step, d_groups), codes(lift, dmin_groups)
+    group_step, group_min = sc * d_groups, m * dmin_groups
     inverse = torch.where(group_step > 0, 1.0 / group_step, torch.zeros_like(group_step))
     q = torch.round((w + group_min[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
     return list(quant_kernel.pack(q, torch.stack([sc, m], -1).to(torch.uint8), torch.stack([d, dmin], -1).half()))

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hyprefix.routing.index import PrefixIndex
+from hyprefix.text import common_prefix
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,9 @@ class ReplicaState:
 
     def usable_blocks(self, hashes: Sequence[bytes], prompt_is_block_aligned: bool = False) -> float:
         cached = self.index.usable_blocks(hashes, prompt_is_block_aligned)
-        pending = max((_common_prefix(hashes, other) for other in self.in_flight.values()), default=0)
+        pending = max((common_prefix(hashes, other) for other in self.in_flight.values()), default=0)
         return max(cached, pending)
 
-
-def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

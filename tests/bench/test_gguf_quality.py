@@ -15,6 +15,7 @@ import torch
 
 from hyprefix import LLM
 from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.text import common_prefix
 from tests.models.test_gguf_errors import VOCAB
 from tests.models.test_gguf_native import TYPES, write_mixed_gguf
 from tests.support.compare import our_last_logits, random_prompts
@@ -55,7 +56,7 @@ def test_metrics_of_known_inputs() -> None:
     stats = gq.distribution_agreement([logits], [logits.flip(-1)], [[0, 1, 2, 3, 4]])
     assert stats["positions"] == 5 and stats["mean_kl"] > 0 and stats["max_kl"] >= stats["p99_kl"] >= 0
     assert set(stats) == {"mean_kl", "p99_kl", "max_kl", "top1_pct", "positions", "mean_nll"}
-    assert gq.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and gq.common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
     agreement = gq.greedy_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 6], [7, 7]])
     assert agreement == {"identical_pct": pytest.approx(100 / 3), "mean_common_prefix": pytest.approx(4 / 3),
                          "mean_ref_tokens": 2.0, "completions": 3}

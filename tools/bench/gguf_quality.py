@@ -231,20 +231,12 @@ def distribution_agreement(ref_logits: Sequence[torch.Tensor], logits: Sequence[
     return out
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def greedy_agreement(ref_tokens: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> dict[str, float]:
     """Per completion pair: the % of completions whose token ids equal the reference's
     (``identical_pct``), the mean length of their common prefix in tokens
     (``mean_common_prefix``) and the reference completions' mean length (``mean_ref_tokens``)."""
+    from hyprefix.text import common_prefix
+
     pairs = list(zip(ref_tokens, tokens, strict=True))
     if not pairs:
         raise ValueError("no completions to compare")
