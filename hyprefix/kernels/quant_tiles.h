@@ -130,7 +130,7 @@ inline __m512 uint8x16(const uint8_t* p) {
 }
 
 // MB activation rows times one Q4, Q4K or Q6 tile: the 16 rows' results of each into out[i].
-template <TileFormat F, int MB>
+template <TileFormat F, int MB, int NH>  // NH: the AVX2 version's halves a pass (a zmm holds all 16 rows)
 inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
@@ -228,98 +228,113 @@ inline __m256 uint8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The two halves of a tile (rows 0-7, rows 8-15) one after the other, each over every group: one
-// half's MB accumulators and scales fit AVX2's 16 registers (both at once spilled to the stack).
-template <TileFormat F, int MB>
+// NH of a tile's two 8-row halves (rows 0-7, rows 8-15) at a time, over every group. NH = 1 when the
+// tile is reused from cache by many activation rows (prefill): one half's MB accumulators and scales
+// fit AVX2's 16 registers, both halves at once spill to the stack. NH = 2 when the tile streams from
+// memory for a few rows (decode): one pass reads each line once.
+template <TileFormat F, int MB, int NH>
 inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    __m256 d = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += NH) {
+    __m256 acc[MB][NH];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NH; ++j) acc[i][j] = _mm256_setzero_ps();
+    __m256 d[NH], dmin[NH];
+    for (int j = 0; j < NH; ++j) d[j] = dmin[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wg = tile + g * group_bytes(F);
-      if (m0 == 0 && h == 0)
+      if (m0 == 0 && h0 == 0)
         for (int j = 0; j < group_bytes(F) / 64; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
       const int32_t* x[MB];
       for (int i = 0; i < MB; ++i)
         x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
-      if constexpr (F == TileFormat::kQ6) {
-        if (g % 8 == 0) d = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
-      } else if constexpr (F == TileFormat::kQ4K) {
-        if (g % 8 == 0) {
-          d = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + h * 8);
-          dmin = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16 + h * 8);
-        }
-      }
-      // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
-      __m256i pairs[MB];
-      __m256i run[MB][2];  // Q6's int32 sums per run
-      for (int i = 0; i < MB; ++i) pairs[i] = run[i][0] = run[i][1] = _mm256_setzero_si256();
-      __m256i crumbs[2];
-      if constexpr (F == TileFormat::kQ6) {
-        crumbs[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 4 * 64 + h * 32));
-        crumbs[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 5 * 64 + h * 32));
-      }
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + h * 32));
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (F == TileFormat::kQ6) {
-          const __m256i c = crumbs[p / 2];
-          const int s = 2 * (p % 2);
-          lo = _mm256_or_si256(lo, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 4) : c, high2));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 2) : _mm256_srli_epi16(c, 2), high2));
-        }
-        for (int i = 0; i < MB; ++i) {
-          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[i][2 * p])),
-                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[i][2 * p + 1])));
+      if (g % 8 == 0) {
+        for (int j = 0; j < NH; ++j) {
+          const int h = h0 + j;
           if constexpr (F == TileFormat::kQ6) {
-            run[i][p / 2] = _mm256_add_epi32(run[i][p / 2], _mm256_madd_epi16(pair, ones));
-          } else {
-            pairs[i] = _mm256_add_epi16(pairs[i], pair);
+            d[j] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16 + h * 8);
+          } else if constexpr (F == TileFormat::kQ4K) {
+            d[j] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + h * 8);
+            dmin[j] = half8(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16 + h * 8);
           }
         }
       }
-      if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
-        __m256 s, o;
-        if constexpr (F == TileFormat::kQ4K) {
-          const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32 + h * 8;
-          s = _mm256_mul_ps(d, uint8x8(sm));
-          o = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, uint8x8(sm + 16)));
+      for (int j = 0; j < NH; ++j) {
+        const int h = h0 + j;
+        // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
+        __m256i pairs[MB];
+        __m256i run[MB][2];  // Q6's int32 sums per run
+        for (int i = 0; i < MB; ++i) pairs[i] = run[i][0] = run[i][1] = _mm256_setzero_si256();
+        __m256i crumbs[2];
+        if constexpr (F == TileFormat::kQ6) {
+          crumbs[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 4 * 64 + h * 32));
+          crumbs[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 5 * 64 + h * 32));
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * 64 + h * 32));
+          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (F == TileFormat::kQ6) {
+            const __m256i c = crumbs[p / 2];
+            const int s = 2 * (p % 2);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 4) : c, high2));
+            hi = _mm256_or_si256(hi,
+                                 _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 2) : _mm256_srli_epi16(c, 2), high2));
+          }
+          for (int i = 0; i < MB; ++i) {
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[i][2 * p])),
+                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[i][2 * p + 1])));
+            if constexpr (F == TileFormat::kQ6) {
+              run[i][p / 2] = _mm256_add_epi32(run[i][p / 2], _mm256_madd_epi16(pair, ones));
+            } else {
+              pairs[i] = _mm256_add_epi16(pairs[i], pair);
+            }
+          }
+        }
+        if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
+          __m256 s, o;
+          if constexpr (F == TileFormat::kQ4K) {
+            const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32 + h * 8;
+            s = _mm256_mul_ps(d[j], uint8x8(sm));
+            o = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin[j], uint8x8(sm + 16)));
+          } else {
+            s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
+            o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
+          }
+          for (int i = 0; i < MB; ++i) {
+            const int64_t at = (m0 + i) * groups + g;
+            const float xs = q.scales[at];
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones));
+            acc[i][j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(
+                o, _mm256_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])), acc[i][j]);
+          }
         } else {
-          s = half8(static_cast<const uint16_t*>(tile_scales) + g * 16 + h * 8);
-          o = half8(static_cast<const uint16_t*>(tile_extra) + g * 16 + h * 8);
-        }
-        for (int i = 0; i < MB; ++i) {
-          const int64_t at = (m0 + i) * groups + g;
-          const float xs = q.scales[at];
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[i], ones));
-          acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc[i]);
-          acc[i] = _mm256_fmadd_ps(
-              o, _mm256_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])), acc[i]);
-        }
-      } else {
-        const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32 + h * 8;
-        const __m256 s0 = _mm256_mul_ps(d, int8x8(sc)), s1 = _mm256_mul_ps(d, int8x8(sc + 16));
-        for (int i = 0; i < MB; ++i) {
-          const int64_t at = (m0 + i) * groups + g;
-          const __m256 xs = _mm256_set1_ps(q.scales[at]);
-          const __m256i r0 = _mm256_sub_epi32(run[i][0], _mm256_set1_epi32(32 * q.halves[2 * at]));
-          const __m256i r1 = _mm256_sub_epi32(run[i][1], _mm256_set1_epi32(32 * q.halves[2 * at + 1]));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), _mm256_mul_ps(s0, xs), acc[i]);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), _mm256_mul_ps(s1, xs), acc[i]);
+          const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32 + h * 8;
+          const __m256 s0 = _mm256_mul_ps(d[j], int8x8(sc)), s1 = _mm256_mul_ps(d[j], int8x8(sc + 16));
+          for (int i = 0; i < MB; ++i) {
+            const int64_t at = (m0 + i) * groups + g;
+            const __m256 xs = _mm256_set1_ps(q.scales[at]);
+            const __m256i r0 = _mm256_sub_epi32(run[i][0], _mm256_set1_epi32(32 * q.halves[2 * at]));
+            const __m256i r1 = _mm256_sub_epi32(run[i][1], _mm256_set1_epi32(32 * q.halves[2 * at + 1]));
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r0), _mm256_mul_ps(s0, xs), acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r1), _mm256_mul_ps(s1, xs), acc[i][j]);
+          }
         }
       }
     }
-    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out[i] + h * 8, acc[i]);
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NH; ++j) _mm256_storeu_ps(out[i] + (h0 + j) * 8, acc[i][j]);
   }
 }
 
 #endif
+
+// Up to this many activation rows a tile is streamed in one pass (AVX2: both halves at once).
+constexpr int64_t kStreamRows = 4;
 
 // Tiles [t0, t1) of the matrix (indices over all its parts) that lie in `part`, times q's rows:
 // their columns of out ([rows, n]).
@@ -336,6 +351,7 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     return;
   }
   alignas(64) float res[4][16];
+  const bool stream = rows <= kStreamRows;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t local = t - part.tile0;
     const uint8_t* tile = part.data + local * part.tile_bytes(k);
@@ -344,12 +360,21 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     const int64_t count = std::min<int64_t>(16, n - t * 16);
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
       const int64_t mb = std::min<int64_t>(4, rows - m0);
-#define HYPREFIX_QUANT_ROWS(F)                                              \
-  switch (mb) {                                                             \
-    case 4: quant_tile_rows<F, 4>(tile, scales, extra, k, q, m0, res); break; \
-    case 3: quant_tile_rows<F, 3>(tile, scales, extra, k, q, m0, res); break; \
-    case 2: quant_tile_rows<F, 2>(tile, scales, extra, k, q, m0, res); break; \
-    default: quant_tile_rows<F, 1>(tile, scales, extra, k, q, m0, res); break; \
+#define HYPREFIX_QUANT_ROWS(F)                                                   \
+  if (stream) {                                                                  \
+    switch (mb) {                                                                \
+      case 4: quant_tile_rows<F, 4, 2>(tile, scales, extra, k, q, m0, res); break; \
+      case 3: quant_tile_rows<F, 3, 2>(tile, scales, extra, k, q, m0, res); break; \
+      case 2: quant_tile_rows<F, 2, 2>(tile, scales, extra, k, q, m0, res); break; \
+      default: quant_tile_rows<F, 1, 2>(tile, scales, extra, k, q, m0, res); break; \
+    }                                                                            \
+  } else {                                                                       \
+    switch (mb) {                                                                \
+      case 4: quant_tile_rows<F, 4, 1>(tile, scales, extra, k, q, m0, res); break; \
+      case 3: quant_tile_rows<F, 3, 1>(tile, scales, extra, k, q, m0, res); break; \
+      case 2: quant_tile_rows<F, 2, 2>(tile, scales, extra, k, q, m0, res); break; \
+      default: quant_tile_rows<F, 1, 2>(tile, scales, extra, k, q, m0, res); break; \
+    }                                                                            \
   }
       if (part.format == TileFormat::kQ6) {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ6)
