@@ -35,6 +35,7 @@ def _builders() -> dict[str, Callable[[], object]]:
         packed_linear,
         prefill_attention,
         quant_linear,
+        recurrent_decode,
     )
 
     return {
@@ -46,6 +47,7 @@ def _builders() -> dict[str, Callable[[], object]]:
         "packed_linear": packed_linear.available,
         "quant_linear": quant_linear.available,
         "decode_layers": decode_layers.available,
+        "recurrent_decode": recurrent_decode.available,
     }
 
 

@@ -167,19 +167,21 @@ class CausalLM(nn.Module):
         tiles) for it."""
         return self.state_layout is None
 
-    def pack_weights(self, keep_plain: bool = False) -> None:
+    def pack_weights(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add prepacked oneDNN weights to the linears where the device allows it (CPU). A
         tied LM head gets its own packed copy; the embedding keeps the plain one.
         ``keep_plain``: compiled decode steps will read the weights, so keep the plain ones
         too, or their bf16 tiles instead where the bf16 kernel runs (a tied head's tiles then
-        replace the embedding table and serve the lookups, ``Embedding.pack_head``). A head with
-        a float32 copy (``use_fp32_head``) gets no other form."""
+        replace the embedding table and serve the lookups, ``Embedding.pack_head``).
+        ``eager_tiles``: eager decode steps will multiply bf16 tiles where the kernel takes them
+        (``MatrixForms.tiles_take``), so add them beside the packed copies. A head with a float32
+        copy (``use_fp32_head``) gets no other form."""
         fp32_head = self.head_forms.fp32 is not None  # the head multiplies its float32 copy: no other form
         for module in self.modules():
             if isinstance(module, Linear) and not (fp32_head and module is self.lm_head):
-                module.pack(keep_plain)
+                module.pack(keep_plain, eager_tiles)
         if self.lm_head is None and not fp32_head:
-            self.embed.pack_head(keep_plain)
+            self.embed.pack_head(keep_plain, eager_tiles)
 
     def use_batch_invariant(self) -> None:
         """The batch-invariant mode (``EngineArgs.batch_invariant``), after loading and before

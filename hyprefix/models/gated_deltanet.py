@@ -12,7 +12,8 @@ The gated delta rule, per value head with state S [key dim, value dim] (float32)
 ``g_t = -exp(A_log) softplus(a_t + dt_bias)`` and ``beta_t = sigmoid(b_t)``.
 Prefills run it chunked (``gated_delta_scan``); a tap inside a prefill ends a chunk
 there, so checkpoints never force a chunk boundary on the scheduler. Decodes run
-the one-token recurrence batched over rows.
+the one-token recurrence batched over rows: fused in one call per layer where
+``kernels/recurrent_decode`` runs, else the eager ops below.
 """
 
 from __future__ import annotations
@@ -24,8 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
+from hyprefix.kernels import recurrent_decode
 from hyprefix.models.layers import Linear
-from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState, conv_decode, conv_prefill
+from hyprefix.models.recurrent_state import (
+    LayerStateShape,
+    RecurrentLayerState,
+    conv_decode,
+    conv_prefill,
+    tap_decode_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -80,17 +88,37 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
         d = self.d
         t = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split([d.conv_dim, d.value_dim, d.v_heads, d.v_heads], dim=-1)
+        proj = self.in_proj(x)
+        n_dec = batch.num_decode
+        fused = bool(n_dec) and recurrent_decode.runs(proj, state.matrix)
+        if fused and n_dec == t:
+            return self.out_proj(self._fused_decode(proj, batch, state))
+        qkv, z, b, a = proj.split([d.conv_dim, d.value_dim, d.v_heads, d.v_heads], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         o = torch.empty(t, d.v_heads, d.v_dim, dtype=torch.float32, device=x.device)
-        n_dec = batch.num_decode
-        if n_dec:
+        if fused:
+            o[:n_dec] = 0  # the fused op's rows replace theirs below
+        elif n_dec:
             o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
         for span in batch.prefills:
             sl = span.token_slice
             o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
-        return self.out_proj(self._gated_norm(o, z).to(x.dtype))
+        y = self._gated_norm(o, z).to(x.dtype)
+        if fused:
+            y[:n_dec] = self._fused_decode(proj[:n_dec], batch, state)
+        return self.out_proj(y)
+
+    def _fused_decode(self, proj: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
+        """The decode rows in one call (``kernels/recurrent_decode``): [n_dec, value_dim] before out_proj."""
+        d = self.d
+        slots = batch.decode_state_slots
+        assert slots is not None
+        y = recurrent_decode.gdn_decode(proj, state.conv, self.conv1d_weight, state.matrix, slots, self.A_log,
+                                        self.dt_bias, self.norm_weight, d.k_heads, d.v_heads, d.k_dim, d.v_dim,
+                                        d.eps)
+        tap_decode_rows(state, slots, batch.decode_state_taps)
+        return y
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs [n, conv_dim] -> q, k [n, v_heads, k_dim] (normalised, q scaled)

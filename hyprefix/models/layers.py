@@ -88,10 +88,11 @@ class Linear(nn.Linear):
         self.forms = MatrixForms(out_features, in_features)
         self.pack_halves = pack_halves
 
-    def pack(self, keep_plain: bool = False) -> None:
+    def pack(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add the packed form where the device allows it; ``keep_plain``: compiled decode steps
-        read the matrix, so keep the plain weight (or bf16 tiles in its place)."""
-        if self.forms.pack(self.weight, keep_plain, self.pack_halves):
+        read the matrix, so keep the plain weight (or bf16 tiles in its place); ``eager_tiles``:
+        eager decode steps multiply its bf16 tiles (``MatrixForms.tiles_take``)."""
+        if self.forms.pack(self.weight, keep_plain, self.pack_halves, eager_tiles):
             drop_plain(self.weight)
 
     def quantize(self) -> None:
@@ -124,10 +125,10 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim, dtype=dtype, device=device)
         self.forms = MatrixForms(num_embeddings, embedding_dim)
 
-    def pack_head(self, keep_plain: bool) -> None:
-        """The table's packed form for a tied LM head (and, with ``keep_plain``, its bf16 tiles,
-        which then replace the table); the lookups keep the plain table otherwise."""
-        if self.forms.pack(self.weight, keep_plain) and self.forms.bf16 is not None:
+    def pack_head(self, keep_plain: bool, eager_tiles: bool = False) -> None:
+        """The table's packed form for a tied LM head (and, with ``keep_plain`` or ``eager_tiles``,
+        its bf16 tiles, which then replace the table); the lookups keep the plain table otherwise."""
+        if self.forms.pack(self.weight, keep_plain, eager_tiles=eager_tiles) and self.forms.bf16 is not None:
             drop_plain(self.weight)
 
     def use_batch_invariant_head(self) -> None:
@@ -184,7 +185,8 @@ class GatedMLP(nn.Module):
         if self.gate_up.forms.invariant:
             return self.down(invariant_kernel.invariant_gated_act(self.gate_up(x), self.activation))
         halves = self.gate_up.forms.packed_halves
-        if halves is not None and not (torch.compiler.is_compiling() and one_row(x)):
+        if halves is not None and not (torch.compiler.is_compiling() and one_row(x)) \
+                and not self.gate_up.forms.tiles_take(x):
             bias = self.gate_up.bias
             gate_bias, up_bias = bias.split(self.intermediate) if bias is not None else (None, None)
             return self.down(packed_gate_up(x, *halves, gate_bias, up_bias, self._epilogue))

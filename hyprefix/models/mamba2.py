@@ -7,7 +7,8 @@ RMSNorm -> out_proj.
 State lives outside the module (``recurrent_state.py``): ``conv`` [slots, conv_dim,
 K-1] in the model dtype and the SSM state ``matrix`` [slots, heads, head_dim,
 state] in float32 whatever the model dtype. A tap inside a prefill splits the scan
-there, so checkpoints never force a chunk boundary on the scheduler.
+there, so checkpoints never force a chunk boundary on the scheduler. Decode rows run in one
+fused call per layer where ``kernels/recurrent_decode`` runs, else the eager ops below.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
+from hyprefix.kernels import recurrent_decode
 from hyprefix.models.layers import Linear
-from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState, conv_decode, conv_prefill
+from hyprefix.models.recurrent_state import (
+    LayerStateShape,
+    RecurrentLayerState,
+    conv_decode,
+    conv_prefill,
+    tap_decode_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -69,18 +77,39 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
         d = self.d
-        z, xbc, dt = self.in_proj(x).split([d.inner, d.conv_dim, d.heads], dim=-1)
-        A = -torch.exp(self.A_log.float())
-        y = torch.empty(x.shape[0], d.heads, d.head_dim, dtype=torch.float32, device=x.device)
-        xs = torch.empty(x.shape[0], d.inner, dtype=torch.float32, device=x.device)  # conv outputs (for D skip)
+        t = x.shape[0]
+        proj = self.in_proj(x)
         n_dec = batch.num_decode
-        if n_dec:
+        fused = bool(n_dec) and recurrent_decode.runs(proj, state.matrix)
+        if fused and n_dec == t:
+            return self.out_proj(self._fused_decode(proj, batch, state))
+        z, xbc, dt = proj.split([d.inner, d.conv_dim, d.heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(t, d.heads, d.head_dim, dtype=torch.float32, device=x.device)
+        xs = torch.empty(t, d.inner, dtype=torch.float32, device=x.device)  # conv outputs (for D skip)
+        if fused:
+            y[:n_dec], xs[:n_dec] = 0, 0  # the fused op's rows replace theirs below
+        elif n_dec:
             y[:n_dec], xs[:n_dec] = self._decode(xbc[:n_dec], dt[:n_dec], A, batch, state)
         for span in batch.prefills:
             sl = span.token_slice
             y[sl], xs[sl] = self._prefill(xbc[sl], dt[sl], A, span.state_slot, span.state_taps, state)
         y = y + self.D.float()[:, None] * xs.view_as(y)
-        return self.out_proj(self._gated_norm(y.view(x.shape[0], d.inner), z).to(x.dtype))
+        out = self._gated_norm(y.view(t, d.inner), z).to(x.dtype)
+        if fused:
+            out[:n_dec] = self._fused_decode(proj[:n_dec], batch, state)
+        return self.out_proj(out)
+
+    def _fused_decode(self, proj: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
+        """The decode rows in one call (``kernels/recurrent_decode``): [n_dec, inner] before out_proj."""
+        d = self.d
+        slots = batch.decode_state_slots
+        assert slots is not None
+        y = recurrent_decode.mamba2_decode(proj, state.conv, self.conv1d_weight, self.conv1d_bias, state.matrix, slots,
+                                           self.A_log, self.dt_bias, self.D, self.norm_weight, d.heads, d.head_dim,
+                                           d.groups, d.state, d.dt_min, d.dt_max, d.eps)
+        tap_decode_rows(state, slots, batch.decode_state_taps)
+        return y
 
     # ----------------------------------------------------------------- pieces
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,14 @@ class RecurrentLayerState:
             self.matrix[live_slot].copy_(self.ckpt_matrix[ckpt_slot])
 
 
+def tap_decode_rows(state: RecurrentLayerState, slots: torch.Tensor, taps: list[tuple[int, int]]) -> None:
+    """After a decode step advanced the live states in place: copy decode row ``row``'s state
+    (live slot ``slots[row]``) into checkpoint slot ``ckpt`` for each tap."""
+    for row, ckpt in taps:
+        slot = int(slots[row])
+        state.tap(ckpt, state.conv[slot], state.matrix[slot])
+
+
 def conv_prefill(state: RecurrentLayerState, slot: int, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv of one prefill ``x`` [n, C] after the slot's conv state;

@@ -51,6 +51,11 @@ from hyprefix.models.quant import (
 GraphWeight = torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles | QuantTiles
 
 
+# Up to this many rows an eager matmul multiplies a matrix's bf16 tiles where it has them
+# (``MatrixForms.tiles_take``): decode batches, which stream the matrix once.
+EAGER_TILE_ROWS = 8
+
+
 def mkldnn_packing_available(weight: torch.Tensor) -> bool:
     """Whether this weight's dtype is prepacked on its device (``hardware.DeviceCaps.prepack``)."""
     return device_caps(weight.device).prepack(weight.dtype)
@@ -168,11 +173,12 @@ class MatrixForms(nn.Module):
             return "quant_tiles"
         return "packed" if self.packed is not None or self.packed_halves is not None else None
 
-    def pack(self, plain: torch.Tensor, keep_plain: bool, halves: bool = False) -> bool:
+    def pack(self, plain: torch.Tensor, keep_plain: bool, halves: bool = False, eager_tiles: bool = False) -> bool:
         """Add oneDNN's packed copy of ``plain`` where the device prepacks its dtype (whole, or
         its top and bottom halves); with ``keep_plain`` (compiled decode steps read the
-        matrix) also its bf16 tiles where the bf16 kernel takes them. Returns whether
-        ``plain`` is no longer needed for matmuls: packed, and not kept or tiled."""
+        matrix) or ``eager_tiles`` (eager decode steps multiply a few rows, ``tiles_take``) also
+        its bf16 tiles where the bf16 kernel takes them. Returns whether ``plain`` is no longer
+        needed for matmuls: packed, and not kept or tiled."""
         if self.packed is not None or self.packed_halves is not None or self.quantized is not None or self.invariant \
                 or not plain.numel() or not mkldnn_packing_available(plain):
             return False
@@ -181,7 +187,18 @@ class MatrixForms(nn.Module):
             self.packed_halves = (pack_weight(top), pack_weight(bottom))
         else:
             self.packed = pack_weight(plain)
-        return not keep_plain or self._set_bf16_tiles(plain)
+        if keep_plain:
+            return self._set_bf16_tiles(plain)
+        if eager_tiles:
+            self._set_bf16_tiles(plain)
+        return True
+
+    def tiles_take(self, x: torch.Tensor) -> bool:
+        """Whether an eager matmul of ``x`` multiplies the bf16 tiles rather than the packed copy:
+        a decode-sized bfloat16 CPU batch (at most ``EAGER_TILE_ROWS`` rows), where the tile
+        kernel streams the matrix faster than oneDNN's GEMM."""
+        return ("bf16_tiles" in self._buffers and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not torch.compiler.is_compiling() and x.numel() <= EAGER_TILE_ROWS * self.cols)
 
     def _set_bf16_tiles(self, plain: torch.Tensor) -> bool:
         """Keep ``plain``'s bf16 tiles where the kernel takes them (bfloat16 on a CPU where
@@ -281,6 +298,8 @@ class MatrixForms(nn.Module):
         quantized = self.quantized
         if quantized is not None:
             return quantized.matmul(x, bias)
+        if self.tiles_take(x) and (bias is None or bias.dtype == x.dtype):
+            return bf16_kernel.bf16_linear(x, self._buffers["bf16_tiles"], self.rows, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, plain, bias)
