@@ -30,11 +30,11 @@
 namespace {
 
 constexpr int64_t kTile = 16;
-constexpr int kUnroll = 4;       // pairs of columns in flight per row: VDPBF16PS latency over its throughput
+constexpr int64_t kRowBlock = 8;  // rows of x per pass over a tile
 constexpr int64_t kAhead = 2048;  // prefetch distance in bytes (docs/perf-log.md)
 
 // Rows m0..m0+MB-1 of x (as int32 pairs, `pairs` per row) times one tile: 16 sums per row.
-template <int MB>
+template <int MB, int kUnroll = (MB <= 4 ? 4 : 2)>
 inline void tile_rows(const char* tile, const int32_t* x, int64_t pairs, int64_t m0, float (*out)[kTile]) {
   __m512 acc[MB][kUnroll];
   for (int i = 0; i < MB; ++i)
@@ -55,8 +55,11 @@ inline void tile_rows(const char* tile, const int32_t* x, int64_t pairs, int64_t
     const __m512bh w = (__m512bh)_mm512_loadu_si512(tile + p * 64);
     for (int i = 0; i < MB; ++i) acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w, (__m512bh)_mm512_set1_epi32(rows[i][p]));
   }
-  for (int i = 0; i < MB; ++i)
-    _mm512_storeu_ps(out[i], _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])));
+  for (int i = 0; i < MB; ++i) {
+    __m512 sum = acc[i][0];
+    for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+    _mm512_storeu_ps(out[i], sum);
+  }
 }
 
 // A thread's run of tiles [front, back): its owner takes from the front, a thread done with its
@@ -113,13 +116,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n, 
   c10::BFloat16* o = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t tile_bytes = kTile * k * 2;
   auto run = [&](int64_t t0, int64_t t1) {
-    alignas(64) float res[4][kTile];
+    alignas(64) float res[kRowBlock][kTile];
     for (int64_t t = t0; t < t1; ++t) {
       const char* tile = packed + t * tile_bytes;
       const int64_t count = std::min<int64_t>(kTile, n - t * kTile);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mb = std::min<int64_t>(4, rows - m0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        const int64_t mb = std::min<int64_t>(kRowBlock, rows - m0);
         switch (mb) {
+          case 8: tile_rows<8>(tile, xv, pairs, m0, res); break;
+          case 7: tile_rows<7>(tile, xv, pairs, m0, res); break;
+          case 6: tile_rows<6>(tile, xv, pairs, m0, res); break;
+          case 5: tile_rows<5>(tile, xv, pairs, m0, res); break;
           case 4: tile_rows<4>(tile, xv, pairs, m0, res); break;
           case 3: tile_rows<3>(tile, xv, pairs, m0, res); break;
           case 2: tile_rows<2>(tile, xv, pairs, m0, res); break;

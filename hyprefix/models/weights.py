@@ -101,6 +101,7 @@ class MatrixForms(nn.Module):
         self.packed: torch.Tensor | None = None
         self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.invariant = False  # ``use_batch_invariant``
+        self.eager_tiles = False  # eager decode-sized matmuls take the bf16 tiles (``tiles_take``)
 
     @property
     def int8(self) -> Int8Weight | Int8Tiles | None:
@@ -190,14 +191,15 @@ class MatrixForms(nn.Module):
         if keep_plain:
             return self._set_bf16_tiles(plain)
         if eager_tiles:
-            self._set_bf16_tiles(plain)
+            self.eager_tiles = self._set_bf16_tiles(plain)
         return True
 
     def tiles_take(self, x: torch.Tensor) -> bool:
         """Whether an eager matmul of ``x`` multiplies the bf16 tiles rather than the packed copy:
-        a decode-sized bfloat16 CPU batch (at most ``EAGER_TILE_ROWS`` rows), where the tile
-        kernel streams the matrix faster than oneDNN's GEMM."""
-        return ("bf16_tiles" in self._buffers and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        tiles packed for eager steps (``pack``'s ``eager_tiles``) and a decode-sized bfloat16 CPU
+        batch (at most ``EAGER_TILE_ROWS`` rows), where the tile kernel streams the matrix faster
+        than oneDNN's GEMM."""
+        return (self.eager_tiles and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and not torch.compiler.is_compiling() and x.numel() <= EAGER_TILE_ROWS * self.cols)
 
     def _set_bf16_tiles(self, plain: torch.Tensor) -> bool:

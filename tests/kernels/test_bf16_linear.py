@@ -40,7 +40,7 @@ def test_pack_and_unpack_are_inverse_and_rows_gathers_the_weight():
 @needs_kernel
 # a padded last tile; K / 2 not a multiple of 4; many tiles (some taken by the other thread)
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 70), (100, 1030), (1000, 64)])
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 9, 16])
 def test_kernel_matches_a_float32_matmul(n, k, m):
     """Products of bf16 values are exact in float32; the kernel sums them in another order
     and rounds once to bf16: within one bf16 step of the float32 matmul's rounding, and

@@ -111,3 +111,32 @@ def test_refresh_writes_new_values_into_the_same_tensors(form):
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="shape"):
         linear.forms.refresh(torch.zeros(3, 3, dtype=dtype))
+
+
+def test_eager_tiles_serve_decode_sized_batches_and_the_packed_copy_the_rest(monkeypatch):
+    """``eager_tiles`` (models that decode eagerly: hybrids): bf16 tiles beside the packed copy, no
+    plain weight; an eager matmul of up to EAGER_TILE_ROWS rows multiplies the tiles (the bf16
+    kernel), a larger one the packed copy; float32 matrices get no tiles."""
+    from hyprefix.kernels import bf16_linear as bf16_kernel
+    from hyprefix.models import weights
+
+    linear = _linear(torch.bfloat16)
+    plain = linear.weight.detach().clone()
+    linear.pack(eager_tiles=True)
+    if not (bf16_kernel.available() and device_caps("cpu").prepack(torch.bfloat16)):
+        assert not linear.forms.eager_tiles
+        return
+    assert linear.forms.eager_tiles and linear.forms.bf16 is not None and linear.weight.numel() == 0
+    assert linear.forms.memory_bytes(torch.bfloat16) == 2 * 64 * 48 * 2  # tiles + the packed copy
+    kernel_rows = []
+    real = bf16_kernel.bf16_linear
+    monkeypatch.setattr(weights.bf16_kernel, "bf16_linear",
+                        lambda x, *a: kernel_rows.append(x.shape[0]) or real(x, *a))
+    for rows in (1, weights.EAGER_TILE_ROWS, weights.EAGER_TILE_ROWS + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = torch.nn.functional.linear(x.float(), plain.float(), linear.bias.float())
+        torch.testing.assert_close(linear(x).float(), expected, rtol=2e-2, atol=2e-2)
+    assert kernel_rows == [1, weights.EAGER_TILE_ROWS]
+    f32 = _linear(torch.float32)
+    f32.pack(eager_tiles=True)
+    assert not f32.forms.eager_tiles and f32.forms.bf16 is None
