@@ -188,16 +188,18 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     after it is ``G_Q h0 + sum_j (G_Q / G_j) k_j u_j^T``.
     """
     n = q.shape[0]
-    o = torch.empty_like(v)
+    q_all, k_all, v_all = (x.transpose(0, 1).contiguous() for x in (q, k, v))  # [H, n, *]: chunks are row runs
+    beta_all, g_all = beta.t().contiguous(), g.t().contiguous()  # [H, n]
+    o = torch.empty_like(v_all)
     h = h0.to(q.dtype)
     cut_set = set(cuts)
     tapped: dict[int, torch.Tensor] = {}
     start = 0
     while start < n:
         end = min(start + chunk, n, *(c for c in cut_set if c > start))
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, Q, *]
-        bs = beta[start:end].t()  # [H, Q]
-        cs = torch.cumsum(g[start:end].t(), dim=-1)  # [H, Q]
+        qs, ks, vs = (x[:, start:end] for x in (q_all, k_all, v_all))  # [H, Q, *]
+        bs = beta_all[:, start:end]  # [H, Q]
+        cs = torch.cumsum(g_all[:, start:end], dim=-1)  # [H, Q]
         span = end - start
         causal = torch.ones(span, span, dtype=torch.bool, device=q.device).tril()
         decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q, Q]
@@ -206,10 +208,10 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
         u = solved[..., :vs.shape[-1]] - solved[..., vs.shape[-1]:] @ h  # [H, Q, V]
         out = (qs * torch.exp(cs)[:, :, None]) @ h + ((qs @ ks.transpose(1, 2)) * decay) @ u
-        o[start:end] = out.transpose(0, 1)
+        o[:, start:end] = out
         to_end = torch.exp(cs[:, -1:] - cs)  # [H, Q]
         h = h * torch.exp(cs[:, -1])[:, None, None] + (ks * to_end[:, :, None]).transpose(1, 2) @ u
         if end in cut_set:
             tapped[end] = h.clone()
         start = end
-    return o, h, [tapped[c] for c in cuts]
+    return o.transpose(0, 1), h, [tapped[c] for c in cuts]

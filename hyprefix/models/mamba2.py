@@ -116,13 +116,16 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return dt.clamp(min=self.d.dt_min, max=self.d.dt_max)
 
-    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split_xbc(self, xbc: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs -> x [n, inner], B and C [n, heads, state] (``per_head``) or [n, groups, state], float32."""
         d = self.d
         gn = d.groups * d.state
         xv, B, C = xbc.split([d.inner, gn, gn], dim=-1)
-        rep = d.heads // d.groups
-        B = B.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
-        C = C.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
+        B = B.float().view(-1, d.groups, d.state)
+        C = C.float().view(-1, d.groups, d.state)
+        if per_head:
+            rep = d.heads // d.groups
+            B, C = B.repeat_interleave(rep, dim=1), C.repeat_interleave(rep, dim=1)
         return xv.float(), B, C
 
     def _decode(self, xbc, dt, A, batch: ForwardBatch, state: RecurrentLayerState):
@@ -149,7 +152,7 @@ class Mamba2Mixer(nn.Module):
         k1 = d.conv_kernel - 1
         n = xbc.shape[0]
         conv, inputs = conv_prefill(state, slot, xbc, self.conv1d_weight, self.conv1d_bias)
-        xv, B, C = self._split_xbc(F.silu(conv))
+        xv, B, C = self._split_xbc(F.silu(conv), per_head=False)
         y, h, tapped = ssd_scan(xv.view(n, d.heads, d.head_dim), self._dt(dt), A, B, C,
                                 state.matrix[slot], d.chunk, [offset for offset, _ in taps])
         state.matrix[slot].copy_(h)
@@ -169,34 +172,40 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
              h0: torch.Tensor, chunk: int, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Chunked state-space-dual scan of one sequence, float32.
 
-    x [n, H, P], dt [n, H] (discretised, > 0), A [H] (< 0), B and C [n, H, N]
-    (already expanded from groups to heads), h0 [H, P, N]. Recurrence:
+    x [n, H, P], dt [n, H] (discretised, > 0), A [H] (< 0), B and C [n, G, N] per group
+    (head h reads group h // (H // G)), h0 [H, P, N]. Recurrence:
     ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t``.
     Segments end every ``chunk`` tokens and at every offset in ``cuts``; returns
     (y [n, H, P], final state, states after each cut offset in order).
+
+    The products with B and C run per group, not per head: C B^T once for the group's heads,
+    and the state's readout and update as one matmul over the group's heads side by side.
     """
-    n = x.shape[0]
-    y = torch.empty_like(x)
+    n, heads, p = x.shape
+    groups, size = B.shape[1:]
+    rep = heads // groups
+    xdt = (x * dt[:, :, None]).transpose(0, 1).contiguous()  # [H, n, P]
+    a = (dt * A).t().contiguous()  # [H, n]
+    b_all, c_all = B.transpose(0, 1).contiguous(), C.transpose(0, 1).contiguous()  # [G, n, N]
+    y = torch.empty(heads, n, p, dtype=torch.float32, device=x.device)
     h = h0.float()
     cut_set = set(cuts)
     tapped: dict[int, torch.Tensor] = {}
     start = 0
     while start < n:
         end = min(start + chunk, n, *(c for c in cut_set if c > start))
-        a = dt[start:end] * A  # [Q, H]
-        cs = torch.cumsum(a, dim=0)
-        xdt = x[start:end] * dt[start:end, :, None]  # [Q, H, P]
-        b, c = B[start:end].transpose(0, 1), C[start:end].transpose(0, 1)  # [H, Q, N]
         q = end - start
+        cs = torch.cumsum(a[:, start:end], dim=-1)  # [H, Q]
         causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        seg = (cs[:, None, :] - cs[None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
-        scores = (c @ b.transpose(1, 2)) * torch.exp(seg).permute(2, 0, 1)  # [H, Q(t), Q(s)]
-        xh = xdt.transpose(0, 1)  # [H, Q, P]
-        out = scores @ xh + (c @ h.transpose(1, 2)) * torch.exp(cs).t()[:, :, None]
-        y[start:end] = out.transpose(0, 1)
-        decay_to_end = torch.exp(cs[-1][None, :] - cs).t()  # [H, Q]
-        h = h * torch.exp(cs[-1])[:, None, None] + (xh * decay_to_end[:, :, None]).transpose(1, 2) @ b
+        decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q(t), Q(s)]
+        b, c, xs = b_all[:, start:end], c_all[:, start:end], xdt[:, start:end]
+        scores = decay.view(groups, rep, q, q) * (c @ b.transpose(1, 2))[:, None]  # C_t . B_s per group
+        from_state = (c @ h.view(groups, rep * p, size).transpose(1, 2)).view(groups, q, rep, p)
+        y[:, start:end] = (scores.view(heads, q, q) @ xs
+                           + from_state.transpose(1, 2).reshape(heads, q, p) * torch.exp(cs)[:, :, None])
+        to_end = (xs * torch.exp(cs[:, -1:] - cs)[:, :, None]).transpose(1, 2).reshape(groups, rep * p, q)
+        h = h * torch.exp(cs[:, -1])[:, None, None] + (to_end @ b).view(heads, p, size)
         if end in cut_set:
             tapped[end] = h.clone()
         start = end
-    return y, h, [tapped[c] for c in cuts]
+    return y.transpose(0, 1), h, [tapped[c] for c in cuts]

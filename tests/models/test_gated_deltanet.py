@@ -137,3 +137,4 @@ def test_qwen3_5_moe_matches_transformers(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
