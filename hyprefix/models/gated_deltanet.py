@@ -204,9 +204,8 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         causal = torch.ones(span, span, dtype=torch.bool, device=q.device).tril()
         decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q, Q]
         lower = (bs[:, :, None] * (ks @ ks.transpose(1, 2)) * decay).tril(-1)
-        rhs = torch.cat((bs[:, :, None] * vs, (bs * torch.exp(cs))[:, :, None] * ks), dim=-1)
-        solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        u = solved[..., :vs.shape[-1]] - solved[..., vs.shape[-1]:] @ h  # [H, Q, V]
+        rhs = bs[:, :, None] * vs - ((bs * torch.exp(cs))[:, :, None] * ks) @ h
+        u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [H, Q, V]
         out = (qs * torch.exp(cs)[:, :, None]) @ h + ((qs @ ks.transpose(1, 2)) * decay) @ u
         o[:, start:end] = out
         to_end = torch.exp(cs[:, -1:] - cs)  # [H, Q]
