@@ -31,10 +31,13 @@ namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kRowBlock = 8;  // rows of x per pass over a tile
+// Pairs of columns in flight per row (VDPBF16PS latency over its throughput). The same for every
+// row count: a row's sums then run in one order whatever the other rows (the batch-invariant mode).
+constexpr int kUnroll = 2;
 constexpr int64_t kAhead = 2048;  // prefetch distance in bytes (docs/perf-log.md)
 
 // Rows m0..m0+MB-1 of x (as int32 pairs, `pairs` per row) times one tile: 16 sums per row.
-template <int MB, int kUnroll = (MB <= 4 ? 4 : 2)>
+template <int MB>
 inline void tile_rows(const char* tile, const int32_t* x, int64_t pairs, int64_t m0, float (*out)[kTile]) {
   __m512 acc[MB][kUnroll];
   for (int i = 0; i < MB; ++i)

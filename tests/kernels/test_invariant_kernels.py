@@ -60,17 +60,20 @@ def test_linear_rows_alone_and_in_any_batch_are_the_same_bits(dtype, n, k):
 @pytest.mark.skipif(not bf16_linear.available(), reason="the bf16 tile kernel needs native bf16 with AVX512-BF16")
 def test_bf16_tiles_rows_are_the_same_bits_alone_and_in_a_batch():
     """The mode multiplies bfloat16 matrices with ``bf16_linear`` where it runs: its rows must be
-    batch-invariant too (5 rows: a partial group of 4; 40 columns: a partial tile)."""
+    batch-invariant too (21 rows: passes of 8, 8 and 5 rows, against passes of 1; 5 rows: a
+    partial pass; 4040 outputs, a partial tile: enough sums that a changed order shows after
+    rounding to bf16; 1030 columns: an odd number of pairs)."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(21, 96, generator=gen).to(torch.bfloat16)
-    w = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
-    b = torch.randn(40, generator=gen).to(torch.bfloat16)
+    n = 4040
+    x = torch.randn(21, 1030, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, 1030, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
     tiles = bf16_linear.pack(w)
     with _threads(2):
-        batch = bf16_linear.bf16_linear(x, tiles, 40, b)
-        subset = bf16_linear.bf16_linear(x[[20, 2, 9, 3, 11]], tiles, 40, b)
+        batch = bf16_linear.bf16_linear(x, tiles, n, b)
+        subset = bf16_linear.bf16_linear(x[[20, 2, 9, 3, 11]], tiles, n, b)
     with _threads(1):
-        alone = [bf16_linear.bf16_linear(x[i:i + 1].clone(), tiles, 40, b)[0] for i in range(21)]
+        alone = [bf16_linear.bf16_linear(x[i:i + 1].clone(), tiles, n, b)[0] for i in range(21)]
     assert all(torch.equal(row, batch[i]) for i, row in enumerate(alone))
     assert torch.equal(subset, batch[[20, 2, 9, 3, 11]])
 
