@@ -360,21 +360,18 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
     const int64_t count = std::min<int64_t>(16, n - t * 16);
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
       const int64_t mb = std::min<int64_t>(4, rows - m0);
-#define HYPREFIX_QUANT_ROWS(F)                                                   \
-  if (stream) {                                                                  \
-    switch (mb) {                                                                \
-      case 4: quant_tile_rows<F, 4, 2>(tile, scales, extra, k, q, m0, res); break; \
-      case 3: quant_tile_rows<F, 3, 2>(tile, scales, extra, k, q, m0, res); break; \
-      case 2: quant_tile_rows<F, 2, 2>(tile, scales, extra, k, q, m0, res); break; \
-      default: quant_tile_rows<F, 1, 2>(tile, scales, extra, k, q, m0, res); break; \
-    }                                                                            \
-  } else {                                                                       \
-    switch (mb) {                                                                \
-      case 4: quant_tile_rows<F, 4, 1>(tile, scales, extra, k, q, m0, res); break; \
-      case 3: quant_tile_rows<F, 3, 1>(tile, scales, extra, k, q, m0, res); break; \
-      case 2: quant_tile_rows<F, 2, 2>(tile, scales, extra, k, q, m0, res); break; \
-      default: quant_tile_rows<F, 1, 2>(tile, scales, extra, k, q, m0, res); break; \
-    }                                                                            \
+#define HYPREFIX_QUANT_ROWS(F)                                                                          \
+  switch (mb) {                                                                                         \
+    case 4:                                                                                             \
+      stream ? quant_tile_rows<F, 4, 2>(tile, scales, extra, k, q, m0, res)                             \
+             : quant_tile_rows<F, 4, 1>(tile, scales, extra, k, q, m0, res);                            \
+      break;                                                                                            \
+    case 3:                                                                                             \
+      stream ? quant_tile_rows<F, 3, 2>(tile, scales, extra, k, q, m0, res)                             \
+             : quant_tile_rows<F, 3, 1>(tile, scales, extra, k, q, m0, res);                            \
+      break;                                                                                            \
+    case 2: quant_tile_rows<F, 2, 2>(tile, scales, extra, k, q, m0, res); break; /* fit: both halves */ \
+    default: quant_tile_rows<F, 1, 2>(tile, scales, extra, k, q, m0, res); break;                       \
   }
       if (part.format == TileFormat::kQ6) {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ6)

@@ -105,7 +105,7 @@ inline void scale(float* x, float s, int64_t n) {
 }
 
 struct GdnShape {
-  int64_t rows, k_heads, v_heads, dk, dv, width, slot_count;
+  int64_t rows, k_heads, v_heads, dk, dv, width;
   int64_t key_dim() const { return k_heads * dk; }
   int64_t value_dim() const { return v_heads * dv; }
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
@@ -179,7 +179,7 @@ void gdn(const GdnShape& s, const T* proj, T* conv_state, const T* conv_weight, 
 }
 
 struct MambaShape {
-  int64_t rows, heads, head_dim, groups, state, width, slot_count;
+  int64_t rows, heads, head_dim, groups, state, width;
   int64_t inner() const { return heads * head_dim; }
   int64_t conv_dim() const { return inner() + 2 * groups * state; }
   int64_t proj_dim() const { return inner() + conv_dim() + heads; }
@@ -244,9 +244,13 @@ void mamba(const MambaShape& s, const T* proj, T* conv_state, const T* conv_weig
   });
 }
 
+// The checks both ops share: proj [rows, proj_dim], the conv state and weight over conv_dim
+// channels, a matrix state of matrix_per_slot values a slot, slots in range.
 void check_common(const at::Tensor& proj, const at::Tensor& conv_state, const at::Tensor& conv_weight,
-                  const at::Tensor& matrix, const at::Tensor& slots, int64_t conv_dim, const char* op) {
+                  const at::Tensor& matrix, const at::Tensor& slots, int64_t proj_dim, int64_t conv_dim,
+                  int64_t matrix_per_slot, const char* matrix_shape, const char* op) {
   TORCH_CHECK(proj.dim() == 2 && proj.is_contiguous(), op, ": proj must be a contiguous [rows, features] matrix");
+  TORCH_CHECK(proj.size(1) == proj_dim, op, ": proj has ", proj.size(1), " features, the dims make ", proj_dim);
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() && conv_state.size(1) == conv_dim &&
                   conv_state.scalar_type() == proj.scalar_type(),
               op, ": conv_state must be contiguous [slots, conv_dim, K-1] in proj's dtype");
@@ -256,6 +260,7 @@ void check_common(const at::Tensor& proj, const at::Tensor& conv_state, const at
   TORCH_CHECK(matrix.is_contiguous() && matrix.size(0) == conv_state.size(0) &&
                   (matrix.scalar_type() == at::kFloat || matrix.scalar_type() == at::kBFloat16),
               op, ": matrix must be a contiguous float32 or bfloat16 [slots, ...] state");
+  TORCH_CHECK(matrix.numel() == conv_state.size(0) * matrix_per_slot, op, ": matrix must be ", matrix_shape);
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == proj.size(0) && slots.scalar_type() == at::kLong &&
                   slots.is_contiguous(),
               op, ": slots must be int64 [rows]");
@@ -294,11 +299,10 @@ at::Tensor gdn_decode(const at::Tensor& proj, at::Tensor& conv_state, const at::
                       const at::Tensor& norm_weight, int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv,
                       double eps) {
   const char* op = "gdn_decode";
-  GdnShape s{proj.size(0), k_heads, v_heads, dk, dv, conv_state.size(2), conv_state.size(0)};
+  GdnShape s{proj.size(0), k_heads, v_heads, dk, dv, conv_state.size(2)};
   TORCH_CHECK(k_heads > 0 && v_heads % k_heads == 0, op, ": value heads must be a multiple of key heads");
-  TORCH_CHECK(proj.size(1) == s.proj_dim(), op, ": proj has ", proj.size(1), " features, the dims make ", s.proj_dim());
-  check_common(proj, conv_state, conv_weight, matrix, slots, s.conv_dim(), op);
-  TORCH_CHECK(matrix.numel() == s.slot_count * v_heads * dk * dv, op, ": matrix must be [slots, Hv, Dk, Dv]");
+  check_common(proj, conv_state, conv_weight, matrix, slots, s.proj_dim(), s.conv_dim(), v_heads * dk * dv,
+               "[slots, Hv, Dk, Dv]", op);
   at::Tensor out = at::empty({s.rows, s.value_dim()}, proj.options());
   if (s.rows == 0) return out;
   dispatch(proj, matrix, op, [&](auto t, auto st) {
@@ -318,11 +322,10 @@ at::Tensor mamba2_decode(const at::Tensor& proj, at::Tensor& conv_state, const a
                          const at::Tensor& norm_weight, int64_t heads, int64_t head_dim, int64_t groups, int64_t state,
                          double dt_min, double dt_max, double eps) {
   const char* op = "mamba2_decode";
-  MambaShape s{proj.size(0), heads, head_dim, groups, state, conv_state.size(2), conv_state.size(0)};
+  MambaShape s{proj.size(0), heads, head_dim, groups, state, conv_state.size(2)};
   TORCH_CHECK(groups > 0 && heads % groups == 0, op, ": heads must be a multiple of groups");
-  TORCH_CHECK(proj.size(1) == s.proj_dim(), op, ": proj has ", proj.size(1), " features, the dims make ", s.proj_dim());
-  check_common(proj, conv_state, conv_weight, matrix, slots, s.conv_dim(), op);
-  TORCH_CHECK(matrix.numel() == s.slot_count * heads * head_dim * state, op, ": matrix must be [slots, H, P, N]");
+  check_common(proj, conv_state, conv_weight, matrix, slots, s.proj_dim(), s.conv_dim(), heads * head_dim * state,
+               "[slots, H, P, N]", op);
   at::Tensor out = at::empty({s.rows, s.inner()}, proj.options());
   if (s.rows == 0) return out;
   dispatch(proj, matrix, op, [&](auto t, auto st) {

@@ -300,8 +300,9 @@ class MatrixForms(nn.Module):
         quantized = self.quantized
         if quantized is not None:
             return quantized.matmul(x, bias)
-        if self.tiles_take(x) and (bias is None or bias.dtype == x.dtype):
-            return bf16_kernel.bf16_linear(x, self._buffers["bf16_tiles"], self.rows, bias)
+        tiles = self.bf16
+        if tiles is not None and self.tiles_take(x):
+            return tiles.matmul(x, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, plain, bias)
