@@ -57,6 +57,16 @@ class EngineArgs:
         "sliding-window layers' own KV pool, in tokens per token of the full-attention pool")})
     disable_hybrid_swa_memory: bool = field(default=False, metadata={"help": (
         "keep sliding-window layers' K/V in the main pool (every block kept)")})
+    # cache/disk_tier.py, cache/disk_store.py; docs/architecture.md "Disk tier".
+    disk_cache_dir: str | None = field(default=None, metadata={"help": (
+        "keep evicted KV blocks and recurrent-state checkpoints in files under this directory, and find them "
+        "there after memory (and after a restart: memory is written out at shutdown); one subdirectory per "
+        "model and layout, files checked by header and checksum (default: off)")})
+    disk_cache_gb: float = field(default=16.0, metadata={"help": (
+        "budget of --disk-cache-dir, GiB; least recently used files go first")})
+    disk_cache_write_through: bool = field(default=False, metadata={"help": (
+        "with --disk-cache-dir: also write every block when it is computed, not only when memory evicts it, so a "
+        "crash loses nothing already computed (more disk writes)")})
     weight_version: str = field(default="default", metadata={"help": (
         "name of the weights loaded at start; a weight update (/update_weights_from_disk, LLM.update_weights) "
         "sets a new one, which is part of every block hash, so no block computed by other weights is hit")})
@@ -154,6 +164,13 @@ class EngineArgs:
         for name in ("kv_cache_memory_gb", "state_cache_memory_gb", "cascade_min_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.disk_cache_dir is not None and not self.disk_cache_gb > 0:
+            raise ValueError(f"disk_cache_gb must be > 0, got {self.disk_cache_gb!r}")
+        if self.disk_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("disk_cache_dir needs prefix caching (drop --no-enable-prefix-caching or "
+                             "--disk-cache-dir)")
+        if self.disk_cache_write_through and self.disk_cache_dir is None:
+            raise ValueError("disk_cache_write_through needs disk_cache_dir")
         if not self.swa_full_tokens_ratio > 0:
             raise ValueError(f"swa_full_tokens_ratio must be > 0, got {self.swa_full_tokens_ratio!r}")
         if self.kv_events_config is not None:

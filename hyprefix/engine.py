@@ -17,6 +17,7 @@ from hyprefix.cache.events import EventLog
 from hyprefix.cache.plan import build_cache, plan_pools
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
+from hyprefix.disk_cache import DiskCache
 from hyprefix.errors import RequestError
 from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
@@ -31,6 +32,7 @@ from hyprefix.models.loader import (
 from hyprefix.openmp import release_workers
 from hyprefix.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from hyprefix.request import Request
+from hyprefix.runner.block_io import BlockIO
 from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
@@ -39,6 +41,9 @@ from hyprefix.structured.grammar import GrammarCompiler
 from hyprefix.text import ChatPrompt, chat_token_ids, check_text
 
 log = logging.getLogger("hyprefix")
+
+# A step with nothing to run while disk reads are under way waits this long for one.
+DISK_LOAD_POLL_S = 0.05
 
 PromptInput = str | list[int] | dict
 
@@ -144,6 +149,13 @@ class Engine:
                                                                        args.cascade_min_traffic_ratio),
                                   eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
                                   batch_invariant=args.batch_invariant)
+        self.disk: DiskCache | None = None
+        if args.disk_cache_dir is not None:
+            main_pool = [i for i in range(layout.num_layers)
+                         if not (num_window_blocks and layout.window(i) is not None)]
+            io = BlockIO(self.runner.kv_caches, main_pool, self.runner.recurrent_states, args.block_size)
+            self.disk = DiskCache(args.disk_cache_dir, args.disk_cache_gb, args.disk_cache_write_through,
+                                  loaded.identity, self.cache, io)
         mib = 2**20
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
@@ -462,11 +474,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        disk = self.disk
+        if disk is not None:
+            disk.import_ready(self.scheduler.requests)
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_ids:
+            if disk is not None:
+                disk.wait_for_loads(DISK_LOAD_POLL_S)
             return outputs
+        if disk is not None:
+            disk.save_noted()  # blocks this step's allocations evicted, before the forward rewrites them
         result = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, result.sampled)
+        if disk is not None and disk.tier.write_through:
+            disk.save_noted()  # what the step published
         for request_id, (first, entries) in result.prompt_logprobs.items():
             if request_id in self._samples:
                 parent = self._samples[request_id][0]
@@ -568,6 +589,7 @@ class Engine:
             "hybrid_hit_tokens_lost": cache["hit_tokens_lost"],
             **{key: cache.get(key, 0) for key in ("swa_blocks_total", "swa_blocks_used", "swa_blocks_cached",
                                                    "swa_blocks_released")},
+            **(self.disk.stats() if self.disk is not None else {}),
         }
 
     def reset_prefix_cache(self) -> int:
@@ -584,7 +606,10 @@ class Engine:
                 self.event_publisher.publish(events)
 
     def close(self) -> None:
-        """Stop the KV event publisher (its sockets); the engine itself holds nothing else to close."""
+        """Write the disk cache out (what memory holds) and stop its threads; stop the KV event
+        publisher (its sockets)."""
+        if self.disk is not None:
+            self.disk.close()
         if self.event_publisher is not None:
             self.event_publisher.close()
             self.event_publisher = None

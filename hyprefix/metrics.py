@@ -30,6 +30,15 @@ _ENGINE_COUNTERS = (
      "Cached KV tokens a hit could not reuse: no recurrent-state checkpoint there, or its sliding window was evicted."),
     ("swa_blocks_released", "swa_blocks_released",
      "Sliding-window KV blocks running requests gave back as they left the window."),
+    ("disk_cache_hit_tokens", "disk_cache_hit_tokens", "Tokens of KV blocks brought back from the disk cache."),
+    ("disk_cache_loads", "disk_cache_loads", "Requests that read blocks from the disk cache."),
+    ("disk_cache_bytes_read", "disk_cache_bytes_read", "Bytes read from the disk cache (headers included)."),
+    ("disk_cache_bytes_written", "disk_cache_bytes_written", "Bytes written to the disk cache (headers included)."),
+    ("disk_cache_evictions", "disk_cache_evictions", "Disk cache files removed to stay within --disk-cache-gb."),
+    ("disk_cache_refused", "disk_cache_refused",
+     "Disk cache files refused and removed: damaged, truncated, renamed or of another model or layout."),
+    ("disk_cache_saves_dropped", "disk_cache_saves_dropped",
+     "Blocks not written to the disk cache because its writer was too far behind."),
 )
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_requests_running", "Sequences in the running batch."),
@@ -44,6 +53,8 @@ _ENGINE_GAUGES = (
     ("swa_blocks_total", "swa_blocks_total", "Blocks in the sliding-window layers' own KV pool."),
     ("swa_blocks_used", "swa_blocks_used", "Sliding-window KV blocks referenced by requests."),
     ("swa_blocks_cached", "swa_blocks_cached", "Unreferenced sliding-window KV blocks still findable by hash."),
+    ("disk_cache_files", "disk_cache_files", "Files in the disk cache (this process's index)."),
+    ("disk_cache_bytes_used", "disk_cache_bytes_used", "Bytes of the disk cache's files (this process's index)."),
 )
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

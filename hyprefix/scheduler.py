@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hyprefix.cache.coordinator import CacheCoordinator, StateOp
+from hyprefix.cache.disk_tier import DISK_WAIT
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
 from hyprefix.wait_queue import WaitQueue
@@ -151,7 +152,8 @@ class Scheduler:
             if hit.wait_for is not None:
                 if request.waiting_on != hit.wait_for:
                     request.waiting_on = hit.wait_for
-                    self.sibling_waits += 1
+                    if hit.wait_for != DISK_WAIT:  # a sibling computes the blocks (not a disk read)
+                        self.sibling_waits += 1
                 self.cache.note_waiting(request)
                 continue
             request.waiting_on = None

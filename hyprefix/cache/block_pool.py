@@ -10,6 +10,7 @@ Invariants (see ``check_invariants``):
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyprefix.cache.events import BlockRemoved, EventLog
@@ -33,6 +34,10 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still carry a hash
         self._forgotten: list[bytes] = []  # hashes forgotten since the last take_forgotten()
         self.events = events if events is not None else EventLog()  # BlockRemoved as hashes go
+        # A lower tier's hooks (``cache/disk_tier.py``): a cached block is about to be reused
+        # (evicted: its bytes are still intact until the step that rewrites it), or was published.
+        self.on_evict: Callable[[bytes, int], None] | None = None
+        self.on_publish: Callable[[bytes, int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -70,6 +75,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicted from the cache
                 self._num_cached_free -= 1
+                if self.on_evict is not None and self._hash_index.get(block.block_hash) == block_id:
+                    self.on_evict(block.block_hash, block_id)
                 self._drop_hash(block)
             block.ref_cnt = 1
             ids.append(block_id)
@@ -100,6 +107,10 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._hash_index.get(block_hash)
 
+    def indexed(self) -> list[tuple[bytes, int]]:
+        """Every (hash, block id) the index holds."""
+        return list(self._hash_index.items())
+
     def publish(self, block_id: int, block_hash: bytes) -> bool:
         """Make a block findable under ``block_hash``. A hash already in the index
         keeps its block; the new one stays private. Returns whether it was added."""
@@ -109,6 +120,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._hash_index[block_hash] = block_id
+        if self.on_publish is not None:
+            self.on_publish(block_hash, block_id)
         return True
 
     def reset_cache(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hyprefix.cache.disk_tier import DISK_WAIT, DiskTier
 from hyprefix.cache.events import AllBlocksCleared
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.request import Request
@@ -117,8 +118,8 @@ class CacheKind:
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted."""
 
-    def forget(self, block_hash: bytes) -> None:
-        """The pool stopped indexing this block."""
+    def forget(self, block_hash: bytes, evicted: bool = True) -> None:
+        """The pool stopped indexing this block: evicted to make room, or dropped (reset)."""
 
     def reset(self) -> None:
         """Forget whatever the kind caches that no request holds."""
@@ -150,6 +151,14 @@ class CacheCoordinator:
         self.kinds = tuple(kinds)
         self._branching = [kind for kind in kinds if kind.wants_branch_points]
         self.hit_tokens_lost = 0  # cached KV a kind could not resume from (no checkpoint there)
+        self.lower: DiskTier | None = None  # the disk tier (``attach_lower``)
+        self._checkpoint_lookup: Callable[[bytes], int | None] | None = None
+
+    def attach_lower(self, tier: DiskTier, checkpoint_lookup: Callable[[bytes], int | None] | None) -> None:
+        """Put ``tier`` under the cache: hits fall through memory to it (``find_hit``).
+        ``checkpoint_lookup``: the memory index of recurrent-state checkpoints (hybrids).
+        The pools' eviction (and, write-through, publication) hooks are the caller's to wire."""
+        self.lower, self._checkpoint_lookup = tier, checkpoint_lookup
 
     @property
     def block_size(self) -> int:
@@ -179,6 +188,9 @@ class CacheCoordinator:
             if shortest == tokens:
                 break
             tokens = shortest
+        if self.lower is not None and self.kv.enable_caching and self.lower.wants_wait(
+                request, len(kv_blocks), tokens, self._checkpoint_lookup):
+            return PrefixHit([], 0, len(kv_blocks), dense, True, wait_for=DISK_WAIT)
         blocks = kv_blocks[: hit_num_blocks(request, tokens, len(kv_blocks), bs)]
         return PrefixHit(blocks, tokens, len(kv_blocks), dense, tokens >= len(blocks) * bs)
 
@@ -194,6 +206,16 @@ class CacheCoordinator:
             kind.allocate(request, num_tokens, hit)
         self.hit_tokens_lost += hit.dense_tokens - hit.num_tokens
         return [op for kind in self.kinds if (op := kind.admit(request, hit)) is not None]
+
+    def reserve_import(self, request: Request, first_block: int, count: int) -> list[int] | None:
+        """Blocks for a lower tier's bytes (``KVCacheManager.reserve_import``); what their
+        allocation evicted is forgotten (and reported to the tier) before they are written."""
+        ids = self.kv.reserve_import(request, first_block, count)
+        self._forget_evicted()
+        return ids
+
+    def publish_import(self, request: Request, first_block: int, block_ids: list[int]) -> int:
+        return self.kv.publish_import(request, first_block, block_ids)
 
     def note_waiting(self, request: Request) -> None:
         """The request waits this step: kinds that checkpoint branch points learn
@@ -245,21 +267,23 @@ class CacheCoordinator:
         self.kv.free(request.request_id)
         for kind in self.kinds:
             kind.release(request)
+        if self.lower is not None:
+            self.lower.release(request.request_id)
 
     def reset_cache(self) -> int:
         """Forget every cached block no request holds; returns how many."""
         dropped = self.kv.reset_cache()
-        self._forget_evicted()
+        self._forget_evicted(evicted=False)
         for kind in self.kinds:
             kind.reset()
         if self.kv.pool.num_cached == 0:  # after the removals it implies, so it comes last
             self.kv.events.add(AllBlocksCleared())
         return dropped
 
-    def _forget_evicted(self) -> None:
+    def _forget_evicted(self, evicted: bool = True) -> None:
         for block_hash in self.kv.pool.take_forgotten():
             for kind in self.kinds:
-                kind.forget(block_hash)
+                kind.forget(block_hash, evicted)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:

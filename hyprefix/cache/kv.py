@@ -175,6 +175,32 @@ class KVCacheManager:
             self._announce(request, added)
         return len(added)
 
+    # ----------------------------------------------------------------- imports
+    def reserve_import(self, request: Request, first_block: int, count: int) -> list[int] | None:
+        """Fresh blocks to hold ``count`` of the request's blocks from ``first_block`` on, read
+        from a lower tier (held, unpublished), or None when the pool has no room. The request's
+        cached blocks before them are held meanwhile, so the room is never made by evicting
+        the prefix the imported blocks extend."""
+        held = [b for h in request.block_hashes[:first_block] if (b := self.pool.lookup(h)) is not None]
+        if count > self.pool.num_free - sum(1 for b in held if self.pool.is_free(b)):
+            return None
+        self.pool.acquire(held)
+        ids = self.pool.allocate(count)
+        self.pool.release(list(reversed(held)))
+        return ids
+
+    def publish_import(self, request: Request, first_block: int, block_ids: list[int]) -> int:
+        """Publish blocks filled by ``reserve_import``'s caller as the request's blocks
+        ``first_block, first_block + 1, ...`` and let them go (tail first): cached, findable,
+        held by nobody. Returns how many were indexed (a hash another block got meanwhile
+        leaves its copy private, and it returns to the free list unindexed)."""
+        added = [first_block + i for i, b in enumerate(block_ids)
+                 if self.pool.publish(b, request.block_hashes[first_block + i])]
+        if self.events.enabled and added:
+            self._announce(request, added)
+        self.pool.release(list(reversed(block_ids)))
+        return len(added)
+
     def _announce(self, request: Request, indices: list[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly indexed blocks."""
         runs: list[list[int]] = []

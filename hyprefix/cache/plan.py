@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
+from hyprefix.cache.disk_tier import DiskTier
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
@@ -106,3 +107,20 @@ def build_cache(num_blocks: int, block_size: int, caching: bool, model_identity:
         kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events), block_size))
     kv = KVCacheManager(num_blocks, block_size, caching, model_identity, events)
     return CacheCoordinator(kv, kinds)
+
+
+def attach_disk(cache: CacheCoordinator, tier: DiskTier) -> StatePool | None:
+    """Put the disk tier under ``cache``: the pools report evicted (and, write-through,
+    published) blocks and checkpoints to it, and hits fall through to it. Returns the
+    checkpoint pool (None without recurrent layers), which imports fill."""
+    pool = cache.kv.pool
+    pool.on_evict = tier.note_kv
+    if tier.write_through:
+        pool.on_publish = tier.note_kv
+    states = next((kind.pool for kind in cache.kinds if isinstance(kind, RecurrentStateCache)), None)
+    if states is not None:
+        states.on_evict = tier.note_state
+        if tier.write_through:
+            states.on_commit = tier.note_state
+    cache.attach_lower(tier, states.lookup if states is not None else None)
+    return states

@@ -161,8 +161,8 @@ class RecurrentStateCache(CacheKind):
                 self.pool.cancel(slot)
         self.pool.release_live(request.request_id)
 
-    def forget(self, block_hash: bytes) -> None:
-        self.pool.drop(block_hash)
+    def forget(self, block_hash: bytes, evicted: bool = True) -> None:
+        self.pool.drop(block_hash, evicted)
 
     def stats(self) -> dict[str, int]:
         return {"state_checkpoints_used": self.pool.num_used, "state_checkpoints_capacity": self.pool.capacity}

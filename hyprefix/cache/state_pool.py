@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 
 from hyprefix.cache.events import EventLog, StateRemoved, StateStored
 
@@ -51,6 +52,10 @@ class StatePool:
         # ascending slots and decode reads their states as one slice.
         self._free_live = list(range(num_live_slots))
         self._live: dict[str, int] = {}
+        # A lower tier's hooks (``cache/disk_tier.py``): a committed checkpoint's slot is about
+        # to be reused (its bytes intact until the step that rewrites it), or one was committed.
+        self.on_evict: Callable[[bytes, int], None] | None = None
+        self.on_commit: Callable[[bytes, int], None] | None = None
 
     # ------------------------------------------------------------------- live
     def assign_live(self, request_id: str) -> int:
@@ -78,6 +83,10 @@ class StatePool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._index.get(block_hash)
 
+    def committed(self) -> list[tuple[bytes, int]]:
+        """Every findable (key, slot)."""
+        return list(self._index.items())
+
     def touch(self, slot: int) -> None:
         if slot in self._lru:
             self._lru.move_to_end(slot)
@@ -95,6 +104,8 @@ class StatePool:
         elif self._lru:
             slot, old_hash = self._lru.popitem(last=False)
             del self._index[old_hash]
+            if self.on_evict is not None:
+                self.on_evict(old_hash, slot)
             self._announce(StateRemoved, old_hash)
         else:
             return None
@@ -109,6 +120,8 @@ class StatePool:
         self._index[block_hash] = slot
         self._lru[slot] = block_hash
         self._announce(StateStored, block_hash)
+        if self.on_commit is not None:
+            self.on_commit(block_hash, slot)
         return block_hash
 
     def cancel(self, slot: int) -> None:
@@ -128,10 +141,17 @@ class StatePool:
         block = block_of(key)
         self.events.add(kind([block], before_last_token=block != key))
 
-    def drop(self, block_hash: bytes) -> bool:
-        """The KV block was forgotten: drop every checkpoint that depends on it."""
-        dropped = self.drop_key(block_hash)
-        return self.drop_key(before_last_token(block_hash)) or dropped
+    def drop(self, block_hash: bytes, evicted: bool = False) -> bool:
+        """The KV block was forgotten: drop every checkpoint that depends on it (``evicted``:
+        its block went to make room, so a lower tier keeps them as it keeps the block)."""
+        keys = (block_hash, before_last_token(block_hash))
+        if evicted and self.on_evict is not None:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is not None:
+                    self.on_evict(key, slot)
+        dropped = self.drop_key(keys[0])
+        return self.drop_key(keys[1]) or dropped
 
     @property
     def reserved_slots(self) -> set[int]:
