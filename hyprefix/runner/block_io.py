@@ -30,7 +30,8 @@ def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
     offset = 0
     for t in targets:
         n = t.numel() * t.element_size()
-        t.copy_(data[offset:offset + n].view(t.dtype).view(t.shape))
+        # The target seen as bytes: a byte slice of the payload need not be aligned to its dtype.
+        t.view(-1).view(torch.uint8).copy_(data[offset:offset + n])
         offset += n
     if offset != data.numel():
         raise ValueError(f"payload of {data.numel()} bytes for a layout of {offset}")

@@ -505,3 +505,26 @@ def test_config_errors(tmp_path):
         make("demo-dense-tiny", directory, disk_cache_gb=0)
     assert not directory.exists()
     assert not os.listdir(tmp_path)
+
+
+def test_block_io_round_trip_with_payload_parts_off_their_alignment():
+    """A bf16 conv state of an odd width puts the float32 matrix after it at an offset that is
+    not a multiple of 4: writing a payload back must not depend on that alignment."""
+    import torch
+
+    from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState
+    from hyprefix.runner.block_io import BlockIO
+
+    gen = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(4, 2, 1, 3, generator=gen).bfloat16(), torch.randn(4, 2, 1, 3, generator=gen).bfloat16())]
+    states = [RecurrentLayerState.allocate(LayerStateShape(3, 1, (2, 3)), 1, 3, torch.bfloat16, torch.device("cpu"))]
+    states[0].ckpt_conv.copy_(torch.randn(3, 3, 1, generator=gen))
+    states[0].ckpt_matrix.copy_(torch.randn(3, 2, 3, generator=gen))
+    io = BlockIO(kv, [0], states, block_size=2)
+    kv_payload, state_payload = io.read_kv(1), io.read_state(2)
+    assert len(kv_payload) == io.kv_block_bytes and len(state_payload) == io.state_bytes
+    io.write_kv(3, kv_payload)
+    io.write_state(0, state_payload)
+    assert torch.equal(kv[0][0][3], kv[0][0][1]) and torch.equal(kv[0][1][3], kv[0][1][1])
+    assert torch.equal(states[0].ckpt_conv[0], states[0].ckpt_conv[2])
+    assert torch.equal(states[0].ckpt_matrix[0], states[0].ckpt_matrix[2])
