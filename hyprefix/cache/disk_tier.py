@@ -25,6 +25,8 @@ or tenant cannot even name another's files (``DiskBlockStore`` adds a header che
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 from hyprefix.cache.disk_store import DiskBlockStore
 from hyprefix.cache.state_pool import before_last_token, block_of
 from hyprefix.request import Request
+
+log = logging.getLogger("hyprefix")
 
 DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks are being read from disk
 
@@ -85,8 +89,8 @@ class DiskTier:
         self.stats = DiskTierStats()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-read")
-        self._queued_bytes = 0
-        self._writes: list[Future[bool]] = []
+        self._queued_bytes = 0  # payload bytes queued and not yet written (the writer subtracts)
+        self._queued = threading.Condition()
         self._saves: list[tuple[str, bytes, int]] = []  # (store kind, hash, block id or checkpoint slot)
         self._loads: dict[str, _Load] = {}
         self._tried: set[str] = set()
@@ -122,20 +126,28 @@ class DiskTier:
         if wait:
             self.store.put(kind, block_hash, payload)
             return
-        self._writes = [w for w in self._writes if not w.done()]
-        if not self._writes:
-            self._queued_bytes = 0
-        if self._queued_bytes + len(payload) > self.max_queued_bytes:
-            self.stats.saves_dropped += 1
-            return
-        self._queued_bytes += len(payload)
-        self._writes.append(self._writer.submit(self.store.put, kind, block_hash, payload))
+        with self._queued:
+            if self._queued_bytes + len(payload) > self.max_queued_bytes:
+                self.stats.saves_dropped += 1
+                return
+            self._queued_bytes += len(payload)
+        self._writer.submit(self._write, kind, block_hash, payload)
+
+    def _write(self, kind: str, block_hash: bytes, payload: bytes) -> None:
+        """On the writer thread (the store counts and survives I/O errors itself)."""
+        try:
+            self.store.put(kind, block_hash, payload)
+        except Exception:
+            log.exception("disk cache: writing a %s file failed", kind)
+        finally:
+            with self._queued:
+                self._queued_bytes -= len(payload)
+                self._queued.notify_all()
 
     def flush(self) -> None:
-        """Wait for every queued write."""
-        for write in self._writes:
-            write.result()
-        self._writes, self._queued_bytes = [], 0
+        """Wait for every queued write (also at exit, when the executor takes no new work)."""
+        with self._queued:
+            self._queued.wait_for(lambda: self._queued_bytes == 0)
 
     # ------------------------------------------------------------------- loads
     def wants_wait(self, request: Request, mem_blocks: int, hit_tokens: int,
@@ -185,7 +197,7 @@ class DiskTier:
             in_memory = state_lookup(key) is not None
             if in_memory or self.store.contains(*state_file(key)):
                 blocks = -(-(position + 1) // bs) if position % bs else position // bs
-                kv_hashes = hashes[mem_blocks:max(mem_blocks, blocks)]
+                kv_hashes = hashes[mem_blocks:blocks]
                 if not kv_hashes and in_memory:
                     return None
                 return kv_hashes, None if in_memory else key
