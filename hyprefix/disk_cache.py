@@ -23,8 +23,9 @@ from pathlib import Path
 
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
-from hyprefix.cache.disk_tier import KV, DiskTier, Loaded, state_file
+from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, state_file
 from hyprefix.cache.plan import GIB, attach_disk
+from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
 from hyprefix.request import Status
 from hyprefix.runner.block_io import BlockIO
@@ -39,12 +40,10 @@ class DiskCache:
         self.io = io
         self.model_identity = model_identity
         self.store = DiskBlockStore(Path(directory), DiskIdentity(model_identity, io.layout), int(capacity_gb * GIB))
+        self.window = next((kind for kind in cache.kinds if isinstance(kind, SlidingWindowKV)), None)
         self.tier = DiskTier(self.store, cache.block_size, io.kv_block_bytes, has_state=io.state_bytes > 0,
-                             write_through=write_through)
+                             write_through=write_through, window=self.window)
         self.states: StatePool | None = attach_disk(cache, self.tier)
-        if any(kind.has_own_blocks for kind in cache.kinds):
-            log.warning("the sliding-window layers' own KV pool is not written to disk: hits from disk end where "
-                        "their window's blocks are gone (--disable-hybrid-swa-memory keeps them in the main pool)")
         found = self.store.stats()
         log.info("disk cache %s: %d files, %.1f of %.1f GiB", self.store.path, found.entries,
                  found.bytes_used / GIB, capacity_gb)
@@ -80,6 +79,8 @@ class DiskCache:
         self._off = True
         pool = self.cache.kv.pool
         pool.on_evict = pool.on_publish = None
+        if self.window is not None:
+            self.window.pool.on_evict = self.window.pool.on_publish = None
         if self.states is not None:
             self.states.on_evict = self.states.on_commit = None
         self.cache.lower = None
@@ -91,14 +92,16 @@ class DiskCache:
         (``wait``: write it now)."""
         if self._off:
             return
+        read = {KV: self.io.read_kv, SWA: self.io.read_swa}
         for kind, block_hash, source in self.tier.take_saves():
-            payload = self.io.read_kv(source) if kind == KV else self.io.read_state(source)
-            self.tier.save(kind, block_hash, payload, wait)
+            self.tier.save(kind, block_hash, read.get(kind, self.io.read_state)(source), wait)
 
     def flush_memory(self) -> None:
         """Write every cached block and checkpoint memory holds that the disk lacks, and wait."""
         for block_hash, block_id in self.cache.kv.pool.indexed():
             self.tier.note_kv(block_hash, block_id)
+        for block_hash, block_id in self.window.pool.indexed() if self.window is not None else ():
+            self.tier.note_swa(block_hash, block_id)
         for key, slot in self.states.committed() if self.states is not None else ():
             self.tier.note_state(key, slot)
         self.tier.flush()
@@ -132,9 +135,28 @@ class DiskCache:
             self.io.write_kv(block_id, payload)
         self.cache.publish_import(request, first, ids)
         self.tier.stats.hit_tokens += len(ids) * self.cache.block_size
-        if loaded.state is None or self.states is None:
+        if loaded.swa and self.window is not None:
+            self._import_window(loaded)
+        if loaded.state is not None and self.states is not None:
+            self._import_state(*loaded.state)
+
+    def _import_window(self, loaded: Loaded) -> None:
+        """The loaded sliding-window blocks into the window's own pool (less what it gained
+        meanwhile)."""
+        window = self.window
+        assert window is not None
+        swa = [(h, payload) for h, payload in loaded.swa if window.pool.lookup(h) is None]
+        ids = window.reserve_import(loaded.request, len(swa)) if swa else []
+        if ids is None:
+            self.tier.stats.imports_dropped += 1
             return
-        key, payload = loaded.state
+        self.save_noted()  # what the allocation evicted, before its blocks are overwritten
+        for (_, payload), block_id in zip(swa, ids, strict=True):
+            self.io.write_swa(block_id, payload)
+        window.publish_import([h for h, _ in swa], ids)
+
+    def _import_state(self, key: bytes, payload: bytes) -> None:
+        pool = self.cache.kv.pool
         _, block = state_file(key)
         if pool.lookup(block) is None:  # a checkpoint must sit on a cached block
             return

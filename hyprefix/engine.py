@@ -151,9 +151,11 @@ class Engine:
                                   batch_invariant=args.batch_invariant)
         self.disk: DiskCache | None = None
         if args.disk_cache_dir is not None:
-            main_pool = [i for i in range(layout.num_layers)
-                         if not (num_window_blocks and layout.window(i) is not None)]
-            io = BlockIO(self.runner.kv_caches, main_pool, self.runner.recurrent_states, args.block_size)
+            in_window_pool = [bool(num_window_blocks) and layout.window(i) is not None
+                              for i in range(layout.num_layers)]
+            io = BlockIO(self.runner.kv_caches, [i for i, w in enumerate(in_window_pool) if not w],
+                         self.runner.recurrent_states, args.block_size,
+                         window_pool_layers=[i for i, w in enumerate(in_window_pool) if w])
             self.disk = DiskCache(args.disk_cache_dir, args.disk_cache_gb, args.disk_cache_write_through,
                                   loaded.identity, self.cache, io)
         mib = 2**20

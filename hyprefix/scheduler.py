@@ -28,8 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from hyprefix.cache.coordinator import CacheCoordinator, StateOp
-from hyprefix.cache.disk_tier import DISK_WAIT
+from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
 from hyprefix.wait_queue import WaitQueue

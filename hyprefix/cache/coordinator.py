@@ -31,11 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hyprefix.cache.disk_tier import DISK_WAIT, DiskTier
 from hyprefix.cache.events import AllBlocksCleared
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.request import Request
+
+if TYPE_CHECKING:  # (the disk tier imports this module)
+    from hyprefix.cache.disk_tier import DiskTier
+
+DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks are being read from disk
 
 StateOp = tuple[int | None, int]  # (checkpoint slot to restore or None for zeros, live slot)
 Taps = tuple[tuple[int, int], ...]  # (position, checkpoint slot): save the state after that position

@@ -12,34 +12,43 @@ or tenant cannot even name another's files (``DiskBlockStore`` adds a header che
   writer thread. With ``write_through`` every block is also written once it is
   published, so a crash loses nothing already computed; at a clean shutdown ``flush``
   writes what memory still holds. Checkpoints follow the same path: saved when evicted,
-  when their KV block dies, or (write-through) when committed. A save whose key is
+  when their KV block dies, or (write-through) when committed; so do the blocks of a
+  sliding-window pool of its own (Gemma 3, Mistral), as ``.swa`` files. A save whose key is
   already on disk is skipped; when the writer falls behind by more than
   ``max_queued_bytes``, further saves are dropped and counted (a save never stalls a step).
 - **Loads.** When a waiting request's memory hit ends where the disk has more of its
-  chain (and, for hybrids, a checkpoint to resume from), the tier starts reading those
+  chain (and, for hybrids, a checkpoint to resume from; for sliding-window layers with a
+  pool of their own, the window's blocks below the hit), the tier starts reading those
   files on the reader thread and the request waits (others keep running). Once read,
   the engine copies them into free memory blocks and publishes them, at the start of a
-  step, before scheduling: from then on they are ordinary memory hits. A request gets
-  one load; a file that fails its checks ends the loaded run there.
+  step, before scheduling: from then on they are ordinary memory hits. A file that fails
+  its checks ends the loaded run there; a load that came back short lets the request plan
+  one more from what is left (each such load removed a file from the index, so this ends:
+  a damaged window block or checkpoint falls back to an earlier position, not to none).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from hyprefix.cache.coordinator import DISK_WAIT, hit_num_blocks
 from hyprefix.cache.disk_store import DiskBlockStore
 from hyprefix.cache.state_pool import before_last_token, block_of
 from hyprefix.request import Request
 
+if TYPE_CHECKING:
+    from hyprefix.cache.sliding import SlidingWindowKV
+
+__all__ = ["DISK_WAIT", "DiskTier", "Loaded"]
+
 log = logging.getLogger("hyprefix")
 
-DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks are being read from disk
-
-KV, STATE, STATE_BEFORE_LAST = "kv", "state", "statebl"
+KV, SWA, STATE, STATE_BEFORE_LAST = "kv", "swa", "state", "statebl"
 
 
 def state_file(key: bytes) -> tuple[str, bytes]:
@@ -51,12 +60,22 @@ def state_file(key: bytes) -> tuple[str, bytes]:
 @dataclass
 class Loaded:
     """What a load read: the longest run of valid KV payloads from ``first_block`` on,
-    and the checkpoint (pool key, payload) when every block it needs came back."""
+    the sliding-window blocks that were on disk, and the checkpoint (pool key, payload)
+    when every block it needs came back."""
 
     request: Request
     first_block: int
     kv: list[tuple[bytes, bytes]] = field(default_factory=list)  # (block hash, payload)
+    swa: list[tuple[bytes, bytes]] = field(default_factory=list)  # (block hash, payload)
     state: tuple[bytes, bytes] | None = None
+    short: bool = False  # a file of the plan was missing or refused (and so left the store's index)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kv_hashes: list[bytes]  # main-pool blocks to read, from the memory hit's end on
+    state_key: bytes | None  # checkpoint to read (None: in memory, or the model has none)
+    swa_hashes: list[bytes]  # sliding-window blocks to read (those the window pool lacks)
 
 
 @dataclass
@@ -75,15 +94,19 @@ class DiskTierStats:
 
 
 class DiskTier:
-    """``kv_block_bytes`` 0: the model has no attention layer, its KV blocks only index the
-    cache and need no files. ``has_state``: the model keeps recurrent-state checkpoints."""
+    """``kv_block_bytes`` 0: no attention layer keeps its K/V in the main pool (none at all,
+    or all in a window pool), whose blocks then only index the cache and need no files.
+    ``has_state``: the model keeps recurrent-state checkpoints. ``window``: the sliding-window
+    layers' own pool, whose blocks are kept as ``SWA`` files."""
 
     def __init__(self, store: DiskBlockStore, block_size: int, kv_block_bytes: int, has_state: bool,
-                 write_through: bool = False, max_queued_bytes: int = 1 << 30) -> None:
+                 write_through: bool = False, max_queued_bytes: int = 1 << 30,
+                 window: SlidingWindowKV | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.kv_files = kv_block_bytes > 0
         self.has_state = has_state
+        self.window = window
         self.write_through = write_through
         self.max_queued_bytes = max_queued_bytes
         self.stats = DiskTierStats()
@@ -100,6 +123,10 @@ class DiskTier:
         """A KV block to save before ``block_id`` is written again (evicted or published)."""
         if self.kv_files:
             self._saves.append((KV, block_hash, block_id))
+
+    def note_swa(self, block_hash: bytes, block_id: int) -> None:
+        """A sliding-window block to save before ``block_id`` of the window pool is written again."""
+        self._saves.append((SWA, block_hash, block_id))
 
     def note_state(self, key: bytes, slot: int) -> None:
         """A checkpoint to save before ``slot`` is written again."""
@@ -165,66 +192,107 @@ class DiskTier:
         plan = self._plan(request, mem_blocks, hit_tokens, state_lookup)
         if plan is None:
             return False
-        kv_hashes, state_key = plan
         self._tried.add(rid)
         self.stats.loads += 1
-        future = self._reader.submit(self._read, request, mem_blocks, kv_hashes, state_key)
+        future = self._reader.submit(self._read, request, mem_blocks, plan)
         self._loads[rid] = _Load(future)
         return True
 
     def _plan(self, request: Request, mem_blocks: int, hit_tokens: int,
-              state_lookup: Callable[[bytes], int | None] | None) -> tuple[list[bytes], bytes | None] | None:
-        """(KV hashes to read from block ``mem_blocks`` on, checkpoint key to read or None),
-        or None when the disk adds nothing."""
-        if not self.kv_files and not self.has_state:
-            # Nothing of this model is ever written (every attention layer keeps its K/V in a
-            # sliding-window pool of its own, which the disk does not keep): nothing to read.
-            return None
-        bs, n, hashes = self.block_size, request.num_tokens, request.block_hashes
+              state_lookup: Callable[[bytes], int | None] | None) -> _Plan | None:
+        """What to read for the furthest position past the memory hit (``hit_tokens``) that
+        the disk and memory together can resume from: every main-pool block below it, a
+        checkpoint there (hybrids), the window's blocks below it (a window pool); None when
+        the disk adds nothing."""
+        if not self.kv_files and not self.has_state and self.window is None:
+            return None  # nothing of this model is ever written
+        bs, hashes = self.block_size, request.block_hashes
         rest = hashes[mem_blocks:]
         run = self.store.prefix_run(KV, rest) if self.kv_files else len(rest)
         avail = mem_blocks + run
-        if not self.has_state or state_lookup is None:
-            return (hashes[mem_blocks:avail], None) if run and min(avail * bs, n - 1) > hit_tokens else None
-        # The furthest position past the memory hit with a checkpoint and all KV below it.
-        candidates: list[tuple[int, bytes]] = []
-        if n % bs == 0 and avail * bs >= n and not request.output_token_ids:
-            candidates.append((n - 1, before_last_token(hashes[n // bs - 1])))
-        candidates += [(j * bs, hashes[j - 1]) for j in range(min(avail, (n - 1) // bs), 0, -1)]
-        for position, key in candidates:
+        stateful = self.has_state and state_lookup is not None
+        for position, key in self._candidates(request, avail, stateful):
             if position <= hit_tokens:
                 return None
-            in_memory = state_lookup(key) is not None
-            if in_memory or self.store.contains(*state_file(key)):
-                blocks = -(-(position + 1) // bs) if position % bs else position // bs
-                kv_hashes = hashes[mem_blocks:blocks]
-                if not kv_hashes and in_memory:
-                    return None
-                return kv_hashes, None if in_memory else key
+            state_key = None
+            if key is not None and state_lookup(key) is None:  # type: ignore[misc]
+                if not self.store.contains(*state_file(key)):
+                    continue
+                state_key = key
+            swa = self._window_reads(request, position, avail)
+            if swa is None:
+                continue
+            kv_hashes = hashes[mem_blocks:hit_num_blocks(request, position, avail, bs)]
+            if not kv_hashes and state_key is None and not swa:
+                return None
+            return _Plan(kv_hashes, state_key, swa)
         return None
 
-    def _read(self, request: Request, first_block: int, kv_hashes: Sequence[bytes],
-              state_key: bytes | None) -> Loaded:
-        """On the reader thread: the payloads, stopping at the first missing or refused file."""
+    def _candidates(self, request: Request, avail: int, stateful: bool) -> list[tuple[int, bytes | None]]:
+        """Positions a hit could resume from, furthest first, each with the checkpoint key it
+        needs (``stateful``) or None; ``avail``: blocks of the request in memory or on disk."""
+        bs, n, hashes = self.block_size, request.num_tokens, request.block_hashes
+        boundaries = range(min(avail, (n - 1) // bs), 0, -1)
+        if not stateful:
+            furthest = min(avail * bs, n - 1)
+            lower = [(j * bs, None) for j in boundaries if j * bs < furthest] if self.window is not None else []
+            return [(furthest, None), *lower]
+        candidates: list[tuple[int, bytes | None]] = []
+        if n % bs == 0 and avail * bs >= n and not request.output_token_ids:
+            candidates.append((n - 1, before_last_token(hashes[n // bs - 1])))
+        return candidates + [(j * bs, hashes[j - 1]) for j in boundaries]
+
+    def _window_reads(self, request: Request, position: int, avail: int) -> list[bytes] | None:
+        """Hashes of the window blocks a hit at ``position`` reads that only the disk holds
+        ([] without a window pool); None when one is in neither place."""
+        if self.window is None:
+            return []
+        out = []
+        for i in self.window.needed_blocks(request, position, avail):
+            block_hash = request.block_hashes[i]
+            if self.window.pool.lookup(block_hash) is not None:
+                continue
+            if not self.store.contains(SWA, block_hash):
+                return None
+            out.append(block_hash)
+        return out
+
+    def _read(self, request: Request, first_block: int, plan: _Plan) -> Loaded:
+        """On the reader thread: the payloads. The KV run stops at the first missing or
+        refused file; a window block or checkpoint that fails is left out (scheduling then
+        finds the hit those read allow)."""
         loaded = Loaded(request, first_block)
-        for block_hash in kv_hashes:
+        for block_hash in plan.kv_hashes:
             payload = self.store.get(KV, block_hash) if self.kv_files else b""
             if payload is None:
+                loaded.short = True
                 return loaded
             loaded.kv.append((block_hash, payload))
-        if state_key is not None:
-            payload = self.store.get(*state_file(state_key))
-            if payload is not None:
-                loaded.state = (state_key, payload)
+        for block_hash in plan.swa_hashes:
+            payload = self.store.get(SWA, block_hash)
+            if payload is None:
+                loaded.short = True
+            else:
+                loaded.swa.append((block_hash, payload))
+        if plan.state_key is not None:
+            payload = self.store.get(*state_file(plan.state_key))
+            if payload is None:
+                loaded.short = True
+            else:
+                loaded.state = (plan.state_key, payload)
         return loaded
 
     def ready(self) -> list[Loaded]:
         """Loads whose reads have finished, each returned once: the engine imports them now."""
         out = []
-        for load in self._loads.values():
+        for rid, load in list(self._loads.items()):
             if not load.imported and load.future.done():
                 load.imported = True
-                out.append(load.future.result())
+                loaded = load.future.result()
+                out.append(loaded)
+                if loaded.short:  # plan again from what is left
+                    del self._loads[rid]
+                    self._tried.discard(rid)
         return out
 
     def loading(self) -> list[Future[Loaded]]:
@@ -240,3 +308,4 @@ class DiskTier:
         self.flush()
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
+

@@ -110,8 +110,9 @@ def build_cache(num_blocks: int, block_size: int, caching: bool, model_identity:
 
 
 def attach_disk(cache: CacheCoordinator, tier: DiskTier) -> StatePool | None:
-    """Put the disk tier under ``cache``: the pools report evicted (and, write-through,
-    published) blocks and checkpoints to it, and hits fall through to it. Returns the
+    """Put the disk tier under ``cache``: the pools (main, sliding-window, checkpoints) report
+    evicted (and, write-through, published) blocks and checkpoints to it, and hits fall
+    through to it. Returns the
     checkpoint pool (None without recurrent layers), which imports fill."""
     pool = cache.kv.pool
     pool.on_evict = tier.note_kv
@@ -122,5 +123,10 @@ def attach_disk(cache: CacheCoordinator, tier: DiskTier) -> StatePool | None:
         states.on_evict = tier.note_state
         if tier.write_through:
             states.on_commit = tier.note_state
+    window = tier.window
+    if window is not None:
+        window.pool.on_evict = tier.note_swa
+        if tier.write_through:
+            window.pool.on_publish = tier.note_swa
     cache.attach_lower(tier, states.lookup if states is not None else None)
     return states

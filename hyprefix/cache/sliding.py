@@ -62,13 +62,17 @@ class SlidingWindowKV(CacheKind):
         hashes = request.block_hashes
         tokens = limit
         while tokens > 0:
-            needed = range(self.first_needed_block(tokens),
-                           hit_num_blocks(request, tokens, cached_blocks, self.block_size))
+            needed = self.needed_blocks(request, tokens, cached_blocks)
             missing = next((i for i in reversed(needed) if self.pool.lookup(hashes[i]) is None), None)
             if missing is None:
                 return tokens
             tokens = missing * self.block_size  # the longest hit whose window ends before that block
         return 0
+
+    def needed_blocks(self, request: Request, tokens: int, cached_blocks: int) -> range:
+        """Indices of the window blocks a hit skipping ``tokens`` reads (``cached_blocks`` of
+        the request's blocks cached in the coordinator's index)."""
+        return range(self.first_needed_block(tokens), hit_num_blocks(request, tokens, cached_blocks, self.block_size))
 
     def _hit_ids(self, request: Request, hit: PrefixHit) -> tuple[int, list[int]]:
         """(first block index, cached block ids from it up to the hit's end)."""
@@ -100,6 +104,28 @@ class SlidingWindowKV(CacheKind):
 
     def _missing(self, have: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - have)
+
+    # ---------------------------------------------------------- lower tier
+    def reserve_import(self, request: Request, count: int) -> list[int] | None:
+        """Fresh blocks (held, unpublished) for ``count`` of the request's window blocks read
+        from a lower tier, or None when the pool has no room. The request's blocks this pool
+        already caches are held meanwhile, so the room never comes from the window the
+        imported blocks complete."""
+        held = [b for h in request.block_hashes if (b := self.pool.lookup(h)) is not None]
+        if count > self.pool.num_free - sum(1 for b in held if self.pool.is_free(b)):
+            return None
+        self.pool.acquire(held)
+        ids = self.pool.allocate(count)
+        self.pool.release(list(reversed(held)))
+        self.pool.take_forgotten()
+        return ids
+
+    def publish_import(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
+        """Index blocks ``reserve_import``'s caller filled and let them go (tail first): cached,
+        findable, held by nobody (a hash indexed meanwhile leaves its copy private)."""
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+            self.pool.publish(block_id, block_hash)
+        self.pool.release(list(reversed(block_ids)))
 
     # ------------------------------------------------------------------ steps
     def shrink(self, request: Request) -> None:

@@ -1,11 +1,12 @@
 """Bytes in and out of the engine's cache tensors, for the disk tier (``cache/disk_tier.py``).
 
 A KV block's payload is the K then V rows of that block for every attention layer
-whose K/V lives in the main pool, layer by layer, in the pool's dtype; a state
-checkpoint's payload is the conv then matrix state of every recurrent layer in that
-checkpoint slot. ``layout`` describes both (dtype, block size, shapes): the disk store
-keeps files of another layout apart, so a payload always has the size and meaning
-its reader expects.
+whose K/V lives in the main pool, layer by layer, in the pool's dtype; a sliding-window
+block's payload is the same for the layers whose K/V lives in the window's own pool; a
+state checkpoint's payload is the conv then matrix state of every recurrent layer in
+that checkpoint slot. ``layout`` describes all three (dtype, block size, shapes): the
+disk store keeps files of another layout apart, so a payload always has the size and
+meaning its reader expects.
 
 Contract: reads copy (the copy is taken before the slot can be reused, and the caller
 may hand it to another thread); writes fill the block or slot completely.
@@ -37,24 +38,39 @@ def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
         raise ValueError(f"payload of {data.numel()} bytes for a layout of {offset}")
 
 
+def _block_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(2 * k[0].numel() * k.element_size() for k, _ in layers)
+
+
 class BlockIO:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], main_pool_layers: list[int],
-                 recurrent_states: list[RecurrentLayerState], block_size: int) -> None:
+                 recurrent_states: list[RecurrentLayerState], block_size: int,
+                 window_pool_layers: list[int] = ()) -> None:
         self._kv = [kv_caches[i] for i in main_pool_layers]
+        self._swa = [kv_caches[i] for i in window_pool_layers]
         self._states = recurrent_states
-        self.kv_block_bytes = sum(2 * k[0].numel() * k.element_size() for k, _ in self._kv)
+        self.kv_block_bytes = _block_bytes(self._kv)
+        self.swa_block_bytes = _block_bytes(self._swa)
         self.state_bytes = sum(s.ckpt_conv[0].numel() * s.ckpt_conv.element_size()
                                + s.ckpt_matrix[0].numel() * s.ckpt_matrix.element_size() for s in self._states)
         kv = ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in self._kv)
         states = ";".join(f"{tuple(s.ckpt_conv.shape[1:])}:{s.ckpt_conv.dtype}/{tuple(s.ckpt_matrix.shape[1:])}:"
                           f"{s.ckpt_matrix.dtype}" for s in self._states)
         self.layout = f"block_size={block_size}|kv=[{kv}]|states=[{states}]"
+        if self._swa:  # (models without a window pool keep the layout, and so the files, they had)
+            self.layout += "|swa=[" + ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in self._swa) + "]"
 
     def read_kv(self, block_id: int) -> bytes:
         return _raw([t[block_id] for pair in self._kv for t in pair])
 
     def write_kv(self, block_id: int, payload: bytes | memoryview) -> None:
         _fill([t[block_id] for pair in self._kv for t in pair], payload)
+
+    def read_swa(self, block_id: int) -> bytes:
+        return _raw([t[block_id] for pair in self._swa for t in pair])
+
+    def write_swa(self, block_id: int, payload: bytes | memoryview) -> None:
+        _fill([t[block_id] for pair in self._swa for t in pair], payload)
 
     def read_state(self, slot: int) -> bytes:
         return _raw([t[slot] for s in self._states for t in (s.ckpt_conv, s.ckpt_matrix)])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hyprefix import LLM, SamplingParams
-from hyprefix.cache.disk_tier import DISK_WAIT
+from hyprefix.cache.coordinator import DISK_WAIT
 from hyprefix.cache.plan import GIB
 from hyprefix.request import Request
 from tests.support.compare import random_prompts
@@ -204,24 +204,72 @@ def test_blocks_evicted_from_memory_come_back_from_disk(tmp_path, reference, mod
 
 
 @pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory) -> Path:
-    """A tiny Mistral: every layer sliding-window (24 tokens), K/V in the window's own pool."""
-    path = tmp_path_factory.mktemp("tiny-mistral") / "mistral"
-    build_tiny_model("mistral", path)
-    return path
+def window_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny sliding-window models whose window layers keep their K/V in a pool of their own:
+    Mistral (every layer a 24-token window: the main pool only indexes) and Gemma 3 (windows
+    of 20 beside full-attention layers)."""
+    root = tmp_path_factory.mktemp("tiny-window")
+    out = {}
+    for arch in ("mistral", "gemma3"):
+        build_tiny_model(arch, root / arch)
+        out[arch] = str(root / arch)
+    return out
 
 
-def test_window_only_model_reads_nothing_from_disk(tmp_path, reference, mistral_dir):
-    """The window's own pool is not written to disk, and such a model has no other K/V: the
-    disk holds nothing of it, so no request waits for a read (nor counts a disk hit)."""
-    model = str(mistral_dir)
-    llm = make(model, tmp_path, num_kv_blocks=24)
-    for prompt in (PROMPT, OTHER_1, OTHER_2, PROMPT):
-        assert greedy(llm, prompt)[0] == reference(model, prompt)
-    llm.engine.close()
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_window_pool_blocks_survive_a_restart(tmp_path, reference, window_models, arch):
+    """The window pool's blocks are written at close as .swa files and come back after a
+    restart, so a window model's hit survives it."""
+    model = window_models[arch]
+    llm_a = make(model, tmp_path)
+    assert llm_a.engine.disk.window is not None  # the window layers have their own pool
+    tokens_a, _ = greedy(llm_a)
+    llm_a.engine.close()
+    assert files(tmp_path, ".swa")
+    assert bool(files(tmp_path, ".kv")) == (arch == "gemma3")  # Mistral's main pool holds no K/V
+
+    llm_b = make(model, tmp_path)
+    tokens_b, cached = greedy(llm_b)
+    stats = disk_stats(llm_b)
+    assert cached >= 0.9 * len(PROMPT) and stats["loads"] == 1 and stats["refused"] == 0, stats
+    assert tokens_b == tokens_a == reference(model)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_window_blocks_evicted_from_memory_come_back_from_disk(tmp_path, reference, window_models, arch):
+    """The window pool is small: other prompts evict PROMPT's window blocks, which are
+    written back then and read again for the next PROMPT."""
+    model = window_models[arch]
+    # 64-token chunks: the window pool is 20 blocks (0.8 x 24), not the 132 a 2048-token chunk needs
+    llm = make(model, tmp_path, num_kv_blocks=24, max_num_batched_tokens=64)
+    assert llm.engine.cache.kinds[-1].pool.num_blocks == 20
+    tokens_a, _ = greedy(llm)
+    for other in (OTHER_1, OTHER_2):
+        assert greedy(llm, other)[0] == reference(model, other)
+    assert files(tmp_path, ".swa"), disk_stats(llm)
+    tokens_b, cached = greedy(llm)
     stats = disk_stats(llm)
-    assert stats["loads"] == 0 and stats["hit_tokens"] == 0 and stats["files"] == 0, stats
-    assert files(tmp_path) == []
+    assert cached >= 0.9 * len(PROMPT) and stats["loads"] == 1, stats
+    assert tokens_b == tokens_a == reference(model)
+
+
+def test_damaged_window_block_shortens_the_hit(tmp_path, reference, window_models):
+    """A damaged .swa file is refused; the request plans a second load and resumes at the
+    furthest position whose window does not need it."""
+    model = window_models["gemma3"]
+    llm_a = make(model, tmp_path)
+    greedy(llm_a)
+    llm_a.engine.close()
+    llm_b = make(model, tmp_path)
+    probe = Request("probe", list(PROMPT), GREEDY)
+    hashes = kv(llm_b.engine.scheduler).update_hashes(probe)
+    bad = FULL_BLOCKS - 2  # in the window of a hit at 288 (blocks 16 and 17) and at 272
+    _flip(llm_b.engine.disk.store.path_for("swa", hashes[bad]))
+    tokens, cached = greedy(llm_b)
+    stats = disk_stats(llm_b)
+    assert stats["refused"] == 1 and stats["loads"] == 2, stats
+    assert cached == bad * BS  # its window: blocks 14 and 15
+    assert tokens == reference(model)
 
 
 # ------------------------------------------------------------------ 3. damaged files
