@@ -7,6 +7,8 @@ from dataclasses import InitVar, dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
+# vLLM's --mamba-ssm-cache-dtype; "auto" keeps float32 here (vLLM's follows the model dtype).
+STATE_DTYPES = ("auto", "float32", "bfloat16")
 # vLLM's --logprobs-mode: "raw" = the model's logits before any processing, "processed" = the
 # distribution each token was sampled from (``runner/sampler.py``); "_logits" = values before log-softmax.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -51,6 +53,12 @@ class EngineArgs:
         "hybrid prefix hits (deprecated name: mamba_cache_memory_gb)")})
     max_state_checkpoints: int = field(default=4096, metadata={"help": (
         "cap on recurrent-state checkpoint slots (deprecated name: max_mamba_checkpoints)")})
+    # models/recurrent_state.py: the matrix states of live slots and checkpoints.
+    mamba_ssm_cache_dtype: str = field(default="auto", metadata={"help": (
+        "hybrid models: dtype of the recurrent matrix states (Mamba2's SSM state, Gated DeltaNet's delta-rule "
+        "state), live and checkpointed: auto = float32; bfloat16 halves their memory and the bytes a decode "
+        "step moves (each step still computes in float32 and rounds the state it stores)"),
+        "choices": STATE_DTYPES})
     # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
     # their own; a running request gives back the blocks that left its window.
     swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": (
@@ -136,6 +144,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, got {self.mamba_ssm_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.batch_invariant and self.quantization in ("int8", "int4"):

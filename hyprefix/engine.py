@@ -123,7 +123,8 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
         layout = loaded.model.kv_layout
-        state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype)
+        state_dtype = torch.bfloat16 if args.mamba_ssm_cache_dtype == "bfloat16" else torch.float32
+        state_bytes = ModelRunner.state_bytes_per_slot(loaded.model, self.dtype, state_dtype)
 
         def kv_bytes_per_block(which: str) -> int:
             return ModelRunner.kv_bytes_per_block(loaded.model, self.dtype, args.block_size, which)
@@ -148,7 +149,7 @@ class Engine:
                                                                        args.cascade_min_solo_run_tokens,
                                                                        args.cascade_min_traffic_ratio),
                                   eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
-                                  batch_invariant=args.batch_invariant)
+                                  batch_invariant=args.batch_invariant, state_dtype=state_dtype)
         self.disk: DiskCache | None = None
         if args.disk_cache_dir is not None:
             in_window_pool = [bool(num_window_blocks) and layout.window(i) is not None

@@ -153,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         k1 = self.d.conv_kernel - 1
         conv, inputs = conv_prefill(state, slot, qkv, self.conv1d_weight, None)
         q, k, v = self._qkv(conv)
-        o, h, tapped = gated_delta_scan(q, k, v, g, beta, state.matrix[slot], self.d.chunk,
+        o, h, tapped = gated_delta_scan(q, k, v, g, beta, state.prefill_matrix(slot), self.d.chunk,
                                         [offset for offset, _ in taps])
         state.matrix[slot].copy_(h)
         for (offset, ckpt), h_at in zip(taps, tapped, strict=True):

@@ -154,7 +154,7 @@ class Mamba2Mixer(nn.Module):
         conv, inputs = conv_prefill(state, slot, xbc, self.conv1d_weight, self.conv1d_bias)
         xv, B, C = self._split_xbc(F.silu(conv), per_head=False)
         y, h, tapped = ssd_scan(xv.view(n, d.heads, d.head_dim), self._dt(dt), A, B, C,
-                                state.matrix[slot], d.chunk, [offset for offset, _ in taps])
+                                state.prefill_matrix(slot), d.chunk, [offset for offset, _ in taps])
         state.matrix[slot].copy_(h)
         for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
             state.tap(ckpt, inputs[:, offset:offset + k1], h_at)

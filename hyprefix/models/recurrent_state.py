@@ -2,8 +2,10 @@
 and its causal depthwise conv over a conv state.
 
 A recurrent layer's state is a conv window (the last K-1 conv inputs, in the model
-dtype) and a matrix state (float32 whatever the model dtype): Mamba2's SSM state
-[heads, head_dim, state], Gated DeltaNet's [value heads, key dim, value dim]. The
+dtype) and a matrix state (float32 whatever the model dtype, or bfloat16 by choice:
+``--mamba-ssm-cache-dtype``): Mamba2's SSM state [heads, head_dim, state], Gated
+DeltaNet's [value heads, key dim, value dim]. The mixers compute in float32 whatever
+the stored dtype: a bfloat16 state is widened when read and rounded when stored. The
 state lives outside the modules, in ``RecurrentLayerState`` tensors indexed by slot.
 Before a forward the runner has put each scheduled request's initial state in its
 live slot (zeros or a restored checkpoint, copied never aliased); the mixer reads
@@ -27,14 +29,14 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class LayerStateShape:
     """One recurrent layer's state: conv window [conv_dim, conv_width] (model dtype) and
-    a float32 matrix state of shape ``matrix``."""
+    a matrix state of shape ``matrix`` (float32 or bfloat16)."""
 
     conv_dim: int
     conv_width: int  # kernel - 1
     matrix: tuple[int, ...]
 
-    def bytes(self, dtype: torch.dtype) -> int:
-        return self.conv_dim * self.conv_width * dtype.itemsize + math.prod(self.matrix) * torch.float32.itemsize
+    def bytes(self, dtype: torch.dtype, matrix_dtype: torch.dtype = torch.float32) -> int:
+        return self.conv_dim * self.conv_width * dtype.itemsize + math.prod(self.matrix) * matrix_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -47,25 +49,25 @@ class StateLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return sum(layer.bytes(dtype) for layer in self.layers)
+    def bytes_per_slot(self, dtype: torch.dtype, matrix_dtype: torch.dtype = torch.float32) -> int:
+        return sum(layer.bytes(dtype, matrix_dtype) for layer in self.layers)
 
 
 @dataclass
 class RecurrentLayerState:
     conv: torch.Tensor  # [live slots, conv_dim, K-1]
-    matrix: torch.Tensor  # [live slots, *matrix], float32
+    matrix: torch.Tensor  # [live slots, *matrix], float32 or bfloat16
     ckpt_conv: torch.Tensor  # [checkpoint slots, conv_dim, K-1]
-    ckpt_matrix: torch.Tensor  # [checkpoint slots, *matrix], float32
+    ckpt_matrix: torch.Tensor  # [checkpoint slots, *matrix], the live matrix's dtype
 
     @classmethod
     def allocate(cls, shape: LayerStateShape, live: int, checkpoints: int, dtype: torch.dtype,
-                 device: torch.device) -> RecurrentLayerState:
+                 device: torch.device, matrix_dtype: torch.dtype = torch.float32) -> RecurrentLayerState:
         def conv(n: int) -> torch.Tensor:
             return torch.zeros(n, shape.conv_dim, shape.conv_width, dtype=dtype, device=device)
 
         def matrix(n: int) -> torch.Tensor:
-            return torch.zeros(n, *shape.matrix, dtype=torch.float32, device=device)
+            return torch.zeros(n, *shape.matrix, dtype=matrix_dtype, device=device)
 
         return cls(conv(live), matrix(live), conv(checkpoints), matrix(checkpoints))
 
@@ -74,17 +76,25 @@ class RecurrentLayerState:
         self.ckpt_matrix[ckpt_slot].copy_(matrix)
 
     def decode_matrices(self, slots: torch.Tensor, slot_range: tuple[int, int] | None) -> torch.Tensor:
-        """The decode rows' matrix states, to update in place: a view of the live
-        tensor when the slots are one ascending range (``ForwardBatch.decode_state_range``),
-        else a gathered copy that ``store_decode_matrices`` writes back."""
+        """The decode rows' matrix states in float32, to update in place: a view of the live
+        tensor when it is float32 and the slots are one ascending range
+        (``ForwardBatch.decode_state_range``), else a copy that ``store_decode_matrices``
+        writes back."""
         if slot_range is not None:
-            return self.matrix[slot_range[0]:slot_range[1]]
-        return self.matrix.index_select(0, slots)
+            view = self.matrix[slot_range[0]:slot_range[1]]
+            return view if view.dtype == torch.float32 else view.float()
+        return self.matrix.index_select(0, slots).float()
 
     def store_decode_matrices(self, matrices: torch.Tensor, slots: torch.Tensor,
                               slot_range: tuple[int, int] | None) -> None:
         if slot_range is None:
-            self.matrix.index_copy_(0, slots, matrices)
+            self.matrix.index_copy_(0, slots, matrices.to(self.matrix.dtype))
+        elif self.matrix.dtype != torch.float32:
+            self.matrix[slot_range[0]:slot_range[1]].copy_(matrices)
+
+    def prefill_matrix(self, slot: int) -> torch.Tensor:
+        """A prefill's initial matrix state in float32 (the scan's input, never written)."""
+        return self.matrix[slot].float()
 
     def restore(self, ckpt_slot: int | None, live_slot: int) -> None:
         """Initialise a live slot from a checkpoint (a copy) or with zeros (None)."""

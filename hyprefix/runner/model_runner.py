@@ -40,7 +40,8 @@ class ModelRunner:
                  num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
                  num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset(),
-                 logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False) -> None:
+                 logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
         of their own (``cache/sliding.py``); 0: they share the main pool. ``eos_token_ids``:
         what ``min_tokens`` holds back. ``logprobs_mode``: what sampled tokens' logprobs hold
@@ -77,7 +78,7 @@ class ModelRunner:
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
         self.recurrent_states: list[RecurrentLayerState] = [
-            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device)
+            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device, state_dtype)
             for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device, eos_token_ids, logprobs_mode=logprobs_mode)
         self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
@@ -109,10 +110,12 @@ class ModelRunner:
         return 2 * count * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
 
     @staticmethod
-    def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype) -> int:
-        """Conv + matrix state of every recurrent layer (0 for models without any)."""
+    def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype,
+                             state_dtype: torch.dtype = torch.float32) -> int:
+        """Conv (``dtype``) + matrix (``state_dtype``) state of every recurrent layer (0 for
+        models without any)."""
         layout = model.state_layout
-        return layout.bytes_per_slot(dtype) if layout is not None else 0
+        return layout.bytes_per_slot(dtype, state_dtype) if layout is not None else 0
 
     def _apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
         """Initialise live slots: copy a checkpoint in (never alias it) or zero it."""

@@ -106,7 +106,8 @@ from hyprefix import LLM, SamplingParams
 model, directory, prompt, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 llm = LLM(model, dtype="float32", enforce_eager=True, log_stats_interval=0, num_kv_blocks=64,
           disk_cache_dir=directory, disk_cache_write_through=(mode == "kill"))
-out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+prompts = prompt if isinstance(prompt[0], list) else [prompt]
+out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
 if mode == "kill":  # wait for the writes queued so far (not close, not atexit: this process gets SIGKILLed)
     llm.engine.disk.tier.flush()
 stats = {k: v for k, v in llm.get_stats().items() if k.startswith("disk_cache_")}
@@ -116,11 +117,14 @@ if mode == "kill":
 """  # mode "exit": returns from the script without closing the engine: only the atexit hook writes
 
 
-def child(tmp_path: Path, model: str, directory: Path, mode: str) -> tuple[subprocess.Popen, Path]:
+def child(tmp_path: Path, model: str, directory: Path, mode: str, prompts=None,
+          name: str = "child") -> tuple[subprocess.Popen, Path]:
+    """A process that runs PROMPT (or ``prompts``, reporting the first one's tokens) on an
+    engine over ``directory``."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    stderr = tmp_path / "child.stderr"
-    proc = subprocess.Popen([sys.executable, str(script), model, str(directory), json.dumps(PROMPT), mode],
+    stderr = tmp_path / f"{name}.stderr"
+    proc = subprocess.Popen([sys.executable, str(script), model, str(directory), json.dumps(prompts or PROMPT), mode],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True)
     return proc, stderr
 
@@ -374,6 +378,27 @@ def test_another_tenant_does_not_see_the_files(tmp_path, dense_dir, reference):
     salted_paths = block_paths(llm, salt="tenant-b")
     assert all(p.exists() for p in salted_paths)
     assert not {p.name for p in salted_paths} & {p.name for p in block_paths(llm)}
+
+
+def test_two_engines_write_one_directory_at_once(tmp_path, reference):
+    """Two processes on one directory, running at once: both compute PROMPT (the same file
+    names raced) and one also OTHER_1; both write at exit. A third engine hits all of it."""
+    model = "demo-hybrid-tiny"
+    directory = tmp_path / "disk"
+    procs = [child(tmp_path, model, directory, "exit", name="a"),
+             child(tmp_path, model, directory, "exit", prompts=[PROMPT, OTHER_1], name="b")]
+    reports = []
+    for proc, stderr in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr.read_text()[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert not list(directory.glob("*/*/.tmp-*"))
+    llm = make(model, directory)
+    for prompt in (PROMPT, OTHER_1):
+        tokens, cached = greedy(llm, prompt)
+        assert cached >= 0.9 * len(prompt) and tokens == reference(model, prompt), disk_stats(llm)
+    assert disk_stats(llm)["refused"] == 0 and disk_stats(llm)["loads"] == 2
+    assert reports[0]["tokens"] == reports[1]["tokens"] == reference(model)
 
 
 # ------------------------------------------------------------------ 5. write-through
