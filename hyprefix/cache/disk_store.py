@@ -83,7 +83,8 @@ _FIXED = struct.Struct(f"<8sHIQI{HASH_SIZE}s{KIND_SIZE}s")
 _U32 = struct.Struct("<I")
 _MIN_HEADER = _FIXED.size + 3 * _U32.size  # two empty strings and the header CRC
 _KIND_RE = re.compile(r"[a-z0-9_]{1,16}")
-_NAME_LEN = 2 * HASH_SIZE  # hex chars of a hash in a file name
+# a block file's name: the hash in lowercase hex, a dot, the kind (temp files never match)
+_NAME_RE = re.compile(rf"([0-9a-f]{{{2 * HASH_SIZE}}})\.([a-z0-9_]{{1,{KIND_SIZE}}})")
 
 Key = tuple[str, bytes]
 
@@ -170,18 +171,8 @@ def _check_key(kind: str, block_hash: bytes) -> Key:
 
 def _parse_name(name: str) -> Key | None:
     """``<64 lowercase hex>.<kind>`` -> key, or None for anything else (temp files included)."""
-    if len(name) < _NAME_LEN + 2 or name[_NAME_LEN] != ".":
-        return None
-    kind = name[_NAME_LEN + 1:]
-    if _KIND_RE.fullmatch(kind) is None:
-        return None
-    try:
-        block_hash = bytes.fromhex(name[:_NAME_LEN])
-    except ValueError:
-        return None
-    if block_hash.hex() != name[:_NAME_LEN]:  # uppercase hex: not a name this store writes
-        return None
-    return kind, block_hash
+    match = _NAME_RE.fullmatch(name)
+    return None if match is None else (match[2], bytes.fromhex(match[1]))
 
 
 def _unlink(path: str) -> None:
@@ -386,13 +377,14 @@ class DiskBlockStore:
                 self._end_scan_locked()
             raise
         found.sort(key=lambda item: item[0])
-        on_disk = {key for _, key, _ in found}
         learned = 0
         with self._lock:
             skip = self._end_scan_locked()  # in this lock section: no deletion slips in before the merge
-            for key, entry in list(self._index.items()):
-                if entry.seq <= scan_seq and key not in on_disk:  # gone before or during the scan
-                    self._drop_locked(key, entry)
+            if self._index:
+                on_disk = {key for _, key, _ in found}
+                for key, entry in list(self._index.items()):
+                    if entry.seq <= scan_seq and key not in on_disk:  # gone before or during the scan
+                        self._drop_locked(key, entry)
             if not self._clearing and self._clears == clears:
                 for _, key, size in found:
                     if key in self._index or key in self._pending or key in self._doomed or key in skip:
