@@ -3,9 +3,10 @@
 of a step where that is safe.
 
 Order within a step (``Engine.step``):
-1. ``import_ready``: loads that finished are copied into fresh memory blocks and
-   published (what their allocation evicted is saved first), then the scheduler sees
-   them as ordinary memory hits;
+1. ``import_ready``: imports whose copies finished are published (the scheduler then sees
+   them as ordinary memory hits), and loads whose reads finished get fresh memory blocks
+   (what their allocation evicted is saved first) that the copier thread fills while
+   steps go on;
 2. the scheduler runs (its allocations note the blocks and checkpoints they evict);
 3. ``save_noted``: the noted blocks are copied out, before the forward that reuses them;
 4. the forward; after it, with write-through, ``save_noted`` again for what the step
@@ -18,7 +19,8 @@ import atexit
 import logging
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hyprefix.cache.coordinator import CacheCoordinator
@@ -33,6 +35,21 @@ from hyprefix.runner.block_io import BlockIO
 log = logging.getLogger("hyprefix")
 
 
+@dataclass
+class _Import:
+    """A load on its way into memory: blocks held unpublished and a checkpoint slot reserved
+    (engine thread), filled by the copier thread, published by a later step."""
+
+    loaded: Loaded
+    first: int  # index of the request's first block imported
+    kv: list[tuple[bytes, bytes]]  # (block hash, payload)
+    kv_ids: list[int]
+    swa: list[tuple[bytes, bytes]] = field(default_factory=list)
+    swa_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    copied: Future[None] = field(default_factory=Future)
+
+
 class DiskCache:
     def __init__(self, directory: str, capacity_gb: float, write_through: bool, model_identity: str,
                  cache: CacheCoordinator, io: BlockIO) -> None:
@@ -44,10 +61,19 @@ class DiskCache:
         self.tier = DiskTier(self.store, cache.block_size, io.kv_block_bytes, has_state=io.state_bytes > 0,
                              write_through=write_through, window=self.window)
         self.states: StatePool | None = attach_disk(cache, self.tier)
+        t0 = time.perf_counter()
+        touched = io.touch()
+        log.info("disk cache: %.0f MiB of KV and checkpoint pools touched in %.1fs (restores write there beside "
+                 "running steps)", touched / 2**20, time.perf_counter() - t0)
         found = self.store.stats()
         log.info("disk cache %s: %d files, %.1f of %.1f GiB", self.store.path, found.entries,
                  found.bytes_used / GIB, capacity_gb)
         self._closed = False
+        # Copies of loaded payloads into memory run here, beside the steps: a restore of a
+        # long prompt touches fresh pool pages (page faults) for hundreds of milliseconds.
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-import")
+        self._imports: list[_Import] = []  # in the order they started
+        self._incoming: dict[str, set[bytes]] = {KV: set(), SWA: set()}  # hashes of the blocks they bring
         self._off = False  # the weights changed in place (``_weights_changed``)
         ref = weakref.ref(self)
         atexit.register(lambda: (disk := ref()) is not None and disk.close())
@@ -74,8 +100,9 @@ class DiskCache:
         return True
 
     def _detach(self) -> None:
-        """Turn the tier off: the cache goes on as if it had none (no saves, no loads; a load
-        under way is never imported)."""
+        """Turn the tier off: the cache goes on as if it had none (no saves, no loads; a read
+        under way is never imported, an import being copied is finished: its blocks are held)."""
+        self._publish_copied(wait_all=True)
         self._off = True
         pool = self.cache.kv.pool
         pool.on_evict = pool.on_publish = None
@@ -109,69 +136,96 @@ class DiskCache:
 
     # ------------------------------------------------------------------ loads
     def import_ready(self, requests: dict) -> None:
-        """Bring finished loads into memory. ``requests``: the scheduler's live requests
-        (a load of one that finished or was aborted meanwhile is dropped)."""
+        """Publish the imports whose copies finished, and start importing the loads whose
+        reads finished. ``requests``: the scheduler's live requests (a load of one that
+        finished or was aborted meanwhile is dropped)."""
         if self._weights_changed():
             return
+        self._publish_copied()
         for loaded in self.tier.ready():
             request = loaded.request
             if requests.get(request.request_id) is not request or request.status == Status.RUNNING:
                 continue
-            self._import(loaded)
+            job = self._reserve(loaded)
+            if job is None:
+                self.tier.finish(loaded)
+                continue
+            if job.kv_ids or job.swa_ids or job.state_slot is not None:
+                job.copied = self._copier.submit(self._copy, job)
+            else:  # all of it in memory or on its way there: done once the imports before it are
+                job.copied.set_result(None)
+            self._incoming[KV].update(h for h, _ in job.kv)
+            self._incoming[SWA].update(h for h, _ in job.swa)
+            self._imports.append(job)
 
-    def _import(self, loaded: Loaded) -> None:
+    def _reserve(self, loaded: Loaded) -> _Import | None:
+        """On the engine thread: memory for what the load read, less what memory gained
+        meanwhile (blocks held and unpublished, a checkpoint slot reserved); None when the
+        KV blocks find no room. What the reservations evicted is saved before returning, so
+        the copier may overwrite it."""
         request, first = loaded.request, loaded.first_block
         pool = self.cache.kv.pool
-        # The loaded run, less what memory gained meanwhile at its start.
         kv = loaded.kv
-        while kv and pool.lookup(kv[0][0]) is not None:
+        while kv and (pool.lookup(kv[0][0]) is not None or kv[0][0] in self._incoming[KV]):
             kv, first = kv[1:], first + 1
         ids = self.cache.reserve_import(request, first, len(kv)) if kv else []
         if ids is None:
             self.tier.stats.imports_dropped += 1
-            return
-        self.save_noted()  # what the allocation evicted, before its blocks are overwritten
-        for (_, payload), block_id in zip(kv, ids, strict=True):
-            self.io.write_kv(block_id, payload)
-        self.cache.publish_import(request, first, ids)
-        self.tier.stats.hit_tokens += len(ids) * self.cache.block_size
+            return None
+        job = _Import(loaded, first, kv, ids)
         if loaded.swa and self.window is not None:
-            self._import_window(loaded)
+            swa = [(h, payload) for h, payload in loaded.swa
+                   if self.window.pool.lookup(h) is None and h not in self._incoming[SWA]]
+            swa_ids = self.window.reserve_import(request, len(swa)) if swa else []
+            if swa_ids is None:
+                self.tier.stats.imports_dropped += 1
+            else:
+                job.swa, job.swa_ids = swa, swa_ids
         if loaded.state is not None and self.states is not None:
-            self._import_state(*loaded.state)
+            job.state_slot = self.states.reserve(loaded.state[0])
+        self.save_noted()
+        return job
 
-    def _import_window(self, loaded: Loaded) -> None:
-        """The loaded sliding-window blocks into the window's own pool (less what it gained
-        meanwhile)."""
-        window = self.window
-        assert window is not None
-        swa = [(h, payload) for h, payload in loaded.swa if window.pool.lookup(h) is None]
-        ids = window.reserve_import(loaded.request, len(swa)) if swa else []
-        if ids is None:
-            self.tier.stats.imports_dropped += 1
-            return
-        self.save_noted()  # what the allocation evicted, before its blocks are overwritten
-        for (_, payload), block_id in zip(swa, ids, strict=True):
+    def _copy(self, job: _Import) -> None:
+        """On the copier thread: the payloads into the reserved blocks and slot."""
+        for (_, payload), block_id in zip(job.kv, job.kv_ids, strict=True):
+            self.io.write_kv(block_id, payload)
+        for (_, payload), block_id in zip(job.swa, job.swa_ids, strict=True):
             self.io.write_swa(block_id, payload)
-        window.publish_import([h for h, _ in swa], ids)
+        if job.state_slot is not None:
+            assert job.loaded.state is not None
+            self.io.write_state(job.state_slot, job.loaded.state[1])
 
-    def _import_state(self, key: bytes, payload: bytes) -> None:
-        pool = self.cache.kv.pool
-        _, block = state_file(key)
-        if pool.lookup(block) is None:  # a checkpoint must sit on a cached block
-            return
-        slot = self.states.reserve(key)
-        if slot is None:
-            return
-        self.save_noted()  # a checkpoint the reservation evicted
-        self.io.write_state(slot, payload)
-        self.states.commit(slot)
+    def _publish_copied(self, wait_all: bool = False) -> None:
+        """On the engine thread: publish the imports whose copies finished, in the order they
+        started (a later one may count on blocks an earlier one brings; ``wait_all``: every
+        one, waiting), and let their requests go on."""
+        while self._imports and (wait_all or self._imports[0].copied.done()):
+            job = self._imports.pop(0)
+            job.copied.result()  # a copy that raised is a bug: raise it here, on the engine thread
+            self._incoming[KV].difference_update(h for h, _ in job.kv)
+            self._incoming[SWA].difference_update(h for h, _ in job.swa)
+            request = job.loaded.request
+            self.cache.publish_import(request, job.first, job.kv_ids)
+            self.tier.stats.hit_tokens += len(job.kv_ids) * self.cache.block_size
+            if job.swa_ids and self.window is not None:
+                self.window.publish_import([h for h, _ in job.swa], job.swa_ids)
+            if job.state_slot is not None and self.states is not None:
+                assert job.loaded.state is not None
+                _, block = state_file(job.loaded.state[0])
+                if self.cache.kv.pool.lookup(block) is not None:  # a checkpoint must sit on a cached block
+                    self.states.commit(job.state_slot)
+                else:
+                    self.states.cancel(job.state_slot)
+            self.tier.finish(job.loaded)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing else to run: block until a load finishes (instead of spinning on steps)."""
-        loading = self.tier.loading() if not self._off else []
-        if loading:
-            wait(loading, timeout, return_when=FIRST_COMPLETED)
+        """Nothing else to run: block until a read or a copy finishes (instead of spinning on steps)."""
+        if self._off:
+            return
+        busy = self.tier.loading() + [job.copied for job in self._imports]
+        if busy:
+            wait(busy, timeout, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
@@ -192,6 +246,7 @@ class DiskCache:
         if not self._weights_changed():
             self.flush_memory()
         self._detach()
+        self._copier.shutdown(wait=True)
         self.tier.close()
         log.info("disk cache: memory written out in %.1fs (%d files)", time.perf_counter() - t0,
                  self.store.stats().entries)

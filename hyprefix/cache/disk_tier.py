@@ -20,8 +20,9 @@ or tenant cannot even name another's files (``DiskBlockStore`` adds a header che
   chain (and, for hybrids, a checkpoint to resume from; for sliding-window layers with a
   pool of their own, the window's blocks below the hit), the tier starts reading those
   files on the reader thread and the request waits (others keep running). Once read,
-  the engine copies them into free memory blocks and publishes them, at the start of a
-  step, before scheduling: from then on they are ordinary memory hits. A file that fails
+  the engine reserves free memory blocks for them and a copier thread fills them while
+  steps go on; at the start of a later step they are published, before scheduling: from
+  then on they are ordinary memory hits. A file that fails
   its checks ends the loaded run there; a load that came back short lets the request plan
   one more from what is left (each such load removed a file from the index, so this ends:
   a damaged window block or checkpoint falls back to an earlier position, not to none).
@@ -81,7 +82,8 @@ class _Plan:
 @dataclass
 class _Load:
     future: Future[Loaded]
-    imported: bool = False
+    taken: bool = False  # handed to the engine to import (``ready``)
+    imported: bool = False  # in memory, or given up on: the request stops waiting (``finish``)
 
 
 @dataclass
@@ -283,20 +285,31 @@ class DiskTier:
         return loaded
 
     def ready(self) -> list[Loaded]:
-        """Loads whose reads have finished, each returned once: the engine imports them now."""
+        """Loads whose reads have finished, each returned once: the engine imports them now
+        and calls ``finish`` when they are in memory."""
         out = []
-        for rid, load in list(self._loads.items()):
-            if not load.imported and load.future.done():
-                load.imported = True
-                loaded = load.future.result()
-                out.append(loaded)
-                if loaded.short:  # plan again from what is left
-                    del self._loads[rid]
-                    self._tried.discard(rid)
+        for load in self._loads.values():
+            if not load.taken and load.future.done():
+                load.taken = True
+                out.append(load.future.result())
         return out
 
+    def finish(self, loaded: Loaded) -> None:
+        """The load's blocks are in memory (or were dropped): its request stops waiting. One
+        that came back short is forgotten instead, so the request plans again from what is left."""
+        rid = loaded.request.request_id
+        load = self._loads.get(rid)
+        if load is None or load.future.result() is not loaded:  # released meanwhile
+            return
+        if loaded.short:
+            del self._loads[rid]
+            self._tried.discard(rid)
+        else:
+            load.imported = True
+
     def loading(self) -> list[Future[Loaded]]:
-        return [load.future for load in self._loads.values() if not load.imported]
+        """Reads under way."""
+        return [load.future for load in self._loads.values() if not load.taken]
 
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: forget its load (a read still under way

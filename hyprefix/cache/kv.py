@@ -36,6 +36,7 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
         self._pending: dict[bytes, str] = {}  # block hash -> id of the request computing it
         self._pending_by_request: dict[str, list[bytes]] = {}
+        self._importing: set[int] = set()  # blocks reserve_import handed out, not yet published
         self._roots: dict[str | None, bytes] = {}
 
     @property
@@ -178,7 +179,8 @@ class KVCacheManager:
     # ----------------------------------------------------------------- imports
     def reserve_import(self, request: Request, first_block: int, count: int) -> list[int] | None:
         """Fresh blocks to hold ``count`` of the request's blocks from ``first_block`` on, read
-        from a lower tier (held, unpublished), or None when the pool has no room. The request's
+        from a lower tier (held, unpublished until ``publish_import``, which a caller must
+        reach: they are nobody else's meanwhile), or None when the pool has no room. The request's
         cached blocks before them are held meanwhile, so the room is never made by evicting
         the prefix the imported blocks extend."""
         held = [b for h in request.block_hashes[:first_block] if (b := self.pool.lookup(h)) is not None]
@@ -187,6 +189,8 @@ class KVCacheManager:
         self.pool.acquire(held)
         ids = self.pool.allocate(count)
         self.pool.release(list(reversed(held)))
+        if ids:
+            self._importing.update(ids)
         return ids
 
     def publish_import(self, request: Request, first_block: int, block_ids: list[int]) -> int:
@@ -198,6 +202,7 @@ class KVCacheManager:
                  if self.pool.publish(b, request.block_hashes[first_block + i])]
         if self.events.enabled and added:
             self._announce(request, added)
+        self._importing.difference_update(block_ids)
         self.pool.release(list(reversed(block_ids)))
         return len(added)
 
@@ -232,7 +237,7 @@ class KVCacheManager:
         return self.pool.reset_cache()
 
     def check_invariants(self, running_ids: set[str] | None = None) -> None:
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict.fromkeys(self._importing, 1)
         for table in self._tables.values():
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1

@@ -50,6 +50,7 @@ class SlidingWindowKV(CacheKind):
         self.enable_caching = enable_caching
         self._tables: dict[str, _Table] = {}
         self.blocks_released = 0  # blocks given back by running requests (left their window)
+        self._importing: set[int] = set()  # blocks reserve_import handed out, not yet published
 
     def first_needed_block(self, position: int) -> int:
         """Index of the first block a token at ``position`` (or later) attends to."""
@@ -118,6 +119,8 @@ class SlidingWindowKV(CacheKind):
         ids = self.pool.allocate(count)
         self.pool.release(list(reversed(held)))
         self.pool.take_forgotten()
+        if ids:
+            self._importing.update(ids)
         return ids
 
     def publish_import(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
@@ -125,6 +128,7 @@ class SlidingWindowKV(CacheKind):
         findable, held by nobody (a hash indexed meanwhile leaves its copy private)."""
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             self.pool.publish(block_id, block_hash)
+        self._importing.difference_update(block_ids)
         self.pool.release(list(reversed(block_ids)))
 
     # ------------------------------------------------------------------ steps
@@ -177,7 +181,7 @@ class SlidingWindowKV(CacheKind):
 
     def check_invariants(self, running_ids: set[str], lookup: Callable[[bytes], int | None]) -> None:
         assert set(self._tables) <= running_ids, "a sliding-window table outlived its request"
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict.fromkeys(self._importing, 1)
         for table in self._tables.values():
             assert all(b == NO_BLOCK for b in table.blocks[: table.first]), "a given-back block is still listed"
             for block_id in table.blocks[table.first:]:

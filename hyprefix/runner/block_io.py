@@ -9,11 +9,13 @@ disk store keeps files of another layout apart, so a payload always has the size
 meaning its reader expects.
 
 Contract: reads copy (the copy is taken before the slot can be reused, and the caller
-may hand it to another thread); writes fill the block or slot completely.
+may hand it to another thread); writes fill the block or slot completely, and may run on
+another thread than the engine's (into blocks and slots no step reads meanwhile).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hyprefix.models.recurrent_state import RecurrentLayerState
@@ -27,15 +29,28 @@ def _raw(tensors: list[torch.Tensor]) -> bytes:
 
 
 def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    """Write ``payload`` through ``targets`` seen as bytes (a byte slice of the payload need not
+    be aligned to a target's dtype). On a CPU through numpy, which starts no OpenMP workers:
+    imports run on a thread of their own (``disk_cache.py``), where torch's parallel copies
+    would start a second pool beside the engine thread's (``openmp.py``)."""
+    data = np.frombuffer(payload, dtype=np.uint8)
     offset = 0
     for t in targets:
         n = t.numel() * t.element_size()
-        # The target seen as bytes: a byte slice of the payload need not be aligned to its dtype.
-        t.view(-1).view(torch.uint8).copy_(data[offset:offset + n])
+        if offset + n > data.size:
+            break
+        raw = t.view(-1).view(torch.uint8)
+        if raw.device.type == "cpu":
+            raw.numpy()[:] = data[offset:offset + n]
+        else:
+            raw.copy_(torch.from_numpy(data[offset:offset + n].copy()))
         offset += n
-    if offset != data.numel():
-        raise ValueError(f"payload of {data.numel()} bytes for a layout of {offset}")
+    if offset != data.size or offset != sum(t.numel() * t.element_size() for t in targets):
+        raise ValueError(f"payload of {data.size} bytes for a layout of "
+                         f"{sum(t.numel() * t.element_size() for t in targets)}")
+
+
+_PAGE = 4096  # bytes of the smallest memory page
 
 
 def _block_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -59,6 +74,20 @@ class BlockIO:
         self.layout = f"block_size={block_size}|kv=[{kv}]|states=[{states}]"
         if self._swa:  # (models without a window pool keep the layout, and so the files, they had)
             self.layout += "|swa=[" + ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in self._swa) + "]"
+
+    def touch(self) -> int:
+        """Write every memory page of the tensors loads write into (main and window KV pools,
+        checkpoint slots) once, now; returns their bytes. Their pages are otherwise first
+        touched by the import copier, beside running steps, and a first touch can be slow (a
+        huge page zeroed, a VM's memory backed by its host), and faults on one thread stall
+        another's steps (docs/architecture.md, "Disk tier")."""
+        tensors = [t for pair in self._kv + self._swa for t in pair]
+        tensors += [t for s in self._states for t in (s.ckpt_conv, s.ckpt_matrix)]
+        with torch.no_grad():
+            for t in tensors:
+                if t.device.type == "cpu" and t.numel():
+                    t.view(-1).view(torch.uint8)[::_PAGE].zero_()
+        return sum(t.nbytes for t in tensors)
 
     def read_kv(self, block_id: int) -> bytes:
         return _raw([t[block_id] for pair in self._kv for t in pair])

@@ -493,6 +493,50 @@ def test_abort_while_waiting_for_disk(tmp_path, dense_dir, reference):
     assert disk_stats(llm)["hit_tokens"] == FULL_BLOCKS * BS
 
 
+def test_restore_copies_beside_the_steps(tmp_path, dense_dir, reference, monkeypatch):
+    """A load's bytes go into memory on the copier thread while steps go on: the request
+    waits (its blocks held, unpublished, invariants intact) and another request decodes;
+    once the copy is done a step publishes the blocks and the request hits them."""
+    directory = copy_of(dense_dir, tmp_path)
+    llm = make("demo-dense-tiny", directory)
+    engine, disk = llm.engine, llm.engine.disk
+    gate, threads = threading.Event(), set()
+    copy = disk._copy
+
+    def gated_copy(job):
+        threads.add(threading.current_thread().name)
+        assert gate.wait(60)
+        copy(job)
+
+    monkeypatch.setattr(disk, "_copy", gated_copy)
+    engine.add_request("other", OTHER_1, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("a", PROMPT, GREEDY)
+    tokens: dict[str, list[int]] = {"other": [], "a": []}
+    for _ in range(200):
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        engine.check_invariants()
+        if disk._imports:
+            break
+    assert disk._imports and engine.get_stats()["kv_blocks_used"] > 0
+    before = len(tokens["other"])
+    for _ in range(5):  # the other request decodes while the copy waits
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        engine.check_invariants()
+    assert len(tokens["other"]) > before and not tokens["a"]
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+            if out.request_id == "a" and out.finished:
+                assert out.num_cached_tokens == FULL_BLOCKS * BS
+        engine.check_invariants()
+    assert threads == {next(iter(threads))} and "hyprefix-disk-import" in next(iter(threads))
+    assert tokens["a"] == reference("demo-dense-tiny")
+    assert engine.get_stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("model", ["demo-dense-tiny", "demo-hybrid-tiny"])
 def test_loads_under_preemption_and_eviction(tmp_path, model):
     """Shared prefixes in a pool too small for the batch: requests wait on loads while others
