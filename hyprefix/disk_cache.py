@@ -70,7 +70,7 @@ class DiskCache:
                  found.bytes_used / GIB, capacity_gb)
         self._closed = False
         # Copies of loaded payloads into memory run here, beside the steps: a restore of a
-        # long prompt touches fresh pool pages (page faults) for hundreds of milliseconds.
+        # long prompt touches many pool pages, and a step must not wait for that.
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-import")
         self._imports: list[_Import] = []  # in the order they started
         self._incoming: dict[str, set[bytes]] = {KV: set(), SWA: set()}  # hashes of the blocks they bring
