@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
-from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, state_file
+from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, Payload, state_file
 from hyprefix.cache.plan import GIB, attach_disk
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
@@ -42,9 +42,9 @@ class _Import:
 
     loaded: Loaded
     first: int  # index of the request's first block imported
-    kv: list[tuple[bytes, bytes]]  # (block hash, payload)
+    kv: list[tuple[bytes, Payload]]  # (block hash, payload)
     kv_ids: list[int]
-    swa: list[tuple[bytes, bytes]] = field(default_factory=list)
+    swa: list[tuple[bytes, Payload]] = field(default_factory=list)
     swa_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     copied: Future[None] = field(default_factory=Future)
@@ -119,9 +119,15 @@ class DiskCache:
         (``wait``: write it now)."""
         if self._off:
             return
-        read = {KV: self.io.read_kv, SWA: self.io.read_swa}
-        for kind, block_hash, source in self.tier.take_saves():
-            self.tier.save(kind, block_hash, read.get(kind, self.io.read_state)(source), wait)
+        saves = self.tier.take_saves()
+        blocks = {kind: [(h, b) for k, h, b in saves if k == kind] for kind in (KV, SWA)}
+        for kind, noted in blocks.items():  # blocks in one gather per layer
+            for (block_hash, _), payload in zip(noted, self.io.read_blocks(kind == SWA, [b for _, b in noted]),
+                                                strict=True):
+                self.tier.save(kind, block_hash, payload, wait)
+        for kind, key, slot in saves:
+            if kind not in blocks:
+                self.tier.save(kind, key, self.io.read_state(slot), wait)
 
     def flush_memory(self) -> None:
         """Write every cached block and checkpoint memory holds that the disk lacks, and wait."""

@@ -30,7 +30,9 @@ or tenant cannot even name another's files (``DiskBlockStore`` adds a header che
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,12 +52,22 @@ __all__ = ["DISK_WAIT", "DiskTier", "Loaded"]
 log = logging.getLogger("hyprefix")
 
 KV, SWA, STATE, STATE_BEFORE_LAST = "kv", "swa", "state", "statebl"
+Payload = bytes | memoryview  # a block's or checkpoint's bytes (``runner/block_io.py``)
 
 
 def state_file(key: bytes) -> tuple[str, bytes]:
     """(store kind, hash) of a state pool key (a block hash or its before-last-token key)."""
     block = block_of(key)
     return (STATE if block == key else STATE_BEFORE_LAST), block
+
+
+def _background() -> None:
+    """Run the calling thread (the writer) at the lowest priority (nice 19 on Linux): where
+    steps keep every CPU busy it gets a sliver of one, so writes wait and steps do not;
+    where a CPU is free it writes at full speed. Writes that fall too far behind are dropped
+    and counted (``save``)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @dataclass
@@ -66,9 +78,9 @@ class Loaded:
 
     request: Request
     first_block: int
-    kv: list[tuple[bytes, bytes]] = field(default_factory=list)  # (block hash, payload)
-    swa: list[tuple[bytes, bytes]] = field(default_factory=list)  # (block hash, payload)
-    state: tuple[bytes, bytes] | None = None
+    kv: list[tuple[bytes, Payload]] = field(default_factory=list)  # (block hash, payload)
+    swa: list[tuple[bytes, Payload]] = field(default_factory=list)  # (block hash, payload)
+    state: tuple[bytes, Payload] | None = None
     short: bool = False  # a file of the plan was missing or refused (and so left the store's index)
 
 
@@ -112,10 +124,13 @@ class DiskTier:
         self.write_through = write_through
         self.max_queued_bytes = max_queued_bytes
         self.stats = DiskTierStats()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-write")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-write", initializer=_background)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-read")
         self._queued_bytes = 0  # payload bytes queued and not yet written (the writer subtracts)
-        self._queued = threading.Condition()
+        self._queued = threading.Condition()  # guards the two fields around it
+        # Saves queued and not yet written, found by loads as if on disk: a block evicted from
+        # memory is never in neither place while the (low-priority) writer catches up.
+        self._unwritten: dict[tuple[str, bytes], Payload] = {}
         self._saves: list[tuple[str, bytes, int]] = []  # (store kind, hash, block id or checkpoint slot)
         self._loads: dict[str, _Load] = {}
         self._tried: set[str] = set()
@@ -141,14 +156,14 @@ class DiskTier:
         saves, self._saves = self._saves, []
         out, seen = [], set()
         for kind, block_hash, source in saves:
-            if (kind, block_hash) in seen or self.store.contains(kind, block_hash):
+            if (kind, block_hash) in seen or self._has(kind, block_hash):
                 self.stats.saves_skipped += 1
                 continue
             seen.add((kind, block_hash))
             out.append((kind, block_hash, source))
         return out
 
-    def save(self, kind: str, block_hash: bytes, payload: bytes, wait: bool = False) -> None:
+    def save(self, kind: str, block_hash: bytes, payload: Payload, wait: bool = False) -> None:
         """Write on the writer thread; dropped (and counted) past ``max_queued_bytes``.
         ``wait``: write now on this thread (at shutdown, where the interpreter takes no
         new thread work)."""
@@ -160,9 +175,10 @@ class DiskTier:
                 self.stats.saves_dropped += 1
                 return
             self._queued_bytes += len(payload)
+            self._unwritten[kind, block_hash] = payload
         self._writer.submit(self._write, kind, block_hash, payload)
 
-    def _write(self, kind: str, block_hash: bytes, payload: bytes) -> None:
+    def _write(self, kind: str, block_hash: bytes, payload: Payload) -> None:
         """On the writer thread (the store counts and survives I/O errors itself)."""
         try:
             self.store.put(kind, block_hash, payload)
@@ -171,7 +187,26 @@ class DiskTier:
         finally:
             with self._queued:
                 self._queued_bytes -= len(payload)
+                self._unwritten.pop((kind, block_hash), None)
                 self._queued.notify_all()
+
+    # ------------------------------------------------- disk, and writes on their way there
+    def _has(self, kind: str, block_hash: bytes) -> bool:
+        with self._queued:
+            if (kind, block_hash) in self._unwritten:
+                return True
+        return self.store.contains(kind, block_hash)
+
+    def _get(self, kind: str, block_hash: bytes) -> Payload | None:
+        with self._queued:
+            payload = self._unwritten.get((kind, block_hash))
+        return payload if payload is not None else self.store.get(kind, block_hash)
+
+    def _prefix_run(self, kind: str, hashes: list[bytes]) -> int:
+        run = 0
+        while run < len(hashes) and self._has(kind, hashes[run]):
+            run += 1
+        return run
 
     def flush(self) -> None:
         """Wait for every queued write (also at exit, when the executor takes no new work)."""
@@ -210,7 +245,7 @@ class DiskTier:
             return None  # nothing of this model is ever written
         bs, hashes = self.block_size, request.block_hashes
         rest = hashes[mem_blocks:]
-        run = self.store.prefix_run(KV, rest) if self.kv_files else len(rest)
+        run = self._prefix_run(KV, rest) if self.kv_files else len(rest)
         avail = mem_blocks + run
         stateful = self.has_state and state_lookup is not None
         for position, key in self._candidates(request, avail, stateful):
@@ -218,7 +253,7 @@ class DiskTier:
                 return None
             state_key = None
             if key is not None and state_lookup(key) is None:  # type: ignore[misc]
-                if not self.store.contains(*state_file(key)):
+                if not self._has(*state_file(key)):
                     continue
                 state_key = key
             swa = self._window_reads(request, position, avail)
@@ -254,7 +289,7 @@ class DiskTier:
             block_hash = request.block_hashes[i]
             if self.window.pool.lookup(block_hash) is not None:
                 continue
-            if not self.store.contains(SWA, block_hash):
+            if not self._has(SWA, block_hash):
                 return None
             out.append(block_hash)
         return out
@@ -265,19 +300,19 @@ class DiskTier:
         finds the hit those read allow)."""
         loaded = Loaded(request, first_block)
         for block_hash in plan.kv_hashes:
-            payload = self.store.get(KV, block_hash) if self.kv_files else b""
+            payload = self._get(KV, block_hash) if self.kv_files else b""
             if payload is None:
                 loaded.short = True
                 return loaded
             loaded.kv.append((block_hash, payload))
         for block_hash in plan.swa_hashes:
-            payload = self.store.get(SWA, block_hash)
+            payload = self._get(SWA, block_hash)
             if payload is None:
                 loaded.short = True
             else:
                 loaded.swa.append((block_hash, payload))
         if plan.state_key is not None:
-            payload = self.store.get(*state_file(plan.state_key))
+            payload = self._get(*state_file(plan.state_key))
             if payload is None:
                 loaded.short = True
             else:

@@ -21,9 +21,18 @@ import torch
 from hyprefix.models.recurrent_state import RecurrentLayerState
 
 
-def _raw(tensors: list[torch.Tensor]) -> bytes:
+def _raw(tensors: list[torch.Tensor]) -> bytes | memoryview:
+    """The tensors' bytes, one after another, in a buffer of their own (one copy on a CPU)."""
     if not tensors:
         return b""
+    if all(t.device.type == "cpu" for t in tensors):
+        out = np.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=np.uint8)
+        offset = 0
+        for t in tensors:
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            out[offset:offset + raw.size] = raw
+            offset += raw.size
+        return memoryview(out)
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
     return flat.cpu().numpy().tobytes()
 
@@ -89,19 +98,37 @@ class BlockIO:
                     t.view(-1).view(torch.uint8)[::_PAGE].zero_()
         return sum(t.nbytes for t in tensors)
 
-    def read_kv(self, block_id: int) -> bytes:
+    def read_blocks(self, window: bool, block_ids: list[int]) -> list[bytes | memoryview]:
+        """``read_kv`` (``read_swa`` if ``window``) of many blocks: one gather per layer, not a
+        copy per layer and block."""
+        layers = self._swa if window else self._kv
+        if not block_ids:
+            return []
+        if not layers:
+            return [b""] * len(block_ids)
+        if len(block_ids) == 1 or layers[0][0].device.type != "cpu":
+            read = self.read_swa if window else self.read_kv
+            return [read(b) for b in block_ids]
+        index = torch.tensor(block_ids, dtype=torch.long)
+        n = len(block_ids)
+        rows = torch.cat([t.index_select(0, index).view(n, -1).view(torch.uint8) for pair in layers for t in pair],
+                         dim=1)
+        data = rows.numpy()
+        return [memoryview(data[i]) for i in range(n)]
+
+    def read_kv(self, block_id: int) -> bytes | memoryview:
         return _raw([t[block_id] for pair in self._kv for t in pair])
 
     def write_kv(self, block_id: int, payload: bytes | memoryview) -> None:
         _fill([t[block_id] for pair in self._kv for t in pair], payload)
 
-    def read_swa(self, block_id: int) -> bytes:
+    def read_swa(self, block_id: int) -> bytes | memoryview:
         return _raw([t[block_id] for pair in self._swa for t in pair])
 
     def write_swa(self, block_id: int, payload: bytes | memoryview) -> None:
         _fill([t[block_id] for pair in self._swa for t in pair], payload)
 
-    def read_state(self, slot: int) -> bytes:
+    def read_state(self, slot: int) -> bytes | memoryview:
         return _raw([t[slot] for s in self._states for t in (s.ckpt_conv, s.ckpt_matrix)])
 
     def write_state(self, slot: int, payload: bytes | memoryview) -> None:

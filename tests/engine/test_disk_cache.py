@@ -194,6 +194,7 @@ def test_blocks_evicted_from_memory_come_back_from_disk(tmp_path, reference, mod
     assert disk_stats(llm)["files"] == 0
     for other in (OTHER_1, OTHER_2):  # evict PROMPT's blocks from memory
         greedy(llm, other)
+    llm.engine.disk.tier.flush()  # the writer thread runs at low priority: wait for it
     stats = disk_stats(llm)
     assert stats["files"] >= FULL_BLOCKS and stats["bytes_written"] > 0, stats
     on_disk = {p.name for p in files(tmp_path)}
@@ -205,6 +206,26 @@ def test_blocks_evicted_from_memory_come_back_from_disk(tmp_path, reference, mod
     stats = disk_stats(llm)
     assert cached >= 0.9 * len(PROMPT) and stats["hit_tokens"] >= cached - 2 * BS and stats["loads"] == 1, stats
     assert tokens_b == tokens_a == reference(model)
+
+
+def test_evicted_blocks_not_yet_written_are_found(tmp_path, reference, monkeypatch):
+    """A block whose write is still queued (the writer held back here) is found by a load
+    as if on disk: eviction never leaves a block in neither place."""
+    llm = make("demo-dense-tiny", tmp_path, num_kv_blocks=24)
+    gate = threading.Event()
+    put = llm.engine.disk.store.put
+    monkeypatch.setattr(llm.engine.disk.store, "put", lambda *a, **k: gate.wait(60) and put(*a, **k))
+    tokens_a, _ = greedy(llm)
+    for other in (OTHER_1, OTHER_2):
+        greedy(llm, other)
+    assert disk_stats(llm)["files"] == 0  # nothing written yet
+    tokens_b, cached = greedy(llm)
+    stats = disk_stats(llm)
+    assert cached >= 0.9 * len(PROMPT) and stats["loads"] == 1 and stats["bytes_read"] == 0, stats
+    assert tokens_b == tokens_a == reference("demo-dense-tiny")
+    gate.set()
+    llm.engine.disk.tier.flush()
+    assert disk_stats(llm)["files"] >= FULL_BLOCKS
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +271,7 @@ def test_window_blocks_evicted_from_memory_come_back_from_disk(tmp_path, referen
     tokens_a, _ = greedy(llm)
     for other in (OTHER_1, OTHER_2):
         assert greedy(llm, other)[0] == reference(model, other)
+    llm.engine.disk.tier.flush()
     assert files(tmp_path, ".swa"), disk_stats(llm)
     tokens_b, cached = greedy(llm)
     stats = disk_stats(llm)
