@@ -143,20 +143,40 @@ def pretrained_location(path: str | os.PathLike) -> dict[str, str]:
 
 
 def load_config(path: Path):
+    """The checkpoint's transformers config; a GGUF file's says the dtype of its float weights
+    (``gguf_float_dtype``), which ``dtype="auto"`` starts from as it does from an HF config's."""
     from transformers import AutoConfig
 
     if path.suffix != ".gguf":
         return AutoConfig.from_pretrained(str(path))
     arch = gguf_architecture(path)
     if arch in gguf_hybrid.ARCHITECTURES:
-        return gguf_hybrid.load_config(path)
-    if arch not in GGUF_ARCHITECTURES:
+        config = gguf_hybrid.load_config(path)
+    elif arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; hyprefix loads GGUF "
                          f"files of {', '.join(GGUF_ARCHITECTURES + gguf_hybrid.ARCHITECTURES)}")
-    try:
-        return AutoConfig.from_pretrained(**pretrained_location(path))
-    except ValueError as exc:
-        raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
+    else:
+        try:
+            config = AutoConfig.from_pretrained(**pretrained_location(path))
+        except ValueError as exc:
+            raise ValueError(f"cannot load the GGUF file {path.name}: {exc}") from exc
+    config.dtype = gguf_float_dtype(path)
+    return config
+
+
+def gguf_float_dtype(path: Path) -> torch.dtype:
+    """The dtype a GGUF file's matrices were written in: bfloat16 or float16 where most of
+    their bytes are BF16 or F16 (``--outtype bf16``, ``f16``), else float32 (F32 files, and
+    quantized ones, whose blocks llama.cpp also multiplies with float32 activations)."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    by_type: dict[int, int] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if len(tensor.shape) >= 2:
+            by_type[tensor.tensor_type] = by_type.get(tensor.tensor_type, 0) + int(tensor.n_bytes)
+    main = max(by_type, key=by_type.__getitem__, default=None)
+    return {types.BF16: torch.bfloat16, types.F16: torch.float16}.get(main, torch.float32)
 
 
 def _meta_reference(hf_config) -> torch.nn.Module:

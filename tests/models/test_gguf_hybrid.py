@@ -179,6 +179,31 @@ def test_greedy_matches_hf_generate(ggufs, checkpoints, case):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == outs[-1].outputs[0].token_ids
 
 
+def test_a_bf16_file_runs_in_bf16(llama_converter, checkpoints, tmp_path):
+    """A file written with ``--outtype bf16`` declares bfloat16: ``dtype="auto"`` starts from it
+    as from an HF config's dtype (bf16 where the CPU computes it natively), and in bfloat16 the
+    engine on the file decodes exactly as on the HF checkpoint cast to bfloat16 (the converter
+    and torch round float32 to bfloat16 alike)."""
+    from hyprefix.hardware import device_caps
+
+    checkpoint = checkpoints["qwen3_5"][0]
+    path = tmp_path / "qwen3_5-bf16.gguf"
+    jobs = [(["--outtype", "bf16", "--outfile", str(path), "--no-mtp", str(checkpoint)], [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_converter), str(llama_converter / "gguf-py")])}
+    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(llama_converter / "convert_hf_to_gguf.py"),
+                           json.dumps(jobs)], cwd=llama_converter, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert load_config(path).dtype == torch.bfloat16
+    auto = LLM(str(path), num_kv_blocks=64, log_stats_interval=0)
+    assert auto.engine.dtype == device_caps("cpu").auto_dtype(torch.bfloat16)[0]
+    del auto
+    prompts = random_prompts((3, 40), seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours, theirs = (LLM(str(m), dtype="bfloat16", num_kv_blocks=64, log_stats_interval=0).generate(
+        prompts, params, use_tqdm=False) for m in (path, checkpoint))
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
 def test_tokenizer_and_chat_template_from_the_file(ggufs, checkpoints, arch):
     """transformers' AutoTokenizer refuses these architectures; ours comes from the file's
