@@ -56,8 +56,9 @@ class EngineArgs:
     # models/recurrent_state.py: the matrix states of live slots and checkpoints.
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"help": (
         "hybrid models: dtype of the recurrent matrix states (Mamba2's SSM state, Gated DeltaNet's delta-rule "
-        "state), live and checkpointed: auto = float32; bfloat16 halves their memory and the bytes a decode "
-        "step moves (each step still computes in float32 and rounds the state it stores)"),
+        "state), live and checkpointed: auto = float32; bfloat16 halves their memory, so the same "
+        "--state-cache-memory-gb holds twice the checkpoints (each step still computes in float32 and rounds the "
+        "state it stores)"),
         "choices": STATE_DTYPES})
     # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
     # their own; a running request gives back the blocks that left its window.

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hyprefix.bench.env import require
-from hyprefix.config import DTYPES, QUANTIZATIONS
+from hyprefix.config import DTYPES, QUANTIZATIONS, STATE_DTYPES
 
 log = logging.getLogger("hyprefix.bench")
 
@@ -82,7 +82,7 @@ WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
 }
 ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "state_cache_memory_gb", "max_num_batched_tokens",
-                "enforce_eager", "quantization")
+                "enforce_eager", "quantization", "mamba_ssm_cache_dtype")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
 
@@ -134,6 +134,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                      help="no torch.compile (neither the kernels of large steps nor the compiled decode steps)")
     eng.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                      help="int8 quantization of the hyprefix arms (transformers stays in --dtype)")
+    eng.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default=None,
+                     help="hybrid models: the hyprefix arms' recurrent matrix state dtype (default auto: float32)")
 
     online = bench.add_argument_group(
         "online driver (the workload sent to running OpenAI-compatible servers, alone or beside in-process arms)")
