@@ -19,6 +19,7 @@ import atexit
 import logging
 import time
 import weakref
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
 from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, Payload, state_file
+from hyprefix.cache.kv import ImportHold
 from hyprefix.cache.plan import GIB, attach_disk
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
@@ -43,9 +45,9 @@ class _Import:
     loaded: Loaded
     first: int  # index of the request's first block imported
     kv: list[tuple[bytes, Payload]]  # (block hash, payload)
-    kv_ids: list[int]
+    kv_hold: ImportHold  # fresh blocks for ``kv``, and the prefix they extend, held
     swa: list[tuple[bytes, Payload]] = field(default_factory=list)
-    swa_ids: list[int] = field(default_factory=list)
+    swa_hold: ImportHold | None = None
     state_slot: int | None = None
     copied: Future[None] = field(default_factory=Future)
 
@@ -73,7 +75,8 @@ class DiskCache:
         # long prompt touches many pool pages, and a step must not wait for that.
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-import")
         self._imports: list[_Import] = []  # in the order they started
-        self._incoming: dict[str, set[bytes]] = {KV: set(), SWA: set()}  # hashes of the blocks they bring
+        # hashes of the blocks they bring (counted: two imports may bring one block)
+        self._incoming: dict[str, Counter[bytes]] = {KV: Counter(), SWA: Counter()}
         self._off = False  # the weights changed in place (``_weights_changed``)
         ref = weakref.ref(self)
         atexit.register(lambda: (disk := ref()) is not None and disk.close())
@@ -95,14 +98,15 @@ class DiskCache:
             return True
         if self.cache.kv.model_identity == self.model_identity:
             return False
-        self._detach()
+        self._detach(cancel=True)
         log.warning("weights updated in place: the disk cache is off until restart")
         return True
 
-    def _detach(self) -> None:
+    def _detach(self, cancel: bool = False) -> None:
         """Turn the tier off: the cache goes on as if it had none (no saves, no loads; a read
-        under way is never imported, an import being copied is finished: its blocks are held)."""
-        self._publish_copied(wait_all=True)
+        under way is never imported). Imports being copied are waited for and published, or
+        let go unpublished (``cancel``)."""
+        self._publish_copied(wait_all=True, cancel=cancel)
         self._off = True
         pool = self.cache.kv.pool
         pool.on_evict = pool.on_publish = None
@@ -156,7 +160,7 @@ class DiskCache:
             if job is None:
                 self.tier.finish(loaded)
                 continue
-            if job.kv_ids or job.swa_ids or job.state_slot is not None:
+            if job.kv or job.swa or job.state_slot is not None:
                 job.copied = self._copier.submit(self._copy, job)
             else:  # all of it in memory or on its way there: done once the imports before it are
                 job.copied.set_result(None)
@@ -174,62 +178,88 @@ class DiskCache:
         kv = loaded.kv
         while kv and (pool.lookup(kv[0][0]) is not None or kv[0][0] in self._incoming[KV]):
             kv, first = kv[1:], first + 1
-        ids = self.cache.reserve_import(request, first, len(kv)) if kv else []
-        if ids is None:
+        hold = self.cache.reserve_import(request, first, len(kv))
+        if hold is None:
             self.tier.stats.imports_dropped += 1
             return None
-        job = _Import(loaded, first, kv, ids)
+        job = _Import(loaded, first, kv, hold)
         if loaded.swa and self.window is not None:
             swa = [(h, payload) for h, payload in loaded.swa
                    if self.window.pool.lookup(h) is None and h not in self._incoming[SWA]]
-            swa_ids = self.window.reserve_import(request, len(swa)) if swa else []
-            if swa_ids is None:
+            swa_hold = self.window.reserve_import(request, len(swa))
+            if swa_hold is None:
                 self.tier.stats.imports_dropped += 1
             else:
-                job.swa, job.swa_ids = swa, swa_ids
+                job.swa, job.swa_hold = swa, swa_hold
         if loaded.state is not None and self.states is not None:
-            job.state_slot = self.states.reserve(loaded.state[0])
+            job.state_slot = self.states.reserve(loaded.state[0], for_import=True)
         self.save_noted()
         return job
 
     def _copy(self, job: _Import) -> None:
         """On the copier thread: the payloads into the reserved blocks and slot."""
-        for (_, payload), block_id in zip(job.kv, job.kv_ids, strict=True):
+        for (_, payload), block_id in zip(job.kv, job.kv_hold.blocks, strict=True):
             self.io.write_kv(block_id, payload)
-        for (_, payload), block_id in zip(job.swa, job.swa_ids, strict=True):
+        for (_, payload), block_id in zip(job.swa, job.swa_hold.blocks if job.swa_hold else (), strict=True):
             self.io.write_swa(block_id, payload)
         if job.state_slot is not None:
             assert job.loaded.state is not None
             self.io.write_state(job.state_slot, job.loaded.state[1])
 
-    def _publish_copied(self, wait_all: bool = False) -> None:
+    def _publish_copied(self, wait_all: bool = False, cancel: bool = False) -> None:
         """On the engine thread: publish the imports whose copies finished, in the order they
         started (a later one may count on blocks an earlier one brings; ``wait_all``: every
-        one, waiting), and let their requests go on."""
+        one, waiting), and let their requests go on. An import is let go unpublished when
+        ``cancel`` (the weights changed: its bytes are the old weights') or when its request's
+        hashes no longer name its blocks (a weight update cleared them)."""
         while self._imports and (wait_all or self._imports[0].copied.done()):
             job = self._imports.pop(0)
-            job.copied.result()  # a copy that raised is a bug: raise it here, on the engine thread
-            self._incoming[KV].difference_update(h for h, _ in job.kv)
-            self._incoming[SWA].difference_update(h for h, _ in job.swa)
-            request = job.loaded.request
-            self.cache.publish_import(request, job.first, job.kv_ids)
-            self.tier.stats.hit_tokens += len(job.kv_ids) * self.cache.block_size
-            if job.swa_ids and self.window is not None:
-                self.window.publish_import([h for h, _ in job.swa], job.swa_ids)
-            if job.state_slot is not None and self.states is not None:
-                assert job.loaded.state is not None
-                _, block = state_file(job.loaded.state[0])
-                if self.cache.kv.pool.lookup(block) is not None:  # a checkpoint must sit on a cached block
-                    self.states.commit(job.state_slot)
-                else:
-                    self.states.cancel(job.state_slot)
+            self._untrack(job)
+            try:
+                job.copied.result()  # a copy that raised is a bug: raise it here, on the engine thread
+            except BaseException:
+                self._release(job)
+                raise
+            request, hashes = job.loaded.request, [h for h, _ in job.kv]
+            if cancel or request.block_hashes[job.first:job.first + len(hashes)] != hashes:
+                self._release(job)
+            else:
+                self._publish(job)
             self.tier.finish(job.loaded)
+
+    def _publish(self, job: _Import) -> None:
+        self.cache.publish_import(job.loaded.request, job.first, job.kv_hold)
+        self.tier.stats.hit_tokens += len(job.kv) * self.cache.block_size
+        if job.swa_hold is not None and self.window is not None:
+            self.window.publish_import([h for h, _ in job.swa], job.swa_hold)
+        if job.state_slot is not None and self.states is not None:
+            assert job.loaded.state is not None
+            _, block = state_file(job.loaded.state[0])
+            if self.cache.kv.pool.lookup(block) is not None:  # a checkpoint must sit on a cached block
+                self.states.commit(job.state_slot)
+            else:
+                self.states.cancel(job.state_slot)
+
+    def _release(self, job: _Import) -> None:
+        """Let the job's blocks and slot go unpublished."""
+        self.cache.cancel_import(job.kv_hold)
+        if job.swa_hold is not None and self.window is not None:
+            self.window.cancel_import(job.swa_hold)
+        if job.state_slot is not None and self.states is not None:
+            self.states.cancel(job.state_slot)
+
+    def _untrack(self, job: _Import) -> None:
+        for kind, pairs in ((KV, job.kv), (SWA, job.swa)):
+            incoming = self._incoming[kind]
+            incoming.subtract(h for h, _ in pairs)
+            self._incoming[kind] = +incoming
 
     def wait_for_loads(self, timeout: float) -> None:
         """Nothing else to run: block until a read or a copy finishes (instead of spinning on steps)."""
         if self._off:
             return
-        busy = self.tier.loading() + [job.copied for job in self._imports]
+        # the oldest import only: a later one may be copied already and still wait for it
+        busy = self.tier.loading() + [job.copied for job in self._imports[:1]]
         if busy:
             wait(busy, timeout, return_when=FIRST_COMPLETED)
 

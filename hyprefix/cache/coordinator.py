@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hyprefix.cache.events import AllBlocksCleared
-from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.kv import ImportHold, KVCacheManager
 from hyprefix.request import Request
 
 if TYPE_CHECKING:  # (the disk tier imports this module)
@@ -212,15 +212,18 @@ class CacheCoordinator:
         self.hit_tokens_lost += hit.dense_tokens - hit.num_tokens
         return [op for kind in self.kinds if (op := kind.admit(request, hit)) is not None]
 
-    def reserve_import(self, request: Request, first_block: int, count: int) -> list[int] | None:
+    def reserve_import(self, request: Request, first_block: int, count: int) -> ImportHold | None:
         """Blocks for a lower tier's bytes (``KVCacheManager.reserve_import``); what their
         allocation evicted is forgotten (and reported to the tier) before they are written."""
-        ids = self.kv.reserve_import(request, first_block, count)
+        hold = self.kv.reserve_import(request, first_block, count)
         self._forget_evicted()
-        return ids
+        return hold
 
-    def publish_import(self, request: Request, first_block: int, block_ids: list[int]) -> int:
-        return self.kv.publish_import(request, first_block, block_ids)
+    def publish_import(self, request: Request, first_block: int, hold: ImportHold) -> int:
+        return self.kv.publish_import(request, first_block, hold)
+
+    def cancel_import(self, hold: ImportHold) -> None:
+        self.kv.cancel_import(hold)
 
     def note_waiting(self, request: Request) -> None:
         """The request waits this step: kinds that checkpoint branch points learn
@@ -305,4 +308,4 @@ class CacheCoordinator:
         for kind in self.kinds:
             kind.check_invariants(running_ids, self.kv.pool.lookup)
         if not running_ids:
-            assert self.kv.pool.num_used == 0, "blocks referenced while nothing runs"
+            assert self.kv.pool.num_used == self.kv.num_import_held, "blocks referenced while nothing runs"

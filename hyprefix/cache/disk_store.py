@@ -82,7 +82,7 @@ TMP_PREFIX = ".tmp-"
 _FIXED = struct.Struct(f"<8sHIQI{HASH_SIZE}s{KIND_SIZE}s")
 _U32 = struct.Struct("<I")
 _MIN_HEADER = _FIXED.size + 3 * _U32.size  # two empty strings and the header CRC
-_KIND_RE = re.compile(r"[a-z0-9_]{1,16}")
+_KIND_RE = re.compile(rf"[a-z0-9_]{{1,{KIND_SIZE}}}")
 # a block file's name: the hash in lowercase hex, a dot, the kind (temp files never match)
 _NAME_RE = re.compile(rf"([0-9a-f]{{{2 * HASH_SIZE}}})\.([a-z0-9_]{{1,{KIND_SIZE}}})")
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,8 +67,9 @@ def _background() -> None:
     steps keep every CPU busy it gets a sliver of one, so writes wait and steps do not;
     where a CPU is free it writes at full speed. Writes that fall too far behind are dropped
     and counted (``save``)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    if sys.platform == "linux":  # where a thread id names the thread
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @dataclass
@@ -104,7 +106,7 @@ class DiskTierStats:
     loads: int = 0  # requests that read from disk
     saves_skipped: int = 0  # already on disk
     saves_dropped: int = 0  # the writer was too far behind
-    imports_dropped: int = 0  # loaded blocks that found no room in memory
+    imports_dropped: int = 0  # loads (or their window part) that found no room in memory
 
 
 class DiskTier:
@@ -203,10 +205,17 @@ class DiskTier:
         return payload if payload is not None else self.store.get(kind, block_hash)
 
     def _prefix_run(self, kind: str, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` are on disk or on their way there."""
+        with self._queued:
+            unwritten = {h for k, h in self._unwritten if k == kind} if self._unwritten else set()
         run = 0
-        while run < len(hashes) and self._has(kind, hashes[run]):
-            run += 1
-        return run
+        while True:
+            run += self.store.prefix_run(kind, hashes[run:])
+            start = run
+            while run < len(hashes) and hashes[run] in unwritten:
+                run += 1
+            if run == start:
+                return run
 
     def flush(self) -> None:
         """Wait for every queued write (also at exit, when the executor takes no new work)."""
@@ -334,8 +343,8 @@ class DiskTier:
         that came back short is forgotten instead, so the request plans again from what is left."""
         rid = loaded.request.request_id
         load = self._loads.get(rid)
-        if load is None or load.future.result() is not loaded:  # released meanwhile
-            return
+        if load is None or not load.future.done() or load.future.result() is not loaded:
+            return  # released meanwhile (and perhaps loading again under the same id)
         if loaded.short:
             del self._loads[rid]
             self._tried.discard(rid)

@@ -18,11 +18,23 @@ Rules this module keeps (see docs/architecture.md):
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+
 from hyprefix.cache.block_pool import BlockPool
 from hyprefix.cache.events import BlockStored, EventLog
 from hyprefix.cache.hashing import extend_hashes, root_hash
 from hyprefix.request import Request
 
+
+@dataclass(frozen=True)
+class ImportHold:
+    """What ``reserve_import`` holds until ``publish_import`` or ``cancel_import``: fresh
+    blocks for a lower tier's bytes, and the request's cached prefix before them (so steps
+    that run while the bytes are copied cannot evict the prefix the blocks extend)."""
+
+    blocks: list[int]
+    prefix: list[int]
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -36,7 +48,9 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
         self._pending: dict[bytes, str] = {}  # block hash -> id of the request computing it
         self._pending_by_request: dict[str, list[bytes]] = {}
-        self._importing: set[int] = set()  # blocks reserve_import handed out, not yet published
+        # references imports hold (their fresh blocks, and the prefix they extend) until
+        # publish_import or cancel_import: counted in the invariants like a table's
+        self._importing: Counter[int] = Counter()
         self._roots: dict[str | None, bytes] = {}
 
     @property
@@ -188,23 +202,32 @@ class KVCacheManager:
             return None
         self.pool.acquire(held)
         ids = self.pool.allocate(count)
-        self.pool.release(list(reversed(held)))
-        if ids:
-            self._importing.update(ids)
-        return ids
+        assert ids is not None
+        self._importing.update(held + ids)
+        return ImportHold(ids, held)
 
-    def publish_import(self, request: Request, first_block: int, block_ids: list[int]) -> int:
-        """Publish blocks filled by ``reserve_import``'s caller as the request's blocks
-        ``first_block, first_block + 1, ...`` and let them go (tail first): cached, findable,
-        held by nobody. Returns how many were indexed (a hash another block got meanwhile
-        leaves its copy private, and it returns to the free list unindexed)."""
-        added = [first_block + i for i, b in enumerate(block_ids)
+    def publish_import(self, request: Request, first_block: int, hold: ImportHold) -> int:
+        """Publish the blocks of ``hold``, filled by ``reserve_import``'s caller, as the request's
+        blocks ``first_block, first_block + 1, ...`` and let them and the prefix go (tail first):
+        cached, findable, held by nobody. Returns how many were indexed (a hash another block got
+        meanwhile leaves its copy private, and it returns to the free list unindexed)."""
+        added = [first_block + i for i, b in enumerate(hold.blocks)
                  if self.pool.publish(b, request.block_hashes[first_block + i])]
         if self.events.enabled and added:
             self._announce(request, added)
-        self._importing.difference_update(block_ids)
-        self.pool.release(list(reversed(block_ids)))
+        self.cancel_import(hold)
         return len(added)
+
+    @property
+    def num_import_held(self) -> int:
+        """Blocks imports hold (``reserve_import``) until published or cancelled."""
+        return len(self._importing)
+
+    def cancel_import(self, hold: ImportHold) -> None:
+        """Let ``hold``'s blocks go without publishing the fresh ones (they return unindexed)."""
+        self._importing.subtract(hold.prefix + hold.blocks)
+        self._importing = +self._importing
+        self.pool.release(list(reversed(hold.prefix + hold.blocks)))
 
     def _announce(self, request: Request, indices: list[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly indexed blocks."""
@@ -237,7 +260,7 @@ class KVCacheManager:
         return self.pool.reset_cache()
 
     def check_invariants(self, running_ids: set[str] | None = None) -> None:
-        refs: dict[int, int] = dict.fromkeys(self._importing, 1)
+        refs: dict[int, int] = dict(self._importing)
         for table in self._tables.values():
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1

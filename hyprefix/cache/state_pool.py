@@ -48,6 +48,7 @@ class StatePool:
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
         self._reserved: dict[int, bytes] = {}  # slot -> key being written (not findable yet)
+        self._import_slots: set[int] = set()  # those of them a lower tier's import fills
         # A min-heap: the lowest free slot first, so requests admitted together get
         # ascending slots and decode reads their states as one slice.
         self._free_live = list(range(num_live_slots))
@@ -94,9 +95,10 @@ class StatePool:
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self._index or block_hash in self._reserved.values()
 
-    def reserve(self, block_hash: bytes) -> int | None:
-        """A slot for a checkpoint to be written this step, or None (already present
-        or being written, or no capacity)."""
+    def reserve(self, block_hash: bytes, for_import: bool = False) -> int | None:
+        """A slot for a checkpoint to be written (by this step's taps, or ``for_import``: by a
+        lower tier's copy, which may span steps), or None (already present or being written,
+        or no capacity). ``commit`` or ``cancel`` ends the reservation."""
         if self.capacity == 0 or self.has(block_hash):
             return None
         if self._free_ckpt:
@@ -110,6 +112,8 @@ class StatePool:
         else:
             return None
         self._reserved[slot] = block_hash
+        if for_import:
+            self._import_slots.add(slot)
         return slot
 
     def commit(self, slot: int) -> bytes | None:
@@ -117,6 +121,7 @@ class StatePool:
         block_hash = self._reserved.pop(slot, None)
         if block_hash is None:
             return None
+        self._import_slots.discard(slot)
         self._index[block_hash] = slot
         self._lru[slot] = block_hash
         self._announce(StateStored, block_hash)
@@ -125,6 +130,7 @@ class StatePool:
         return block_hash
 
     def cancel(self, slot: int) -> None:
+        self._import_slots.discard(slot)
         if self._reserved.pop(slot, None) is not None:
             self._free_ckpt.append(slot)
 
@@ -155,7 +161,8 @@ class StatePool:
 
     @property
     def reserved_slots(self) -> set[int]:
-        return set(self._reserved)
+        """Slots reserved for a step's taps (imports' reservations excluded)."""
+        return set(self._reserved) - self._import_slots
 
     @property
     def live_request_ids(self) -> set[str]:

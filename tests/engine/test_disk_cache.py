@@ -515,13 +515,9 @@ def test_abort_while_waiting_for_disk(tmp_path, dense_dir, reference):
     assert disk_stats(llm)["hit_tokens"] == FULL_BLOCKS * BS
 
 
-def test_restore_copies_beside_the_steps(tmp_path, dense_dir, reference, monkeypatch):
-    """A load's bytes go into memory on the copier thread while steps go on: the request
-    waits (its blocks held, unpublished, invariants intact) and another request decodes;
-    once the copy is done a step publishes the blocks and the request hits them."""
-    directory = copy_of(dense_dir, tmp_path)
-    llm = make("demo-dense-tiny", directory)
-    engine, disk = llm.engine, llm.engine.disk
+def _gate_copies(monkeypatch, disk) -> tuple[threading.Event, set[str]]:
+    """Hold the disk tier's import copies until the returned event is set; the set collects
+    the names of the threads that ran them."""
     gate, threads = threading.Event(), set()
     copy = disk._copy
 
@@ -531,16 +527,35 @@ def test_restore_copies_beside_the_steps(tmp_path, dense_dir, reference, monkeyp
         copy(job)
 
     monkeypatch.setattr(disk, "_copy", gated_copy)
-    engine.add_request("other", OTHER_1, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    engine.add_request("a", PROMPT, GREEDY)
-    tokens: dict[str, list[int]] = {"other": [], "a": []}
+    return gate, threads
+
+
+def _step_until_importing(engine, tokens: dict[str, list[int]]) -> None:
     for _ in range(200):
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
         engine.check_invariants()
-        if disk._imports:
-            break
-    assert disk._imports and engine.get_stats()["kv_blocks_used"] > 0
+        if engine.disk._imports:
+            return
+    raise AssertionError("no import started")
+
+
+@pytest.mark.parametrize("model", ["demo-dense-tiny", "demo-hybrid-tiny"])
+def test_restore_copies_beside_the_steps(tmp_path, reference, model, monkeypatch):
+    """A load's bytes go into memory on the copier thread while steps go on: the request
+    waits (its blocks, its prefix and a checkpoint slot held, invariants intact) and another
+    request decodes and allocates; once the copy is done a step publishes the blocks and the
+    request hits them."""
+    writer = make(model, tmp_path)
+    greedy(writer)
+    writer.engine.close()
+    llm = make(model, tmp_path)
+    engine = llm.engine
+    gate, threads = _gate_copies(monkeypatch, engine.disk)
+    engine.add_request("other", OTHER_1, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("a", PROMPT, GREEDY)
+    tokens: dict[str, list[int]] = {"other": [], "a": []}
+    _step_until_importing(engine, tokens)
     before = len(tokens["other"])
     for _ in range(5):  # the other request decodes while the copy waits
         for out in engine.step():
@@ -552,11 +567,37 @@ def test_restore_copies_beside_the_steps(tmp_path, dense_dir, reference, monkeyp
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
             if out.request_id == "a" and out.finished:
-                assert out.num_cached_tokens == FULL_BLOCKS * BS
+                assert out.num_cached_tokens >= 0.9 * len(PROMPT)
         engine.check_invariants()
     assert threads == {next(iter(threads))} and "hyprefix-disk-import" in next(iter(threads))
-    assert tokens["a"] == reference("demo-dense-tiny")
+    assert tokens["a"] == reference(model)
     assert engine.get_stats()["kv_blocks_used"] == 0
+
+
+def test_weight_update_during_a_copy_lets_the_import_go(tmp_path, dense_dir, monkeypatch):
+    """A weight update while an import is being copied: the copy's blocks (the old weights'
+    K/V) are let go unpublished, the waiting request recomputes under the new weights, and
+    nothing is leaked."""
+    directory = copy_of(dense_dir, tmp_path)
+    llm = make("demo-dense-tiny", directory)
+    engine = llm.engine
+    gate, _ = _gate_copies(monkeypatch, engine.disk)
+    engine.add_request("a", PROMPT, GREEDY)
+    tokens: dict[str, list[int]] = {"a": []}
+    _step_until_importing(engine, tokens)
+    threading.Timer(0.5, gate.set).start()
+    new_weights = scaled_weights(1.25)
+    llm.update_weights(new_weights)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+            if out.finished:
+                assert out.num_cached_tokens == 0
+        engine.check_invariants()
+    assert engine.get_stats()["kv_blocks_used"] == 0 and not engine.disk._imports
+    no_disk = make("demo-dense-tiny")
+    no_disk.update_weights(new_weights)
+    assert tokens["a"] == greedy(no_disk)[0]
 
 
 @pytest.mark.parametrize("model", ["demo-dense-tiny", "demo-hybrid-tiny"])
