@@ -269,7 +269,8 @@ class DiskCache:
         return {"disk_cache_hit_tokens": tier.hit_tokens, "disk_cache_loads": tier.loads,
                 "disk_cache_bytes_read": store.bytes_read, "disk_cache_bytes_written": store.bytes_written,
                 "disk_cache_evictions": store.evictions, "disk_cache_refused": sum(store.refused.values()),
-                "disk_cache_saves_dropped": tier.saves_dropped, "disk_cache_files": store.entries,
+                "disk_cache_saves_dropped": tier.saves_dropped, "disk_cache_imports_dropped": tier.imports_dropped,
+                "disk_cache_files": store.entries,
                 "disk_cache_bytes_used": store.bytes_used}
 
     def close(self) -> None:

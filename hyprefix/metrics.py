@@ -39,6 +39,8 @@ _ENGINE_COUNTERS = (
      "Disk cache files refused and removed: damaged, truncated, renamed or of another model or layout."),
     ("disk_cache_saves_dropped", "disk_cache_saves_dropped",
      "Blocks not written to the disk cache because its writer was too far behind."),
+    ("disk_cache_imports_dropped", "disk_cache_imports_dropped",
+     "Disk cache loads (or their sliding-window part) that found no room in memory."),
 )
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_requests_running", "Sequences in the running batch."),
