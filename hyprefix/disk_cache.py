@@ -24,10 +24,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hyprefix.cache.block_pool import ImportHold
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
 from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, Payload, state_file
-from hyprefix.cache.kv import ImportHold
 from hyprefix.cache.plan import GIB, attach_disk
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
@@ -244,7 +244,7 @@ class DiskCache:
         """Let the job's blocks and slot go unpublished."""
         self.cache.cancel_import(job.kv_hold)
         if job.swa_hold is not None and self.window is not None:
-            self.window.cancel_import(job.swa_hold)
+            self.window.pool.end_import(job.swa_hold)
         if job.state_slot is not None and self.states is not None:
             self.states.cancel(job.state_slot)
 

@@ -9,7 +9,7 @@ Invariants (see ``check_invariants``):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +21,16 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ImportHold:
+    """What ``BlockPool.reserve_import`` holds until ``end_import``: fresh blocks for a lower
+    tier's bytes, and cached blocks they extend (so steps that run while the bytes are copied
+    cannot evict them)."""
+
+    blocks: list[int]
+    prefix: list[int]
 
 
 class BlockPool:
@@ -38,6 +48,7 @@ class BlockPool:
         # (evicted: its bytes are still intact until the step that rewrites it), or was published.
         self.on_evict: Callable[[bytes, int], None] | None = None
         self.on_publish: Callable[[bytes, int], None] | None = None
+        self._import_refs: Counter[int] = Counter()  # references ImportHolds keep (``reserve_import``)
 
     @property
     def num_blocks(self) -> int:
@@ -149,8 +160,36 @@ class BlockPool:
         forgotten, self._forgotten = self._forgotten, []
         return forgotten
 
+    def reserve_import(self, prefix: list[int], count: int) -> ImportHold | None:
+        """``count`` fresh blocks for a lower tier's bytes (held, unindexed), holding the cached
+        ``prefix`` blocks too, so the room never comes from them; None (and no change) when
+        that does not fit. The caller publishes what it wants, then ``end_import``."""
+        if count > self.num_free - sum(1 for b in prefix if self.is_free(b)):
+            return None
+        self.acquire(prefix)
+        ids = self.allocate(count)
+        assert ids is not None
+        self._import_refs.update(prefix + ids)
+        return ImportHold(ids, prefix)
+
+    def end_import(self, hold: ImportHold) -> None:
+        """Let every block of ``hold`` go (tail first); fresh blocks left unpublished return
+        to the free list unindexed."""
+        self._import_refs.subtract(hold.prefix + hold.blocks)
+        self._import_refs = +self._import_refs
+        self.release(list(reversed(hold.prefix + hold.blocks)))
+
+    @property
+    def num_import_held(self) -> int:
+        """Blocks import holds keep referenced."""
+        return len(self._import_refs)
+
     def check_invariants(self, expected_refs: dict[int, int]) -> None:
-        """``expected_refs`` maps block id -> number of block tables holding it."""
+        """``expected_refs`` maps block id -> number of block tables holding it (import holds
+        are counted here)."""
+        expected_refs = dict(expected_refs)
+        for block_id, refs in self._import_refs.items():
+            expected_refs[block_id] = expected_refs.get(block_id, 0) + refs
         for block in self.blocks:
             want = expected_refs.get(block.block_id, 0)
             assert block.ref_cnt == want, (

@@ -33,8 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hyprefix.cache.block_pool import ImportHold
 from hyprefix.cache.events import AllBlocksCleared
-from hyprefix.cache.kv import ImportHold, KVCacheManager
+from hyprefix.cache.kv import KVCacheManager
 from hyprefix.request import Request
 
 if TYPE_CHECKING:  # (the disk tier imports this module)
@@ -223,7 +224,7 @@ class CacheCoordinator:
         return self.kv.publish_import(request, first_block, hold)
 
     def cancel_import(self, hold: ImportHold) -> None:
-        self.kv.cancel_import(hold)
+        self.kv.pool.end_import(hold)
 
     def note_waiting(self, request: Request) -> None:
         """The request waits this step: kinds that checkpoint branch points learn
@@ -308,4 +309,4 @@ class CacheCoordinator:
         for kind in self.kinds:
             kind.check_invariants(running_ids, self.kv.pool.lookup)
         if not running_ids:
-            assert self.kv.pool.num_used == self.kv.num_import_held, "blocks referenced while nothing runs"
+            assert self.kv.pool.num_used == self.kv.pool.num_import_held, "blocks referenced while nothing runs"

@@ -365,4 +365,3 @@ class DiskTier:
         self.flush()
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
-

@@ -18,23 +18,11 @@ Rules this module keeps (see docs/architecture.md):
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
-
-from hyprefix.cache.block_pool import BlockPool
+from hyprefix.cache.block_pool import BlockPool, ImportHold
 from hyprefix.cache.events import BlockStored, EventLog
 from hyprefix.cache.hashing import extend_hashes, root_hash
 from hyprefix.request import Request
 
-
-@dataclass(frozen=True)
-class ImportHold:
-    """What ``reserve_import`` holds until ``publish_import`` or ``cancel_import``: fresh
-    blocks for a lower tier's bytes, and the request's cached prefix before them (so steps
-    that run while the bytes are copied cannot evict the prefix the blocks extend)."""
-
-    blocks: list[int]
-    prefix: list[int]
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -48,9 +36,6 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
         self._pending: dict[bytes, str] = {}  # block hash -> id of the request computing it
         self._pending_by_request: dict[str, list[bytes]] = {}
-        # references imports hold (their fresh blocks, and the prefix they extend) until
-        # publish_import or cancel_import: counted in the invariants like a table's
-        self._importing: Counter[int] = Counter()
         self._roots: dict[str | None, bytes] = {}
 
     @property
@@ -191,20 +176,13 @@ class KVCacheManager:
         return len(added)
 
     # ----------------------------------------------------------------- imports
-    def reserve_import(self, request: Request, first_block: int, count: int) -> list[int] | None:
+    def reserve_import(self, request: Request, first_block: int, count: int) -> ImportHold | None:
         """Fresh blocks to hold ``count`` of the request's blocks from ``first_block`` on, read
-        from a lower tier (held, unpublished until ``publish_import``, which a caller must
-        reach: they are nobody else's meanwhile), or None when the pool has no room. The request's
-        cached blocks before them are held meanwhile, so the room is never made by evicting
-        the prefix the imported blocks extend."""
+        from a lower tier, with the request's cached blocks before them, all held until
+        ``publish_import`` or the pool's ``end_import`` (``BlockPool.reserve_import``); None
+        when the pool has no room."""
         held = [b for h in request.block_hashes[:first_block] if (b := self.pool.lookup(h)) is not None]
-        if count > self.pool.num_free - sum(1 for b in held if self.pool.is_free(b)):
-            return None
-        self.pool.acquire(held)
-        ids = self.pool.allocate(count)
-        assert ids is not None
-        self._importing.update(held + ids)
-        return ImportHold(ids, held)
+        return self.pool.reserve_import(held, count)
 
     def publish_import(self, request: Request, first_block: int, hold: ImportHold) -> int:
         """Publish the blocks of ``hold``, filled by ``reserve_import``'s caller, as the request's
@@ -215,19 +193,8 @@ class KVCacheManager:
                  if self.pool.publish(b, request.block_hashes[first_block + i])]
         if self.events.enabled and added:
             self._announce(request, added)
-        self.cancel_import(hold)
+        self.pool.end_import(hold)
         return len(added)
-
-    @property
-    def num_import_held(self) -> int:
-        """Blocks imports hold (``reserve_import``) until published or cancelled."""
-        return len(self._importing)
-
-    def cancel_import(self, hold: ImportHold) -> None:
-        """Let ``hold``'s blocks go without publishing the fresh ones (they return unindexed)."""
-        self._importing.subtract(hold.prefix + hold.blocks)
-        self._importing = +self._importing
-        self.pool.release(list(reversed(hold.prefix + hold.blocks)))
 
     def _announce(self, request: Request, indices: list[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly indexed blocks."""
@@ -260,7 +227,7 @@ class KVCacheManager:
         return self.pool.reset_cache()
 
     def check_invariants(self, running_ids: set[str] | None = None) -> None:
-        refs: dict[int, int] = dict(self._importing)
+        refs: dict[int, int] = {}
         for table in self._tables.values():
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1

@@ -17,13 +17,11 @@ them too, so a block index names the same tokens in both pools.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hyprefix.cache.block_pool import BlockPool
+from hyprefix.cache.block_pool import BlockPool, ImportHold
 from hyprefix.cache.coordinator import CacheKind, PrefixHit, hit_num_blocks
-from hyprefix.cache.kv import ImportHold
 from hyprefix.request import Request
 
 NO_BLOCK = -1  # a table entry whose block left the window (or was never taken)
@@ -52,7 +50,6 @@ class SlidingWindowKV(CacheKind):
         self.enable_caching = enable_caching
         self._tables: dict[str, _Table] = {}
         self.blocks_released = 0  # blocks given back by running requests (left their window)
-        self._importing: Counter[int] = Counter()  # references imports hold (``reserve_import``)
 
     def first_needed_block(self, position: int) -> int:
         """Index of the first block a token at ``position`` (or later) attends to."""
@@ -112,17 +109,12 @@ class SlidingWindowKV(CacheKind):
     def reserve_import(self, request: Request, count: int) -> ImportHold | None:
         """Fresh blocks (held, unpublished) for ``count`` of the request's window blocks read
         from a lower tier, or None when the pool has no room. The request's blocks this pool
-        already caches are held until ``publish_import`` or ``cancel_import``, so the room
+        already caches are held until ``publish_import`` or the pool's ``end_import``, so the room
         never comes from the window the imported blocks complete, nor do the steps between."""
         held = [b for h in request.block_hashes if (b := self.pool.lookup(h)) is not None]
-        if count > self.pool.num_free - sum(1 for b in held if self.pool.is_free(b)):
-            return None
-        self.pool.acquire(held)
-        ids = self.pool.allocate(count)
-        assert ids is not None
-        self.pool.take_forgotten()
-        self._importing.update(held + ids)
-        return ImportHold(ids, held)
+        hold = self.pool.reserve_import(held, count)
+        self.pool.take_forgotten()  # evicted hashes: nothing keys on this pool's blocks but itself
+        return hold
 
     def publish_import(self, block_hashes: list[bytes], hold: ImportHold) -> None:
         """Index the blocks ``reserve_import``'s caller filled and let them and the held window
@@ -130,13 +122,7 @@ class SlidingWindowKV(CacheKind):
         copy private)."""
         for block_hash, block_id in zip(block_hashes, hold.blocks, strict=True):
             self.pool.publish(block_id, block_hash)
-        self.cancel_import(hold)
-
-    def cancel_import(self, hold: ImportHold) -> None:
-        """Let ``hold``'s blocks go without publishing the fresh ones."""
-        self._importing.subtract(hold.prefix + hold.blocks)
-        self._importing = +self._importing
-        self.pool.release(list(reversed(hold.prefix + hold.blocks)))
+        self.pool.end_import(hold)
 
     # ------------------------------------------------------------------ steps
     def shrink(self, request: Request) -> None:
@@ -188,7 +174,7 @@ class SlidingWindowKV(CacheKind):
 
     def check_invariants(self, running_ids: set[str], lookup: Callable[[bytes], int | None]) -> None:
         assert set(self._tables) <= running_ids, "a sliding-window table outlived its request"
-        refs: dict[int, int] = dict(self._importing)
+        refs: dict[int, int] = {}
         for table in self._tables.values():
             assert all(b == NO_BLOCK for b in table.blocks[: table.first]), "a given-back block is still listed"
             for block_id in table.blocks[table.first:]:

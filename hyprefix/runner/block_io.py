@@ -43,20 +43,18 @@ def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
     imports run on a thread of their own (``disk_cache.py``), where torch's parallel copies
     would start a second pool beside the engine thread's (``openmp.py``)."""
     data = np.frombuffer(payload, dtype=np.uint8)
+    expected = sum(t.numel() * t.element_size() for t in targets)
+    if data.size != expected:
+        raise ValueError(f"payload of {data.size} bytes for a layout of {expected}")
     offset = 0
     for t in targets:
         n = t.numel() * t.element_size()
-        if offset + n > data.size:
-            break
         raw = t.view(-1).view(torch.uint8)
         if raw.device.type == "cpu":
             raw.numpy()[:] = data[offset:offset + n]
         else:
             raw.copy_(torch.from_numpy(data[offset:offset + n].copy()))
         offset += n
-    if offset != data.size or offset != sum(t.numel() * t.element_size() for t in targets):
-        raise ValueError(f"payload of {data.size} bytes for a layout of "
-                         f"{sum(t.numel() * t.element_size() for t in targets)}")
 
 
 _PAGE = 4096  # bytes of the smallest memory page
@@ -64,6 +62,10 @@ _PAGE = 4096  # bytes of the smallest memory page
 
 def _block_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(2 * k[0].numel() * k.element_size() for k, _ in layers)
+
+
+def _block_layout(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    return ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in layers)
 
 
 class BlockIO:
@@ -77,12 +79,11 @@ class BlockIO:
         self.swa_block_bytes = _block_bytes(self._swa)
         self.state_bytes = sum(s.ckpt_conv[0].numel() * s.ckpt_conv.element_size()
                                + s.ckpt_matrix[0].numel() * s.ckpt_matrix.element_size() for s in self._states)
-        kv = ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in self._kv)
         states = ";".join(f"{tuple(s.ckpt_conv.shape[1:])}:{s.ckpt_conv.dtype}/{tuple(s.ckpt_matrix.shape[1:])}:"
                           f"{s.ckpt_matrix.dtype}" for s in self._states)
-        self.layout = f"block_size={block_size}|kv=[{kv}]|states=[{states}]"
+        self.layout = f"block_size={block_size}|kv=[{_block_layout(self._kv)}]|states=[{states}]"
         if self._swa:  # (models without a window pool keep the layout, and so the files, they had)
-            self.layout += "|swa=[" + ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in self._swa) + "]"
+            self.layout += f"|swa=[{_block_layout(self._swa)}]"
 
     def touch(self) -> int:
         """Write every memory page of the tensors loads write into (main and window KV pools,
