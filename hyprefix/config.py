@@ -129,6 +129,12 @@ class EngineArgs:
         "publish KV cache events over ZMQ: a JSON object such as "
         "'{\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (default: off)")})
 
+    # speculative.py, vLLM's flag and LLM argument.
+    speculative_config: str | dict | None = field(default=None, metadata={"help": (
+        "speculative decoding with drafts from each request's own prompt and output (prompt lookup): a JSON object "
+        "such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+        "\"prompt_lookup_max\": 5}'; outputs are those of decoding without it (default: off)")})
+
     # Deprecated names of state_cache_memory_gb and max_state_checkpoints (they govern Gated
     # DeltaNet state as well as Mamba2's): accepted with a warning, not fields of their own.
     mamba_cache_memory_gb: InitVar[float | None] = None
@@ -188,6 +194,10 @@ class EngineArgs:
             from hyprefix.kv_events import KVEventsConfig
 
             KVEventsConfig.parse(self.kv_events_config)
+        if self.speculative_config is not None:
+            from hyprefix.speculative import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)
         if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0 when num_kv_blocks is not given")
 

@@ -37,10 +37,15 @@ from hyprefix.runner.cascade import CascadeThresholds
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
+from hyprefix.speculative import SpeculativeConfig
 from hyprefix.structured.grammar import GrammarCompiler
 from hyprefix.text import ChatPrompt, chat_token_ids, check_text
 
 log = logging.getLogger("hyprefix")
+
+# Speculative decoding on models with recurrent layers: memory for the scratch states of the rows
+# verifying drafts (k states a row); it bounds how many rows a step verifies.
+SPEC_SCRATCH_BYTES = 1 << 30
 
 # A step with nothing to run while disk reads are under way waits this long for one.
 DISK_LOAD_POLL_S = 0.05
@@ -140,7 +145,14 @@ class Engine:
                                  window=window, window_blocks=num_window_blocks,
                                  checkpoints=num_ckpts if loaded.model.state_layout is not None else None)
         self.state_bytes_per_slot = state_bytes
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs), self.cache)
+        self.speculative = SpeculativeConfig.parse(args.speculative_config)
+        k = self.speculative.k if self.speculative is not None else 0
+        # Hybrids verify drafts in as many rows a step as their scratch states fit in its budget.
+        draft_rows = min(args.max_num_seqs, max(1, SPEC_SCRATCH_BYTES // (k * state_bytes))) if k and state_bytes \
+            else None
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
+                                                   speculative=self.speculative, max_draft_rows=draft_rows,
+                                                   drafts_within_block=bool(state_bytes)), self.cache)
         self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
                                   compile_enabled=not args.enforce_eager,
                                   num_live_slots=args.max_num_seqs if state_bytes else 0,
@@ -149,7 +161,8 @@ class Engine:
                                                                        args.cascade_min_solo_run_tokens,
                                                                        args.cascade_min_traffic_ratio),
                                   eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
-                                  batch_invariant=args.batch_invariant, state_dtype=state_dtype)
+                                  batch_invariant=args.batch_invariant, state_dtype=state_dtype,
+                                  num_speculative_tokens=k, num_draft_rows=draft_rows or 0)
         self.disk: DiskCache | None = None
         if args.disk_cache_dir is not None:
             in_window_pool = [bool(num_window_blocks) and layout.window(i) is not None
@@ -163,7 +176,8 @@ class Engine:
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
                              "swa_pool": num_window_blocks * plan.bytes_per_window_block,
-                             "live_states": num_live * state_bytes, "checkpoint_pool": num_ckpts * state_bytes}
+                             "live_states": num_live * state_bytes, "checkpoint_pool": num_ckpts * state_bytes,
+                             "draft_scratch_states": (draft_rows or 0) * k * state_bytes}
         log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
         if window is not None:
@@ -501,20 +515,36 @@ class Engine:
             if request.request_id not in self._samples:
                 continue
             parent, sample = self._samples[request.request_id]
+            self._take_new_tokens(request, sample, result.logprobs.get(request.request_id))
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            outputs.append(self._output(parent))
+            if parent.finished:
+                self._forget(parent)
+        self._maybe_log()
+        return outputs
+
+    def _take_new_tokens(self, request: Request, sample: _Sample, logprobs: list[PositionLogprobs] | None) -> None:
+        """Detokenize the tokens the step appended (one, or several after accepted drafts) and
+        apply the stops the scheduler does not see: stop strings and a complete structured output.
+        A stop string ends the output at the token that completed it, as if no later token had
+        been sampled (the tokens after it, accepted drafts, are dropped)."""
+        params = request.params
+        out = request.output_token_ids
+        first = len(out) - request.num_new_tokens
+        for i in range(first, len(out)):
             if sample.logprobs is not None:
-                sample.logprobs.append(self._decoded(result.logprobs[request.request_id]))
+                sample.logprobs.append(self._decoded(logprobs[i - first]))
             # The token that stopped the request (EOS or one of stop_token_ids) stays in token_ids.
             # Its text joins the text with include_stop_str_in_output (vLLM's rule) or with
             # skip_special_tokens false (ours, not vLLM's: the text then decodes every id of
             # token_ids, which RL clients rely on); otherwise it is left out, as in vLLM.
-            params = request.params
-            stopped_by_token = request.is_finished and request.finish_reason == "stop"
+            stopped_by_token = i == len(out) - 1 and request.is_finished and request.finish_reason == "stop"
             matched = None
             if not stopped_by_token:
-                matched = sample.detok.append(request.output_token_ids[-1],
-                                              check_stop=len(request.output_token_ids) > params.min_tokens)
+                matched = sample.detok.append(out[i], check_stop=i + 1 > params.min_tokens)
             elif params.include_stop_str_in_output or not params.skip_special_tokens:
-                sample.detok.append(request.output_token_ids[-1], check_stop=False)
+                sample.detok.append(out[i], check_stop=False)
             if matched is None and not request.is_finished and request.grammar is not None \
                     and request.grammar.is_stopped():  # the structured output is complete
                 if request.grammar.is_error():
@@ -525,13 +555,8 @@ class Engine:
                 if not request.is_finished:
                     self.scheduler.finish(request.request_id, "stop")
                 request.finish_reason, request.stop_reason = "stop", matched
-            touched[parent.request_id] = parent
-        for parent in touched.values():
-            outputs.append(self._output(parent))
-            if parent.finished:
-                self._forget(parent)
-        self._maybe_log()
-        return outputs
+                del out[i + 1:]
+                return
 
     def _output(self, parent: _Parent) -> RequestOutput:
         completions = []
@@ -545,11 +570,15 @@ class Engine:
                 stop_reason=request.stop_reason if finished else None,
                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
         reqs = [s.request for s in parent.samples]
+        drafting = [r.drafting for r in reqs if r.drafting is not None]
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
             first_scheduled_time=_min_time(r.first_scheduled_time for r in reqs),
             first_token_time=_min_time(r.first_token_time for r in reqs),
             finished_time=max((r.finished_time or 0.0) for r in reqs) if parent.finished else None,
+            spec_num_drafts=sum(d.num_drafts for d in drafting),
+            spec_num_draft_tokens=sum(d.num_draft_tokens for d in drafting),
+            spec_num_accepted_tokens=sum(d.num_accepted_tokens for d in drafting),
         )
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
@@ -580,6 +609,11 @@ class Engine:
             "prefill_skipped_tokens": sched.prefill_skipped_tokens,
             "decode_tokens": sched.decode_tokens,
             **{f"decode_steps_{path}": count for path, count in self.runner.decode_steps.items()},
+            "spec_decode_num_drafts": sched.spec_stats.num_drafts,
+            "spec_decode_num_draft_tokens": sched.spec_stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.spec_stats.num_accepted_tokens,
+            **{f"spec_decode_num_accepted_tokens_pos{i}": count
+               for i, count in enumerate(sched.spec_stats.accepted_per_pos)},
             "num_preemptions": sched.num_preemptions,
             "sibling_waits": sched.sibling_waits,
             "kv_blocks_total": cache["kv_blocks_total"],

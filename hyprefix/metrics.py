@@ -41,6 +41,11 @@ _ENGINE_COUNTERS = (
      "Blocks not written to the disk cache because its writer was too far behind."),
     ("disk_cache_imports_dropped", "disk_cache_imports_dropped",
      "Disk cache loads (or their sliding-window part) that found no room in memory."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative decoding: verifications (a sequence's step that carried drafts)."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative decoding: drafted tokens."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: drafted tokens accepted (each one a decode step saved)."),
 )
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_requests_running", "Sequences in the running batch."),
@@ -58,6 +63,8 @@ _ENGINE_GAUGES = (
     ("disk_cache_files", "disk_cache_files", "Files in the disk cache (this process's index)."),
     ("disk_cache_bytes_used", "disk_cache_bytes_used", "Bytes of the disk cache's files (this process's index)."),
 )
+
+_ACCEPTED_AT = "spec_decode_num_accepted_tokens_pos"  # + the draft position: a stats key per position
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -84,6 +91,13 @@ class _EngineStatsCollector(Collector):
             "model's own decode kernel), graph (a compiled decode step) or eager.", labels=[*names, "path"])
         for path in DECODE_PATHS:
             family.add_metric([*values, path], float(stats.get(f"decode_steps_{path}", 0)))
+        yield family
+        family = CounterMetricFamily(
+            "hyprefix:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted drafts by their "
+            "position in the draft (0: the first).", labels=[*names, "position"])
+        for key, value in stats.items():
+            if key.startswith(_ACCEPTED_AT):
+                family.add_metric([*values, key[len(_ACCEPTED_AT):]], float(value))
         yield family
         for name, key, doc in _ENGINE_GAUGES:
             family = GaugeMetricFamily(f"hyprefix:{name}", doc, labels=names)

@@ -38,6 +38,9 @@ class ScheduledSeq:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     grammar: Any = None  # the request's structured-outputs parser (``Request.grammar``)
+    # Speculative decoding: the last ``num_drafts`` of ``token_ids`` are drafts to verify (the
+    # row samples after every one of its tokens; ``sample`` is set)
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -78,11 +81,12 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class StepResult:
-    """What one step computed: each sampling request's new token; where asked, its logprobs
+    """What one step computed: each sampling request's new tokens (one, or after verified drafts
+    the accepted drafts and the token sampled after them); where asked, their logprobs
     and prompt logprobs ((position of the first prompt token they cover, one entry a token))."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # several after accepted drafts
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one per token of ``sampled``
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
@@ -94,6 +98,17 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (vLLM's ``spec_decode_*`` counts, for this request's sequences):
+    # verifications (steps whose row carried drafts), drafted tokens, accepted drafts
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verification step produced on average (accepted drafts + the sampled one);
+        None without one."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def ttft(self) -> float | None:

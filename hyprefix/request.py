@@ -48,6 +48,10 @@ class Request:
     # Structured outputs: the sequence's parser (``structured.grammar.Grammar``, opaque here),
     # which the sampler masks by and advances
     grammar: Any = None
+    # Speculative decoding: the request's draft proposer and counters (``speculative.DraftState``),
+    # made on its first drafting chance
+    drafting: Any = None
+    num_new_tokens: int = 0  # tokens the last step appended (more than one after accepted drafts)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -20,17 +20,24 @@ counted against the budget), requests wait for blocks a running sibling is
 computing, and blocks are published after the step that completed them. Every
 cache question goes to the ``CacheCoordinator``, whatever kinds of layers the
 model has (attention, recurrent state or both).
+
+With speculative decoding (``speculative.py``), a decoding request's step also carries the
+tokens its context predicts (drafts): one row of 1 + k tokens. ``update`` takes the tokens the
+runner accepted, advances ``num_computed_tokens`` by them only (rejected drafts' K/V is
+overwritten later and never published) and then publishes complete blocks.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
+from hyprefix.speculative import DraftState, NgramIndex, SpeculativeConfig, SpecStats
 from hyprefix.wait_queue import WaitQueue
 
 SCAN_MIN = 256
@@ -41,6 +48,13 @@ SCAN_PER_SEQ = 4
 class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
+    speculative: SpeculativeConfig | None = None
+    # Rows a step may verify drafts in (None: any; hybrids keep the state after every draft
+    # position in scratch slots, a set of them per row)
+    max_draft_rows: int | None = None
+    # Hybrids: a row's drafts stop before the next block boundary, so no state checkpoint is
+    # ever due inside drafts (its key would name tokens not yet accepted)
+    drafts_within_block: bool = False
 
 
 class Scheduler:
@@ -59,6 +73,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.decode_tokens = 0
         self.sibling_waits = 0
+        self.spec_stats = SpecStats()
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -92,15 +107,24 @@ class Scheduler:
     # --------------------------------------------------------------- planning
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        planned: list[tuple[Request, int, bool]] = []  # (request, tokens to compute, write their K/V)
+        # (request, tokens to compute, write their K/V, drafts among them)
+        planned: list[tuple[Request, int, bool, list[int]]] = []
         preempted: list[str] = []
         state_ops: list[StateOp] = []
         now = time.time()
         fairness_preempted = self._preempt_for_fairness()
 
         i = 0
+        draft_rows = self.config.max_draft_rows
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            drafts = self._drafts(request, budget) if draft_rows is None or draft_rows > 0 else []
+            if drafts and self.cache.allocate_slots(request, request.num_tokens + len(drafts)):
+                planned.append((request, 1 + len(drafts), True, drafts))
+                budget -= 1 + len(drafts)
+                draft_rows = None if draft_rows is None else draft_rows - 1
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.cache.allocate_slots(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -109,7 +133,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                planned.append((request, n, True))
+                planned.append((request, n, True, []))
                 budget -= n
                 i += 1
 
@@ -117,7 +141,7 @@ class Scheduler:
             budget = self._admit_waiting(planned, budget, now, state_ops)
         preempted = fairness_preempted + preempted
 
-        seqs = [self._seq(request, n, write) for request, n, write in planned]
+        seqs = [self._seq(request, n, write, drafts) for request, n, write, drafts in planned]
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
             seqs=seqs,
@@ -127,7 +151,25 @@ class Scheduler:
             state_ops=state_ops,
         )
 
-    def _admit_waiting(self, planned: list[tuple[Request, int, bool]], budget: int, now: float,
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The tokens a decoding request's context predicts (``speculative.py``), as many as its
+        limits allow: ``max_tokens`` (every draft accepted still leaves room for the token the
+        verification samples), the step's budget, and for hybrids the next block boundary."""
+        spec = self.config.speculative
+        if spec is None or not request.output_token_ids or request.grammar is not None \
+                or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        k = min(spec.k, request.params.max_tokens - len(request.output_token_ids) - 1, budget - 1)
+        if self.config.drafts_within_block:
+            bs = self.cache.block_size
+            k = min(k, (request.num_computed_tokens // bs + 1) * bs - request.num_computed_tokens - 2)
+        if k <= 0:
+            return []
+        if request.drafting is None:
+            request.drafting = DraftState(NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        return request.drafting.propose(request.all_token_ids, k)
+
+    def _admit_waiting(self, planned: list[tuple[Request, int, bool, list[int]]], budget: int, now: float,
                        state_ops: list[StateOp]) -> int:
         """Admit waiting requests FCFS; returns the budget left.
 
@@ -173,7 +215,7 @@ class Scheduler:
             request.status = Status.RUNNING
             admitted.append(request)
             self._run(request)
-            planned.append((request, n, hit.write_kv))
+            planned.append((request, n, hit.write_kv, []))
             budget -= n
         for request in admitted:
             self.waiting.remove(request)
@@ -211,15 +253,16 @@ class Scheduler:
             self._preempt(victim)
         return [victim.request_id for victim in victims]
 
-    def _seq(self, request: Request, n: int, write_kv: bool) -> ScheduledSeq:
+    def _seq(self, request: Request, n: int, write_kv: bool, drafts: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
         cache = self.cache.plan_step(request, start, n)
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.tokens_in(start, start + n),
+            token_ids=request.tokens_in(start, start + n - len(drafts)) + drafts,
             start_pos=start,
             block_table=cache.block_table,
-            sample=start + n == request.num_tokens,
+            sample=start + n - len(drafts) == request.num_tokens,
+            num_drafts=len(drafts),
             params=request.params,
             num_generated=len(request.output_token_ids),
             write_kv=write_kv,
@@ -243,14 +286,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------- update
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance requests by what the step computed; returns the requests that got a
-        new token (finished ones included, already freed)."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
+        """Advance requests by what the step computed; returns the requests that got new tokens
+        (finished ones included, already freed), each with ``num_new_tokens`` set.
+
+        ``sampled``: each sampling request's new token, or tokens: a row that verified drafts
+        gets the drafts the runner accepted and the token sampled after them (1 to k + 1)."""
         now = time.time()
         advanced: list[Request] = []
         for seq in output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != Status.RUNNING:
+                continue
+            if seq.num_drafts:
+                if self._verified(request, seq, sampled[seq.request_id]):
+                    advanced.append(request)
                 continue
             # A decode computes the one token sampled last step; everything else
             # (prompt chunks, recomputation after preemption) is prefill work.
@@ -262,13 +312,42 @@ class Scheduler:
             self.cache.after_step(request)
             if not seq.sample:
                 continue
-            request.append_token(sampled[seq.request_id])
+            token = sampled[seq.request_id]
+            request.append_token(token if isinstance(token, int) else token[0])
+            request.num_new_tokens = 1
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.check_stop():
                 self.finish(request.request_id, request.finish_reason or "stop")
             advanced.append(request)
         return advanced
+
+    def _verified(self, request: Request, seq: ScheduledSeq, tokens: int | Sequence[int]) -> bool:
+        """A row that carried drafts: ``tokens`` are the accepted drafts and the token sampled
+        after them. Appends them up to the first that stops the request, counts as computed the
+        tokens whose K/V the step wrote and that stand (the row's first token and the accepted
+        drafts among those kept), and only then publishes complete blocks."""
+        tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+        assert 1 <= len(tokens) <= seq.num_drafts + 1, "a verification returns 1 to k + 1 tokens"
+        accepted = len(tokens) - 1
+        self.spec_stats.add(seq.num_drafts, accepted)
+        if request.drafting is not None:
+            request.drafting.verified(seq.num_drafts, accepted)
+        stopped = False
+        kept = 0
+        for token in tokens:
+            request.append_token(token)
+            kept += 1
+            if request.check_stop():
+                stopped = True
+                break
+        request.num_new_tokens = kept
+        request.num_computed_tokens += kept
+        self.decode_tokens += kept
+        self.cache.after_step(request)
+        if stopped:
+            self.finish(request.request_id, request.finish_reason or "stop")
+        return True
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish (or abort, with reason "abort") a request and free its blocks at once."""

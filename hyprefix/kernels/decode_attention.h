@@ -346,6 +346,16 @@ struct DecodeWork {
     }
   }
 
+  // Fixed plan: every run a task of its own, whatever the row count (for callers that run
+  // ``task`` and then ``merge``, as DecodeModel does; ``row`` is then unused).
+  void use_tasks() {
+    if (!per_row) return;
+    per_row = false;
+    acc.resize(tasks * s.heads * s.dim);
+    max.resize(tasks * s.heads);
+    sum.resize(tasks * s.heads);
+  }
+
   // Fixed plan: run r of row b's runs as slots [j0, j1).
   void fixed_slots(int64_t b, int64_t r, int64_t& j0, int64_t& j1) const {
     const int64_t span = fixed * s.block_size, f = first_pos ? first_pos[b] : 0, run = first_run[b] + r;

@@ -353,6 +353,14 @@ void merge_groups(const DecodeWork<float>& attention, int64_t q_size, int64_t di
   quantize_span(mine.attn.data(), g0, g1, q);
 }
 
+// Attention reads each row's keys in runs of this many tokens at fixed positions (DecodeWork's fixed
+// plan), so a row's result is the same bits whatever else the step holds: how many rows, how long
+// their contexts (the adaptive plan sizes its runs by the widest row and the thread count). A
+// speculative verification (1 + k rows of one sequence) then decodes exactly as k + 1 steps of one
+// row would, and a sequence's tokens do not depend on its batch. Short enough that a short context
+// still makes a few tasks for the threads.
+constexpr int64_t kFixedRunTokens = 256;
+
 struct StepInputs {
   const int64_t *ids, *positions, *slots;
   int64_t rows;
@@ -370,7 +378,9 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
     const Shape shape{rows, m.num_heads, d, m.kv_heads, m.num_heads / m.kv_heads, m.block_size, tables.size(1),
                       qkv_n, d, tables.stride(0), window, static_cast<float>(m.scale)};
     plans.emplace_back(shape, nullptr, nullptr, nullptr, tables.const_data_ptr<int64_t>(),
-                       context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted);
+                       context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted,
+                       std::max<int64_t>(1, kFixedRunTokens / m.block_size));
+    plans.back().use_tasks();
   }
   static thread_local StepScratch scratch;
   StepScratch& w = scratch;  // the caller's, shared by the region's threads (each has its own thread_local)

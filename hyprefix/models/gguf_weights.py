@@ -87,7 +87,7 @@ class GGUFWeights:
         kind = tensor.tensor_type.name
         if tensor.data.ndim != 2 or kind not in (*INT8_TYPES, *TILE_TYPES):
             return False
-        if kind not in INT8_TYPES and not quant_kernel.available():
+        if not quant_kernel.available():  # every kept matrix becomes ``QuantTiles``, Q8_0's too: its ops
             return False
         return self._rows(gguf_name, tensor.data.shape[0]) is not None
 

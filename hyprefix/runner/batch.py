@@ -14,7 +14,7 @@ import torch
 
 from hyprefix.forward import DecodeCascade, DecodeSegment, ForwardBatch, PrefillSpan, WindowKV
 from hyprefix.outputs import ScheduledSeq
-from hyprefix.runner import cascade
+from hyprefix.runner import cascade, verify
 from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 
 
@@ -48,7 +48,10 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
                          for pos in range(seq.start_pos, seq.context_len))
             if not all_write:
                 write_index.extend(range(start, start + seq.num_tokens))
-        if seq.sample:
+        if seq.sample and seq.num_drafts:  # every token of a row verifying drafts samples
+            logits_indices.extend(range(start, len(input_ids)))
+            sample_seqs.extend(verify.sample_rows(seq))
+        elif seq.sample:
             logits_indices.append(len(input_ids) - 1)
             sample_seqs.append(seq)
         if seq.num_tokens > 1:

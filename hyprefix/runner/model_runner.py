@@ -4,6 +4,7 @@ the model its elementwise kernels (compiled or not) once, at construction."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ from hyprefix.runner.decode_graph import DecodeGraphs
 from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
 from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
+from hyprefix.runner.verify import accept, sample_rows
 from hyprefix.sampling import SamplingParams
 from hyprefix.structured.grammar import fill_masks
 
@@ -41,7 +43,8 @@ class ModelRunner:
                  compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
                  num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset(),
                  logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False,
-                 state_dtype: torch.dtype = torch.float32) -> None:
+                 state_dtype: torch.dtype = torch.float32, num_speculative_tokens: int = 0,
+                 num_draft_rows: int = 0) -> None:
         """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
         of their own (``cache/sliding.py``); 0: they share the main pool. ``eos_token_ids``:
         what ``min_tokens`` holds back. ``logprobs_mode``: what sampled tokens' logprobs hold
@@ -49,7 +52,9 @@ class ModelRunner:
         the batch-invariant mode (``EngineArgs.batch_invariant``; the model is already switched,
         ``CausalLM.use_batch_invariant``): every step eager, with no compiled kernels (a large
         step's fused loops are not a small one's arithmetic), no decode graphs, no one-call decode
-        kernel and no cascade plans."""
+        kernel and no cascade plans. ``num_speculative_tokens``, ``num_draft_rows``: speculative
+        decoding's k and, for models with recurrent layers, how many rows a step may verify drafts
+        in (each gets k scratch state slots: the state after each of its drafts)."""
         self.batch_invariant = batch_invariant
         compile_enabled = compile_enabled and not batch_invariant
         self.model = model
@@ -77,8 +82,14 @@ class ModelRunner:
         self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
+        # Checkpoint slots past ``num_checkpoint_slots``: speculative decoding's scratch, k a row
+        # verifying drafts: its state after each of its first k tokens (``_verify_layout``).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.scratch_base = num_checkpoint_slots
+        num_scratch = num_draft_rows * num_speculative_tokens if state_layout is not None else 0
         self.recurrent_states: list[RecurrentLayerState] = [
-            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots, dtype, device, state_dtype)
+            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots + num_scratch, dtype, device,
+                                         state_dtype)
             for shape in (state_layout.layers if state_layout is not None else ())]
         self.sampler = Sampler(seed, device, eos_token_ids, logprobs_mode=logprobs_mode)
         self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
@@ -173,7 +184,10 @@ class ModelRunner:
 
     def _execute(self, output: SchedulerOutput) -> StepResult:
         self._apply_state_ops(output.state_ops)
-        batch = build_batch(output.seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path(),
+        seqs, scratch = output.seqs, {}
+        if any(seq.num_drafts for seq in seqs):
+            seqs, scratch = self._verify_layout(seqs)
+        batch = build_batch(seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path(),
                             self.batch_invariant)
         grammar_rows = [i for i, seq in enumerate(batch.sample_seqs)
                         if seq.grammar is not None and seq.grammar.masks_first]
@@ -196,10 +210,51 @@ class ModelRunner:
             logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
         tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy,
                                                (grammar_rows, masks.result()) if masks is not None else None)
-        ids = [seq.request_id for seq in batch.sample_seqs]
-        result.sampled = dict(zip(ids, tokens, strict=True))
-        result.logprobs = {ids[row]: entry for row, entry in logprobs.items()}
+        # Rows of one request are consecutive (a row verifying drafts samples k + 1 times).
+        for row, (seq, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
+            result.sampled.setdefault(seq.request_id, []).append(token)
+            if row in logprobs:
+                result.logprobs.setdefault(seq.request_id, []).append(logprobs[row])
+        for seq in output.seqs:
+            if seq.num_drafts:
+                self._accept(seq, result, scratch.get(seq.request_id))
         return result
+
+    def _verify_layout(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], dict[str, int]]:
+        """The step's rows with drafts laid out for the forward. Without recurrent layers, every
+        token of such a row becomes a decode row of its own (attention reads the K/V the step
+        writes for the tokens before it: each layer writes every row's K/V before any row
+        attends), so the fast decode paths verify drafts too. With recurrent layers the row stays
+        one span and taps the state after each of its first k tokens into scratch slots (the
+        second returned value: each request's first scratch slot) for ``_accept``."""
+        if not self.recurrent_states:
+            return [row for seq in seqs for row in (sample_rows(seq) if seq.num_drafts else (seq,))], {}
+        k, out, scratch = self.num_speculative_tokens, [], {}
+        for seq in seqs:
+            if seq.num_drafts:
+                first = self.scratch_base + len(scratch) * k
+                assert first + seq.num_drafts <= self.recurrent_states[0].ckpt_conv.shape[0], \
+                    "more rows verify drafts than have scratch state slots"
+                scratch[seq.request_id] = first
+                seq = dataclasses.replace(seq, state_taps=tuple(
+                    (seq.start_pos + i + 1, first + i) for i in range(seq.num_drafts)))
+            out.append(seq)
+        return out, scratch
+
+    def _accept(self, seq: ScheduledSeq, result: StepResult, scratch: int | None) -> None:
+        """Keep the drafts of ``seq`` that stand (``verify.accept``) and the token sampled after
+        them; a model with recurrent layers takes the state after the last token kept from its
+        scratch slot (the live slot holds the state after every draft)."""
+        drafts = seq.token_ids[-seq.num_drafts:]
+        sampled = result.sampled[seq.request_id]
+        accepted = accept(sampled, drafts)
+        del sampled[accepted + 1:]
+        entries = result.logprobs.get(seq.request_id)
+        if entries is not None:
+            del entries[accepted + 1:]
+        if scratch is not None and accepted < seq.num_drafts:
+            for layer in self.recurrent_states:
+                layer.restore(scratch + accepted, seq.state_slot)
 
     def _start_masks(self, grammars: list) -> Future:
         """Compute these grammars' next-token masks on a thread of their own while the forward
