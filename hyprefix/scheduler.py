@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
-from hyprefix.speculative import DraftState, NgramIndex, SpeculativeConfig, SpecStats
+from hyprefix.speculative import DraftState, NgramIndex, SpecStats, SpeculativeConfig
 from hyprefix.wait_queue import WaitQueue
 
 SCAN_MIN = 256

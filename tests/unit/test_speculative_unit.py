@@ -48,9 +48,9 @@ def test_index_proposes_what_followed_the_latest_longest_match():
     tokens = [7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 0, 2, 3]
     # (2, 3) ends earlier at 4 (then 9) and at 8 (then 4): the latest wins, and the 3-gram (0, 2, 3) is unseen
     assert index.propose(tokens, 3) == [4, 5, 0]
-    assert index.propose(tokens + [4, 5], 2) == [0, 2]  # (3, 4, 5) -> 0
+    assert index.propose([*tokens, 4, 5], 2) == [0, 2]  # (3, 4, 5) -> 0
     # (5, 0, 2) ends at 12: what follows to the end of the list, then around that loop again
-    assert index.propose(tokens + [4, 5, 0, 2], 7) == [3, 4, 5, 0, 2, 3, 4]
+    assert index.propose([*tokens, 4, 5, 0, 2], 7) == [3, 4, 5, 0, 2, 3, 4]
     assert NgramIndex(1, 2).propose([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a period of 2
     assert NgramIndex(1, 3).propose([1, 2, 3, 4], 3) == []  # no repeats
     assert NgramIndex(2, 2).propose([5, 6, 5], 4) == []  # too short a match for the lower bound

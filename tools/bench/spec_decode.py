@@ -122,7 +122,8 @@ def main() -> None:
         mal = spec_row["mean_accepted_length"]
         print(f"{workload:5s}: plain {row['plain']['tpot_ms']:.2f} ms/token, speculative {spec_row['tpot_ms']:.2f} "
               f"ms/token = {row['speedup']:.2f}x ({spec_row['tokens']} tokens, {spec_row['drafts']} verifications, "
-              f"mean accepted length {mal:.2f}; {row['identical']}/{row['requests']} requests' tokens identical)" if mal else
+              f"mean accepted length {mal:.2f}; {row['identical']}/{row['requests']} requests' tokens identical)"
+              if mal else
               f"{workload:5s}: plain {row['plain']['tpot_ms']:.2f}, speculative {spec_row['tpot_ms']:.2f} ms/token = "
               f"{row['speedup']:.2f}x (no drafts)")
     if args.out:
