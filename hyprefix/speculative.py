@@ -9,9 +9,10 @@ over the cache) and keeps the drafts the model itself would have produced (``run
 the scheduler rolls ``num_computed_tokens`` back past the rejected ones before any block is
 published, so rejected K/V is never findable.
 
-Adaptive: a verification that accepts nothing makes the request skip its next ``2**misses - 1``
-drafting chances (capped), so text that does not repeat itself costs almost nothing; any
-acceptance resets it.
+Adaptive: a request's next draft is one token longer than its last when all of that one stood,
+else as long as what stood plus one; a verification that accepts nothing makes the request skip
+its next ``2**misses - 1`` drafting chances (capped), so text that does not repeat itself costs
+almost nothing; any acceptance resets it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class DraftState:
     output metrics)."""
 
     index: NgramIndex
+    length: int | None = None  # drafts to propose next (None: as many as allowed)
     misses: int = 0  # verifications in a row that accepted nothing
     skip: int = 0  # drafting chances still to skip
     num_drafts: int = 0  # verifications (steps whose row carried drafts)
@@ -131,12 +133,15 @@ class DraftState:
         if self.skip:
             self.skip -= 1
             return []
-        return self.index.propose(tokens, k)
+        return self.index.propose(tokens, k if self.length is None else min(k, self.length))
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        # the next draft: one longer than this one when all of it stood, else what stood and one
+        # more (a refused draft costs its row in the step)
+        self.length = drafted + 1 if accepted == drafted else accepted + 1
         if accepted:
             self.misses = 0
         else:

@@ -82,7 +82,7 @@ WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
 }
 ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "state_cache_memory_gb", "max_num_batched_tokens",
-                "enforce_eager", "quantization", "mamba_ssm_cache_dtype")
+                "enforce_eager", "quantization", "mamba_ssm_cache_dtype", "speculative_config")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
 
@@ -137,6 +137,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     eng.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default=None,
                      help="hybrid models: the hyprefix arms' recurrent matrix state dtype (default auto: float32)")
 
+    eng.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="the hyprefix arms' speculative decoding (serve's --speculative-config; default: off)")
     online = bench.add_argument_group(
         "online driver (the workload sent to running OpenAI-compatible servers, alone or beside in-process arms)")
     online.add_argument("--url", action="append", type=_server_url, default=None, metavar="[NAME=]URL",

@@ -81,16 +81,18 @@ def test_drafting_backs_off_after_misses_and_resets_on_acceptance():
     assert state.propose(tokens, 2) == [2, 1]
     state.verified(2, 0)
     assert state.propose(tokens, 2) == []  # one chance skipped
-    assert state.propose(tokens, 2) == [2, 1]
-    state.verified(2, 0)
-    assert [state.propose(tokens, 2) for _ in range(4)] == [[], [], [], [2, 1]]  # three skipped
+    assert state.propose(tokens, 2) == [2]  # and the next draft is as long as what stood plus one
+    state.verified(1, 0)
+    assert [state.propose(tokens, 2) for _ in range(4)] == [[], [], [], [2]]  # three skipped
     for _ in range(10):
-        state.verified(2, 0)
+        state.verified(1, 0)
     assert state.skip == MAX_SKIPPED_CHANCES
     state.skip = 0
+    state.verified(1, 1)  # all of it stood: one longer
+    assert state.misses == 0 and state.propose(tokens, 4) == [2, 1]
     state.verified(2, 1)
-    assert state.misses == 0 and state.propose(tokens, 2) == [2, 1]
-    assert (state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens) == (13, 26, 1)
+    assert state.propose(tokens, 4) == [2, 1]  # what stood plus one
+    assert (state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens) == (14, 16, 2)
 
 
 def test_accept_keeps_the_drafts_the_samples_confirm():
