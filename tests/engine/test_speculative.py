@@ -173,6 +173,23 @@ def test_stops_logprobs_and_processing_as_without_drafts(tiny_models, monkeypatc
     assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_structured_outputs_decode_without_drafts(tiny_models, monkeypatch):
+    """A request with a grammar never drafts (its parser would have to check and take back
+    drafts): its output is what decoding without speculation gives, beside a drafting request."""
+    path = tiny_models["qwen3"][0]
+    prompts = prompts_for(9)[:2]
+    regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": "[a-z]{3,12}( [a-z]{2,9})*"})
+    reference = make(path)
+    expected = [o.outputs[0].text for o in reference.generate(prompts, [regex, GREEDY], use_tqdm=False)]
+    free = checked_generate(reference, prompts[1:], GREEDY)
+    oracle = Oracle([prompts[1] + free[0]], corrupt=0.3)
+    monkeypatch.setattr(DraftState, "propose", lambda self, tokens, k: oracle(self, tokens, k))
+    llm = make(path, speculative_config=SPEC)
+    outs = llm.generate(prompts, [regex, GREEDY], use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == expected
+    assert outs[0].metrics.spec_num_drafts == 0 and outs[1].metrics.spec_num_drafts > 0
+
+
 def test_drafts_that_keep_failing_back_off(tiny_models, monkeypatch):
     path = tiny_models["llama"][0]
     prompts = prompts_for(7)[:1]

@@ -96,3 +96,21 @@ def test_q8_0_int8_model_computes_the_float_models_numbers(q8_0_file, tiny_model
     graphs = runner.decode_graphs  # none where the decode kernel runs the steps
     assert (graphs is None) == (enforce_eager or runner.model.decode_kernel)
     assert graphs is None or graphs.compiled_sizes == {1}
+
+
+def test_a_q8_0_file_runs_in_a_fresh_process(q8_0_file, tiny_models):
+    """A file whose matrices are all Q8_0, loaded with the default quantization, keeps them as
+    ``QuantTiles`` and so needs the quant ops loaded: in a process that loaded nothing else (the
+    suite's other tests load them in this one) the first step used to fail (no ``quant_rows``)."""
+    import subprocess
+    import sys
+
+    code = ("from hyprefix import LLM, SamplingParams\n"
+            f"llm = LLM({str(q8_0_file)!r}, tokenizer={str(tiny_models['llama'][0])!r}, num_kv_blocks=64, "
+            "log_stats_interval=0)\n"
+            "params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)\n"
+            "out = llm.generate([[1, 2, 3]], params, use_tqdm=False)\n"
+            "print(len(out[0].outputs[0].token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "2"
