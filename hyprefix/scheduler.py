@@ -165,9 +165,10 @@ class Scheduler:
             k = min(k, (request.num_computed_tokens // bs + 1) * bs - request.num_computed_tokens - 2)
         if k <= 0:
             return []
-        if request.drafting is None:
-            request.drafting = DraftState(NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max))
-        return request.drafting.propose(request.all_token_ids, k)
+        state = request.drafting
+        if state is None:
+            state = request.drafting = DraftState(NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        return state.propose(state.context(request.prompt_token_ids, request.output_token_ids), k)
 
     def _admit_waiting(self, planned: list[tuple[Request, int, bool, list[int]]], budget: int, now: float,
                        state_ops: list[StateOp]) -> int:
@@ -299,8 +300,8 @@ class Scheduler:
             if request is None or request.status != Status.RUNNING:
                 continue
             if seq.num_drafts:
-                if self._verified(request, seq, sampled[seq.request_id]):
-                    advanced.append(request)
+                self._verified(request, seq, sampled[seq.request_id])
+                advanced.append(request)
                 continue
             # A decode computes the one token sampled last step; everything else
             # (prompt chunks, recomputation after preemption) is prefill work.
@@ -322,7 +323,7 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
-    def _verified(self, request: Request, seq: ScheduledSeq, tokens: int | Sequence[int]) -> bool:
+    def _verified(self, request: Request, seq: ScheduledSeq, tokens: int | Sequence[int]) -> None:
         """A row that carried drafts: ``tokens`` are the accepted drafts and the token sampled
         after them. Appends them up to the first that stops the request, counts as computed the
         tokens whose K/V the step wrote and that stand (the row's first token and the accepted
@@ -347,7 +348,6 @@ class Scheduler:
         self.cache.after_step(request)
         if stopped:
             self.finish(request.request_id, request.finish_reason or "stop")
-        return True
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish (or abort, with reason "abort") a request and free its blocks at once."""

@@ -122,12 +122,22 @@ class DraftState:
     output metrics)."""
 
     index: NgramIndex
+    tokens: list[int] = field(default_factory=list)  # the request's prompt and output, grown as it decodes
     length: int | None = None  # drafts to propose next (None: as many as allowed)
     misses: int = 0  # verifications in a row that accepted nothing
     skip: int = 0  # drafting chances still to skip
     num_drafts: int = 0  # verifications (steps whose row carried drafts)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+    def context(self, prompt: list[int], output: list[int]) -> list[int]:
+        """The request's tokens: a list of its own, extended by the output tokens it has not seen
+        (building prompt + output anew every step would copy the whole context)."""
+        tokens = self.tokens
+        if not tokens:
+            tokens.extend(prompt)
+        tokens.extend(output[len(tokens) - len(prompt):])
+        return tokens
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if self.skip:

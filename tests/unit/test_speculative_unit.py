@@ -176,3 +176,12 @@ def test_max_draft_rows_limits_the_rows_that_draft():
     s.update(s.schedule(), {"a": [1], "b": [1]})
     out = s.schedule()
     assert [seq.num_drafts for seq in out.seqs] == [4, 0]
+
+
+def test_a_drafting_requests_context_grows_with_its_output():
+    state = DraftState(NgramIndex(1, 2))
+    prompt, output = [1, 2, 3], [4]
+    assert state.context(prompt, output) == [1, 2, 3, 4]
+    output += [5, 6]
+    tokens = state.context(prompt, output)
+    assert tokens == [1, 2, 3, 4, 5, 6] and tokens is state.tokens
