@@ -98,6 +98,11 @@ def test_greedy_identical_with_drafts_dense(tiny_models, monkeypatch, arch):
     assert_same_with_drafts(monkeypatch, tiny_models[arch][0], prompts_for(1), **TINY_CASCADE)
 
 
+def test_greedy_identical_with_drafts_batch_invariant(tiny_models, monkeypatch):
+    """The batch-invariant mode reads each verify row as a query row of its own."""
+    assert_same_with_drafts(monkeypatch, tiny_models["qwen3"][0], prompts_for(10), batch_invariant=True)
+
+
 def test_greedy_identical_with_drafts_gemma3_window_pool(gemma3_model, monkeypatch):
     llm = assert_same_with_drafts(monkeypatch, gemma3_model[0], prompts_for(2))
     assert llm.get_stats()["swa_blocks_total"] > 0  # the sliding layers' own pool was in play
