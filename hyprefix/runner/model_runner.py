@@ -236,8 +236,8 @@ class ModelRunner:
                 assert first + seq.num_drafts <= self.recurrent_states[0].ckpt_conv.shape[0], \
                     "more rows verify drafts than have scratch state slots"
                 scratch[seq.request_id] = first
-                seq = dataclasses.replace(seq, state_taps=tuple(
-                    (seq.start_pos + i + 1, first + i) for i in range(seq.num_drafts)))
+                scratch_taps = [(seq.start_pos + i + 1, first + i) for i in range(seq.num_drafts)]
+                seq = dataclasses.replace(seq, state_taps=tuple(sorted([*seq.state_taps, *scratch_taps])))
             out.append(seq)
         return out, scratch
 
