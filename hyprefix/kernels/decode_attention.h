@@ -278,7 +278,8 @@ constexpr int64_t kRowsPerThread = 4;
 // runs are tasks, and a row's runs merge in order. Each run's partial and each merge go through
 // one compiled copy of their code (``partial``, ``merge_runs``), so a row's result is the same
 // bits whether its runs ran as tasks of their own (few rows: ``tasks``, then ``merge``) or in one
-// task for the whole row (``per_row``: ``row``).
+// task for the whole row (``per_row``: ``row``). ``whole_rows`` false keeps every run a task of its
+// own whatever the row count, for a caller that runs ``task`` and then ``merge`` (DecodeModel).
 template <typename T>
 struct DecodeWork {
   Shape s;
@@ -295,7 +296,7 @@ struct DecodeWork {
 
   DecodeWork(const Shape& shape, const T* q_, const T* k, const T* v, const int64_t* tables_,
              const int64_t* context_lens_, const int64_t* first_pos_, int64_t threads,
-             int64_t fixed_run_blocks = 0)
+             int64_t fixed_run_blocks = 0, bool whole_rows = true)
       : s(shape), q(q_), k_cache(k), v_cache(v), tables(tables_), context_lens(context_lens_),
         first_pos(first_pos_), lo(shape.rows), hi(shape.rows), fixed(fixed_run_blocks) {
     const int64_t bs = s.block_size;
@@ -308,7 +309,7 @@ struct DecodeWork {
     }
     serial = work < kSerialWork || threads == 1;
     if (fixed > 0) {
-      plan_fixed(threads);
+      plan_fixed(threads, whole_rows);
       return;
     }
     // Runs of whole blocks: about kRunsPerThread a thread, taken as threads free up (the widest
@@ -323,7 +324,7 @@ struct DecodeWork {
     sum.resize(tasks * s.heads);
   }
 
-  void plan_fixed(int64_t threads) {
+  void plan_fixed(int64_t threads, bool whole_rows) {
     const int64_t span = fixed * s.block_size;
     first_run.assign(s.rows, 0);
     row_task.assign(s.rows + 1, 0);
@@ -338,22 +339,12 @@ struct DecodeWork {
     }
     run_blocks = fixed;
     tasks = row_task[s.rows];
-    per_row = !serial && s.rows >= kRowsPerThread * threads;
+    per_row = whole_rows && !serial && s.rows >= kRowsPerThread * threads;
     if (!per_row) {
       acc.resize(tasks * s.heads * s.dim);
       max.resize(tasks * s.heads);
       sum.resize(tasks * s.heads);
     }
-  }
-
-  // Fixed plan: every run a task of its own, whatever the row count (for callers that run
-  // ``task`` and then ``merge``, as DecodeModel does; ``row`` is then unused).
-  void use_tasks() {
-    if (!per_row) return;
-    per_row = false;
-    acc.resize(tasks * s.heads * s.dim);
-    max.resize(tasks * s.heads);
-    sum.resize(tasks * s.heads);
   }
 
   // Fixed plan: run r of row b's runs as slots [j0, j1).

@@ -379,8 +379,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
                       qkv_n, d, tables.stride(0), window, static_cast<float>(m.scale)};
     plans.emplace_back(shape, nullptr, nullptr, nullptr, tables.const_data_ptr<int64_t>(),
                        context_lens.const_data_ptr<int64_t>(), nullptr, threads_wanted,
-                       std::max<int64_t>(1, kFixedRunTokens / m.block_size));
-    plans.back().use_tasks();
+                       std::max<int64_t>(1, kFixedRunTokens / m.block_size), /*whole_rows=*/false);
   }
   static thread_local StepScratch scratch;
   StepScratch& w = scratch;  // the caller's, shared by the region's threads (each has its own thread_local)
