@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import InitVar, dataclass, field, fields
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -204,3 +206,23 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def dataclass_from_json(cls: type, value: str | dict, name: str) -> Any:
+    """``cls(**fields)`` from a JSON object (a flag's text) or a mapping (a Python argument), for the
+    engine flags whose value is a JSON object (``kv_events_config``, ``speculative_config``). Text
+    that is not a JSON object and keys that are not fields of ``cls`` raise ``ValueError`` naming
+    ``name``: nothing is ignored."""
+    try:
+        raw = json.loads(value) if isinstance(value, str) else dict(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a JSON object: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return cls(**raw)

@@ -570,7 +570,7 @@ class Engine:
                 stop_reason=request.stop_reason if finished else None,
                 logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
         reqs = [s.request for s in parent.samples]
-        drafting = [r.drafting for r in reqs if r.drafting is not None]
+        drafting = [r.drafting.counts for r in reqs if r.drafting is not None]
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,
             first_scheduled_time=_min_time(r.first_scheduled_time for r in reqs),

@@ -29,13 +29,12 @@ receives ``[seq, payload]`` for each buffered message from there, then ``[-1, b"
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from hyprefix.cache.events import (
     AllBlocksCleared,
@@ -45,6 +44,7 @@ from hyprefix.cache.events import (
     StateRemoved,
     StateStored,
 )
+from hyprefix.config import dataclass_from_json
 
 log = logging.getLogger("hyprefix.kv_events")
 
@@ -82,17 +82,7 @@ class KVEventsConfig:
     def parse(cls, text: str | dict | None) -> KVEventsConfig | None:
         if text is None:
             return None
-        try:
-            raw = json.loads(text) if isinstance(text, str) else dict(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        config = cls(**raw)
+        config = dataclass_from_json(cls, text, "kv_events_config")
         return config if config.enabled else None
 
 

@@ -17,8 +17,9 @@ almost nothing; any acceptance resets it.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from hyprefix.config import dataclass_from_json
 
 METHODS = ("ngram",)
 # vLLM's defaults for an ngram config that names neither bound.
@@ -68,17 +69,7 @@ class SpeculativeConfig:
         or None (off). Unknown keys are refused, never ignored."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        try:
-            raw = json.loads(value) if isinstance(value, str) else dict(value)
-        except (json.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(f"speculative_config is not a JSON object: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; known: {sorted(known)}")
-        return cls(**raw)
+        return dataclass_from_json(cls, value, "speculative_config")
 
 
 @dataclass
@@ -117,8 +108,28 @@ class NgramIndex:
 
 
 @dataclass
+class SpecStats:
+    """Verification counts (vLLM's ``spec_decode_*``), engine-wide or a request's: verifications,
+    drafted tokens, accepted tokens, and accepted tokens by draft position (0: the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+@dataclass
 class DraftState:
-    """One request's drafting: its index, its adaptive back-off and its counters (the request's
+    """One request's drafting: its index, its adaptive back-off and its counts (the request's
     output metrics)."""
 
     index: NgramIndex
@@ -126,9 +137,7 @@ class DraftState:
     length: int | None = None  # drafts to propose next (None: as many as allowed)
     misses: int = 0  # verifications in a row that accepted nothing
     skip: int = 0  # drafting chances still to skip
-    num_drafts: int = 0  # verifications (steps whose row carried drafts)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    counts: SpecStats = field(default_factory=SpecStats)  # this request's alone
 
     def context(self, prompt: list[int], output: list[int]) -> list[int]:
         """The request's tokens: a list of its own, extended by the output tokens it has not seen
@@ -146,9 +155,7 @@ class DraftState:
         return self.index.propose(tokens, k if self.length is None else min(k, self.length))
 
     def verified(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
+        self.counts.add(drafted, accepted)
         # the next draft: one longer than this one when all of it stood, else what stood and one
         # more (a refused draft costs its row in the step)
         self.length = drafted + 1 if accepted == drafted else accepted + 1
@@ -157,23 +164,3 @@ class DraftState:
         else:
             self.misses += 1
             self.skip = min(2**self.misses - 1, MAX_SKIPPED_CHANCES)
-
-
-@dataclass
-class SpecStats:
-    """Engine-wide counters (vLLM's ``spec_decode_*``): verifications, drafted tokens, accepted
-    tokens, and accepted tokens by draft position (position 0: the first draft)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        if len(self.accepted_per_pos) < drafted:
-            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
-        for pos in range(accepted):
-            self.accepted_per_pos[pos] += 1

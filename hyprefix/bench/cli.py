@@ -136,9 +136,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                      help="int8 quantization of the hyprefix arms (transformers stays in --dtype)")
     eng.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default=None,
                      help="hybrid models: the hyprefix arms' recurrent matrix state dtype (default auto: float32)")
-
     eng.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="the hyprefix arms' speculative decoding (serve's --speculative-config; default: off)")
+
     online = bench.add_argument_group(
         "online driver (the workload sent to running OpenAI-compatible servers, alone or beside in-process arms)")
     online.add_argument("--url", action="append", type=_server_url, default=None, metavar="[NAME=]URL",

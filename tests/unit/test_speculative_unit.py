@@ -92,7 +92,7 @@ def test_drafting_backs_off_after_misses_and_resets_on_acceptance():
     assert state.misses == 0 and state.propose(tokens, 4) == [2, 1]
     state.verified(2, 1)
     assert state.propose(tokens, 4) == [2, 1]  # what stood plus one
-    assert (state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens) == (14, 16, 2)
+    assert (state.counts.num_drafts, state.counts.num_draft_tokens, state.counts.num_accepted_tokens) == (14, 16, 2)
 
 
 def test_accept_keeps_the_drafts_the_samples_confirm():
