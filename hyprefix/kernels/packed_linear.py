@@ -34,10 +34,12 @@ def _build() -> bool:
     return True
 
 
-def _fake_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fake_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, tiles: torch.Tensor | None,
+                 tile_rows: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _fake_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
-                  up_bias: torch.Tensor | None, activation: str, algorithm: str) -> torch.Tensor:
+                  up_bias: torch.Tensor | None, activation: str, algorithm: str, tiles: torch.Tensor | None,
+                  tile_rows: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], gate.shape[0]))

@@ -14,6 +14,7 @@ from torch import nn
 from hyprefix.kernels import decode_attention as decode_kernel
 from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.kernels import recurrent_decode
 from hyprefix.models import fused
 from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
 from hyprefix.models.quant import Int8Weight, int8_part, join_parts, quantize_low_bit
@@ -162,10 +163,14 @@ class CausalLM(nn.Module):
 
     @property
     def decode_graph_capable(self) -> bool:
-        """Whether the runner compiles this model's decode steps (``runner/decode_graph.py``);
-        models with recurrent layers decode eagerly. The loader keeps plain weights (or bf16
-        tiles) for it."""
-        return self.state_layout is None
+        """Whether the runner compiles this model's decode steps (``runner/decode_graph.py``).
+        Models with recurrent layers do where their mixers' fused decode ops run
+        (``kernels/recurrent_decode``: a CPU with vector kernels), which the graph calls as
+        extern ops updating the live states in place; elsewhere they decode eagerly. The loader
+        keeps plain weights (or bf16 tiles) for it."""
+        if self.state_layout is None:
+            return True
+        return self.embed.weight.device.type == "cpu" and recurrent_decode.available()
 
     def pack_weights(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add prepacked oneDNN weights to the linears where the device allows it (CPU). A

@@ -189,6 +189,7 @@ class GatedMLP(nn.Module):
                 and not self.gate_up.forms.tiles_take(x):
             bias = self.gate_up.bias
             gate_bias, up_bias = bias.split(self.intermediate) if bias is not None else (None, None)
-            return self.down(packed_gate_up(x, *halves, gate_bias, up_bias, self._epilogue))
+            tiles = self.gate_up.forms.graph_tiles(x, bias) if torch.compiler.is_compiling() else None
+            return self.down(packed_gate_up(x, *halves, gate_bias, up_bias, self._epilogue, tiles))
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)

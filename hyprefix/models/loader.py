@@ -278,9 +278,11 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
         net.quantize_weights_q4()
     if batch_invariant:
         net.use_batch_invariant()
-    # Compiled decode steps read the plain weights or tiles; models that decode eagerly by design
-    # (recurrent layers) multiply tiles in their eager decode steps.
-    net.pack_weights(keep_plain=compiled_decode and net.decode_graph_capable, eager_tiles=not net.decode_graph_capable)
+    # Compiled decode steps read the plain weights or tiles; models with recurrent layers that
+    # decode eagerly (no graph for them on this device, or --enforce-eager) multiply tiles in
+    # their eager decode steps.
+    graphs = compiled_decode and net.decode_graph_capable
+    net.pack_weights(keep_plain=graphs, eager_tiles=not graphs and net.state_layout is not None)
     identity = checkpoint_identity(path) + (f"|{quantization}" if quantization else "")
     return LoadedModel(net, hf_config, path, identity, torch_dtype, max_pos, net.weight_memory_bytes())
 

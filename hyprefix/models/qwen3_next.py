@@ -141,6 +141,12 @@ class Qwen3NextForCausalLM(CausalLM):
         self._q_shape = (attns[0].num_heads, attns[0].head_dim)  # to split q_proj into query and gate rows
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attns[0].head_dim)
 
+    @property
+    def decode_graph_capable(self) -> bool:
+        """Not with MoE layers: their routing (``SparseMoE._grouped_experts``) sizes its expert
+        groups from the data, which a compiled graph cannot hold."""
+        return super().decode_graph_capable and not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids), None

@@ -74,19 +74,24 @@ def one_row(x: torch.Tensor) -> bool:
     return isinstance(rows, int) and rows == 1
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """``tiles``: the matrix's bf16 tiles, which a batched decode graph's call multiplies instead
+    when it has at most ``EAGER_TILE_ROWS`` rows (``kernels/packed_linear.cpp``)."""
     if torch.compiler.is_compiling():  # a batched decode graph: an extern call (``kernels/packed_linear.cpp``)
-        return torch.ops.hyprefix.packed_linear(x, packed, bias)
+        return torch.ops.hyprefix.packed_linear(x, packed, bias, tiles, EAGER_TILE_ROWS if tiles is not None else 0)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
-                   up_bias: torch.Tensor | None, epilogue: tuple) -> torch.Tensor:
+                   up_bias: torch.Tensor | None, epilogue: tuple, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
-    attr, scalars, algorithm) and the product fused into the two prepacked matmuls."""
+    attr, scalars, algorithm) and the product fused into the two prepacked matmuls. ``tiles``:
+    as ``packed_linear``'s, of the fused [gate; up] matrix."""
     if torch.compiler.is_compiling():
         assert not epilogue[1], "the compiled gate/up op passes no activation scalars"
-        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2])
+        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2], tiles,
+                                                 EAGER_TILE_ROWS if tiles is not None else 0)
     h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
     return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")
 
@@ -194,6 +199,14 @@ class MatrixForms(nn.Module):
             self.eager_tiles = self._set_bf16_tiles(plain)
         return True
 
+    def graph_tiles(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The bf16 tiles a batched compiled decode step's call may multiply for a decode-sized
+        batch (``packed_linear``), where the tile kernel takes ``x`` and ``bias``; else None."""
+        tiles = self.bf16
+        if tiles is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
+            return None
+        return tiles.tiles
+
     def tiles_take(self, x: torch.Tensor) -> bool:
         """Whether an eager matmul of ``x`` multiplies the bf16 tiles rather than the packed copy:
         tiles packed for eager steps (``pack``'s ``eager_tiles``) and a decode-sized bfloat16 CPU
@@ -294,8 +307,8 @@ class MatrixForms(nn.Module):
                 return bf16_kernel.bf16_linear(x, tiles.tiles, self.rows, bias)
             return invariant_kernel.invariant_linear(x, plain, bias)
         if torch.compiler.is_compiling():
-            if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM
-                return packed_linear(x, self.packed, bias)
+            if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM (or the tiles)
+                return packed_linear(x, self.packed, bias, self.graph_tiles(x, bias))
             return reduction_linear(x, self.graph_weight(plain), bias)
         quantized = self.quantized
         if quantized is not None:

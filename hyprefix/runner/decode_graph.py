@@ -22,10 +22,19 @@ symbolic size so a growing context never recompiles:
   graph per batch size would cost a cold compile each (``docs/perf-log.md``).
 A step qualifies when it is decode only, reads no prefix shared by several rows through a
 cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
-ignored), no sliding-window pool and no recurrent state (hybrids stay eager); any other step
-runs eagerly. If compiling fails (no C++ compiler, an unsupported op) that graph is switched
-off with a warning: after a batch-1 failure every decode step runs eagerly, after a batched
-failure only the batched steps do.
+ignored) and no sliding-window pool; any other step runs eagerly.
+
+Models with recurrent layers (Mamba2, Gated DeltaNet) compile where their fused decode ops run
+(``CausalLM.decode_graph_capable``): the graph takes the live states and each row's slot, and
+calls the ops, which advance the states in place, as extern kernels between the matmuls.
+Checkpoint taps are copies of a live state after the step, so they are made after the graph
+(``tap_decode_rows``). Compiling runs a step more than once (``_compile``): every run starts from
+the rows' states before the step (a run from advanced states would advance them twice, and its
+attention layers would write other K/V over the step's).
+
+If compiling fails (no C++ compiler, an unsupported op) that graph is switched off with a
+warning: after a batch-1 failure every decode step runs eagerly, after a batched failure only
+the batched steps do.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import decode_attention, packed_linear
 from hyprefix.models.layers import Linear
 from hyprefix.models.quant import uses_tile_kernels
+from hyprefix.models.recurrent_state import RecurrentLayerState, tap_decode_rows
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -96,18 +106,28 @@ class DecodeGraphs:
         return (self.enabled and batch.reads_tables_whole()
                 and (self.max_batch is None or batch.num_decode <= self.max_batch))
 
-    def logits(self, batch: ForwardBatch,
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               states: list[RecurrentLayerState] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Float32 logits [D, vocab] of a qualifying step and their argmax [D] (the greedy
         tokens, from Inductor's argmax loop, cheaper than ``Tensor.argmax`` after the step),
-        or None when the graphs are off (compiling failed): the caller runs the step eagerly."""
+        or None when the graphs are off (compiling failed): the caller runs the step eagerly.
+        ``states``: the model's recurrent layers' states (live slots advanced in place, the
+        step's checkpoint taps copied after it)."""
         tables = batch.decode_block_tables
         assert tables is not None and batch.decode_context_lens is not None
         if tables.shape[1] < 2:  # a width of 1 would be specialised: pad (the mask hides it)
             tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
+        states = states or []
+        assert (batch.decode_state_slots is not None) == bool(states), "state slots and states go together"
         args = (batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens,
-                kv_caches, batch.block_size)
-        key = min(batch.num_decode, BATCHED)
+                batch.decode_state_slots, kv_caches, states, batch.block_size)
+        out = self._run(args, min(batch.num_decode, BATCHED))
+        if out is not None and batch.decode_state_taps:
+            for layer in states:
+                tap_decode_rows(layer, batch.decode_state_slots, batch.decode_state_taps)
+        return out
+
+    def _run(self, args: tuple, key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         step = self._steps.get(key)
         if step is not None:
             with torch.inference_mode():  # as when compiled: no guard would catch a grad-mode call
@@ -157,27 +177,33 @@ class DecodeGraphs:
             torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
             if batched:
                 for t in step_args[:_STEP_INPUTS]:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                    if t is not None:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
 
         compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False,
                                  options=self._batched_options if batched else self._options)
         hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
+        rewind = _state_rewinder(args)
         try:
             mark(args)
             out = compiled(self, *args)
             if batched:  # row 0 again: its K/V written again to its slot (equal up to rounding)
                 with torch.inference_mode(args[0].is_inference()):  # tensors of the same kind (a guard)
-                    more = tuple(torch.cat([t, t[:1]]) for t in args[:_STEP_INPUTS])
+                    more = tuple(None if t is None else torch.cat([t, t[:1]]) for t in args[:_STEP_INPUTS])
                 made = len(captured)
                 mark(more)
+                rewind()
                 compiled(self, *more, *args[_STEP_INPUTS:])
                 if len(captured) > made:
                     raise RuntimeError("the batched graph specialised its batch size")
+                if args[5] is not None:  # row 0's twin advanced its state twice and wrote K/V from it
+                    rewind()
+                    out = compiled(self, *args)
         finally:
             hook.remove()
         if captured and not batched:
             step = FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step")
-            return _direct_call(step, self, args) or step, out
+            return _direct_call(step, self, args, rewind) or step, out
 
         def through_dynamo(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
             mark(step_args)
@@ -185,15 +211,16 @@ class DecodeGraphs:
         return through_dynamo, out
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-              tables: torch.Tensor, context_lens: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              tables: torch.Tensor, context_lens: torch.Tensor, state_slots: torch.Tensor | None,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], states: list[RecurrentLayerState],
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = input_ids.shape[0]
         batch = ForwardBatch(
             seqs=[], input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, write_index=None,
             block_size=block_size, num_decode=n, decode_block_tables=tables, decode_context_lens=context_lens,
-            decode_cascade=None, decode_state_slots=None, decode_state_taps=[], prefills=[],
+            decode_cascade=None, decode_state_slots=state_slots, decode_state_taps=[], prefills=[],
             logits_indices=torch.arange(n, device=input_ids.device), sample_seqs=[])
-        logits = self.model.compute_logits(self.model(batch, kv_caches, None))
+        logits = self.model.compute_logits(self.model(batch, kv_caches, states))
         return logits, logits.argmax(dim=-1)
 
 
@@ -233,17 +260,37 @@ class KernelSourcesKey(CustomGraphPass):
 _KERNEL_SOURCES_KEY = KernelSourcesKey()
 
 
-_STEP_INPUTS = 5  # input_ids, positions, slot_mapping, tables, context_lens: new tensors every step
+# input_ids, positions, slot_mapping, tables, context_lens, state slots (None without recurrent
+# layers): new tensors every step
+_STEP_INPUTS = 6
 
 
-def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs: DecodeGraphs,
-                 args: tuple) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def _state_rewinder(args: tuple) -> Callable[[], None]:
+    """A function that puts the live recurrent states of a step's rows back to what they are
+    now, before the step, so the step can run again as the same step: a K/V write run twice
+    writes the same values, but a run from advanced states would advance them twice and feed
+    the attention layers other inputs. A no-op without recurrent layers."""
+    slots, states = args[5], args[7]
+    if slots is None:
+        return lambda: None
+    saved = [(layer.conv.index_select(0, slots), layer.matrix.index_select(0, slots)) for layer in states]
+
+    def rewind() -> None:
+        for layer, (conv, matrix) in zip(states, saved, strict=True):
+            layer.conv.index_copy_(0, slots, conv)
+            layer.matrix.index_copy_(0, slots, matrix)
+    return rewind
+
+
+def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs: DecodeGraphs, args: tuple,
+                 rewind: Callable[[], None]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The compiled step called straight with its flat inputs, without the bytecode Dynamo
     made to gather them (reading every weight through module attributes, every step). One
     recorded run of ``step`` (a decode step run twice writes the same K/V twice) gives the
     flat inputs: each must be one of this step's input tensors, the block tables' width (the
     one symbolic size), or a tensor that lives as long as the engine (the model's parameters
-    and buffers, the K/V caches); the outputs must be the compiled function's own. Anything
+    and buffers, the K/V caches, the recurrent states); the outputs must be the compiled
+    function's own. Anything
     else (another torch's bytecode, a graph that takes other values) returns None and
     ``step`` stays."""
     names = [n for n in step.__code__.co_names if n.startswith("__compiled_fn")]
@@ -256,6 +303,7 @@ def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs:
         recorded.append((flat, out))
         return out
 
+    rewind()  # the recorded run is the same step again (``_state_rewinder``)
     with torch.inference_mode():
         result = FunctionType(step.__code__, {**step.__globals__, names[0]: record}, "_step")(graphs, *args)
     if len(recorded) != 1 or not isinstance(result, tuple) or not isinstance(recorded[0][1], list | tuple):
@@ -263,7 +311,8 @@ def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs:
     flat, outputs = recorded[0]
     inputs, width = args[:_STEP_INPUTS], args[3].shape[1]
     lasting = {id(t) for t in (*graphs.model.parameters(), *graphs.model.buffers())}
-    lasting.update(id(t) for pair in args[5] for t in pair)
+    lasting.update(id(t) for pair in args[6] for t in pair)
+    lasting.update(id(t) for layer in args[7] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))
     slots: list[tuple[int, int]] = []  # (position in flat, index in inputs; -1: the tables' width)
     for i, value in enumerate(flat):
         which = next((j for j, t in enumerate(inputs) if value is t), None)

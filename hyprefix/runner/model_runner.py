@@ -94,8 +94,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, device, eos_token_ids, logprobs_mode=logprobs_mode)
         self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
         model.kernels = Kernels(compile_enabled)
-        # Compiled decode steps: models without recurrent layers (those decode eagerly), unless
-        # the model runs its decode steps in one kernel call of its own (``decode_logits``).
+        # Compiled decode steps (``CausalLM.decode_graph_capable``), unless the model runs its
+        # decode steps in one kernel call of its own (``decode_logits``).
         self.decode_graphs = DecodeGraphs(model) \
             if compile_enabled and model.decode_graph_capable and not model.decode_kernel else None
         # One context entered each step: the decorator form builds a new one every call.
@@ -139,7 +139,7 @@ class ModelRunner:
         one row and one of two (the compiled decode graphs), so they compile now rather than
         inside the first requests (which would hold every client).
         It writes K/V into the first blocks (twice as many for the batched graph) and live
-        state slot 0, which nothing reads before its owner writes them. Returns whether it ran."""
+        state slots 0 and 1, which nothing reads before their owners write them. Returns whether it ran."""
         tokens = COMPILE_MIN_TOKENS
         num_blocks = -(-(tokens + 1) // self.block_size)  # room for one decode token after the prompt
         if not self.kernels.compile_enabled or any(k.shape[0] < num_blocks for k, _ in self.kv_caches):
@@ -155,12 +155,16 @@ class ModelRunner:
         if self.decode_graphs is not None and not self.has_window_pool:
             # and the compiled decode steps, which the first requests' decodes would compile: batch
             # 1, then the batched graph with two rows on blocks of their own (rows on the same
-            # blocks would share a prefix, which a cascade plan reads eagerly)
+            # blocks would share a prefix, which a cascade plan reads eagerly) and, with recurrent
+            # layers, live state slots of their own
             room = min(k.shape[0] for k, _ in self.kv_caches) // num_blocks
+            if live:
+                room = min(room, self.recurrent_states[0].conv.shape[0])
             for rows in (1, 2) if self.decode_graphs.batched and room >= 2 else (1,):
                 names = [f"warmup{i}" if i else "warmup" for i in range(rows)]
                 steps = [ScheduledSeq(name, [0], tokens, list(range(i * num_blocks, (i + 1) * num_blocks)),
-                                      sample=True, params=seq.params) for i, name in enumerate(names)]
+                                      sample=True, params=seq.params, state_slot=i if live else -1)
+                         for i, name in enumerate(names)]
                 self.execute(SchedulerOutput(steps, rows))
         self.sampler.forget(names)
         return True
@@ -195,7 +199,7 @@ class ModelRunner:
         whole = self.model.decode_logits(batch, self.kv_caches)
         path = "kernel" if self.model.takes_decode_kernel(batch) else "eager"  # decode_logits' own condition
         if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
-            whole = self.decode_graphs.logits(batch, self.kv_caches)
+            whole = self.decode_graphs.logits(batch, self.kv_caches, self.recurrent_states)
             path = "graph" if whole is not None else path
         if not batch.prefills and batch.num_decode:
             self.decode_steps[path] += 1

@@ -51,7 +51,7 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
     prompts = random_prompts(LENGTHS, seed=4)
     ran = []
     original = graphs.logits
-    graphs.logits = lambda batch, kv: ran.append(batch.num_decode) or original(batch, kv)
+    graphs.logits = lambda batch, kv, states: ran.append(batch.num_decode) or original(batch, kv, states)
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]  # batch 1
     outs_batched = llm.generate(prompts, GREEDY, use_tqdm=False)  # batches 5 .. 1 as prompts finish
     for p, one, batched in zip(prompts, outs, outs_batched, strict=True):
@@ -64,6 +64,57 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
     assert graphs.enabled and graphs.compiled_sizes == {1, BATCHED}
     assert _graph_count() - before <= 2  # two graphs for every context length (none if an earlier test made them)
     llm.check_invariants()
+
+
+@pytest.mark.batched_graphs
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+def test_hybrids_decode_through_compiled_steps(hybrid_models, arch):
+    """Models with recurrent layers (Mamba2, Gated DeltaNet) decode through the graphs, whose
+    fused recurrent ops advance the live states in place: batch 1, then batches 5 .. 1 (the
+    batched graph compiles inside the first batched step, which runs the step twice more and
+    must leave the states one step on), equal to transformers' greedy tokens. Checkpoints
+    tapped during graph steps (decodes crossing block boundaries) serve the prefix hits of
+    prompts that extend those outputs, with transformers' tokens again."""
+    path, hf = hybrid_models[arch]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=16)
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.batched and graphs.compiled_sizes == set()
+    prompts = random_prompts(LENGTHS, seed=4)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert graphs.compiled_sizes == {1}
+    llm.reset_prefix_cache()
+    outs_batched = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert graphs.enabled and graphs.compiled_sizes == {1, BATCHED}
+    for p, one, batched in zip(prompts, outs, outs_batched, strict=True):
+        expected = hf_greedy(hf, p, GREEDY.max_tokens)
+        assert one.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batch 1)"
+        assert batched.outputs[0].token_ids == expected, f"{arch} len {len(p)} (batched)"
+    # every decode step: batch 1, then the batched run (the batch-1 prompt's first step decodes)
+    assert runner.decode_steps["eager"] == 0
+    assert runner.decode_steps["graph"] >= (len(prompts) + 1) * (GREEDY.max_tokens - 1)
+    longer = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+    again = llm.generate(longer, GREEDY, use_tqdm=False)
+    # Prompts of 15 and 40 tokens then 12 decodes: their hits end at checkpoints that decode
+    # steps tapped, crossing the block boundaries at 16 and 48.
+    cached = [o.num_cached_tokens for o in again]
+    assert cached[1] == 16 and cached[4] == 48, cached
+    for p, o in zip(longer, again, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens), f"{arch} len {len(p)} (hit)"
+    llm.check_invariants()
+
+
+def test_moe_hybrids_decode_eagerly(hybrid_models):
+    """A hybrid with MoE layers (Qwen3-Next: its routing sizes the experts' groups from the data,
+    which a graph cannot hold) gets no compiled decode graphs; its decode steps run eagerly, with
+    transformers' tokens."""
+    path, hf = hybrid_models["qwen3_next"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
+    runner = llm.engine.runner
+    assert not runner.model.decode_graph_capable and runner.decode_graphs is None
+    prompt = random_prompts((20,), seed=6)[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    assert runner.decode_steps["graph"] == 0 and runner.decode_steps["eager"] == GREEDY.max_tokens - 1
 
 
 def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None,
@@ -327,42 +378,48 @@ def _fake_step(body: str):
         return [flat[1] * 2, flat[-1] + flat[1].sum()]
 
     scope = {"__compiled_fn_1": compiled, "torch": torch}
-    exec(f"def _step(self, ids, pos, slots, tables, lens, kv, block_size):\n    {body}", scope)
+    exec(f"def _step(self, ids, pos, slots, tables, lens, state_slots, kv, states, block_size):\n    {body}", scope)
     return scope["_step"], calls
 
 
 def test_direct_call_takes_only_what_it_can_replay():
     """``_direct_call`` replays the recorded flat inputs with this step's tensors and the
-    tables' width swapped in; a step whose inputs include anything else (here a tensor made
-    in the bytecode) keeps its bytecode."""
+    tables' width swapped in (a recurrent layer's state tensors, lasting, are replayed as they
+    are); the recorded run comes after the step's states are rewound. A step whose inputs include
+    anything else (here a tensor made in the bytecode) keeps its bytecode."""
     from types import SimpleNamespace
 
+    from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState
     from hyprefix.runner.decode_graph import _direct_call
 
     graphs = SimpleNamespace(model=torch.nn.Linear(4, 4))
     kv = [(torch.zeros(2, 3), torch.zeros(2, 3))]
+    states = [RecurrentLayerState.allocate(LayerStateShape(4, 3, (2, 2)), 2, 1, torch.float32, torch.device("cpu"))]
+    rewinds = []
 
     def args(width: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         return (torch.randint(0, 9, (1,), generator=g), torch.randn(1, generator=g), torch.tensor([3]),
-                torch.zeros(1, width, dtype=torch.long), torch.tensor([5]), kv, 16)
+                torch.zeros(1, width, dtype=torch.long), torch.tensor([5]), torch.tensor([1]), kv, states, 16)
 
-    step, calls = _fake_step("out = __compiled_fn_1(self.model.weight, pos, kv[0][1], tables, tables.shape[1])\n"
+    step, calls = _fake_step("out = __compiled_fn_1(self.model.weight, pos, kv[0][1], tables, states[0].matrix, "
+                             "state_slots, tables.shape[1])\n"
                              "    return out[0], out[1]")
-    direct = _direct_call(step, graphs, args(2, 0))
-    assert direct is not None and len(calls) == 1
+    direct = _direct_call(step, graphs, args(2, 0), lambda: rewinds.append(len(calls)))
+    assert direct is not None and len(calls) == 1 and rewinds == [0]
     for width, seed in ((5, 1), (9, 2)):
         a = args(width, seed)
         got = direct(graphs, *a)
         assert calls[-1][0] is graphs.model.weight and calls[-1][1] is a[1] and calls[-1][2] is kv[0][1]
-        assert calls[-1][3] is a[3] and calls[-1][4] == width
+        assert calls[-1][3] is a[3] and calls[-1][4] is states[0].matrix and calls[-1][5] is a[5]
+        assert calls[-1][6] == width
         assert torch.equal(got[0], a[1] * 2) and got[1] == width + a[1].sum()
     made, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos * 1, tables.shape[1])\n"
                          "    return out[0], out[1]")
-    assert _direct_call(made, graphs, args(2, 0)) is None
+    assert _direct_call(made, graphs, args(2, 0), lambda: None) is None
     unmapped, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos, tables.shape[1])\n"
                              "    return out[0], out[1] + 1")
-    assert _direct_call(unmapped, graphs, args(2, 0)) is None  # an output the function did not return
+    assert _direct_call(unmapped, graphs, args(2, 0), lambda: None) is None  # an output the function did not return
 
 
 def test_inductor_cache_key_follows_the_kernel_sources(tmp_path, monkeypatch, tiny_models):
