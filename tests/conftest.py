@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hyprefix.models.base import CausalLM
 from hyprefix.runner.decode_graph import DecodeGraphs
 from tests.support.models import ARCHS, HYBRID_ARCHS, build_tiny_model
 
@@ -19,6 +20,15 @@ def _batched_decode_graphs(request, monkeypatch):
     cover it); every other test's batched decode steps run eagerly, as on devices without it."""
     if request.node.get_closest_marker("batched_graphs") is None:
         monkeypatch.setattr(DecodeGraphs, "batched_by_default", False)
+
+
+@pytest.fixture(autouse=True)
+def _hybrid_decode_graphs(request, monkeypatch):
+    """Models with recurrent layers compile their decode steps only in tests marked
+    ``hybrid_graphs`` (each hybrid shape costs a cold compile of its own); every other test's
+    hybrids decode eagerly, as under ``--enforce-eager`` or on devices without the fused ops."""
+    if request.node.get_closest_marker("hybrid_graphs") is None:
+        monkeypatch.setattr(CausalLM, "recurrent_decode_graphs", False)
 
 
 @pytest.fixture(scope="session")

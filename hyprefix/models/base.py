@@ -161,6 +161,11 @@ class CausalLM(nn.Module):
         ``forward`` and ``compute_logits``."""
         return None
 
+    # Whether models with recurrent layers compile their decode steps where they can (a seam for
+    # the test suite, where each hybrid shape would cost a cold compile; the tests of the hybrid
+    # graphs turn it on).
+    recurrent_decode_graphs = True
+
     @property
     def decode_graph_capable(self) -> bool:
         """Whether the runner compiles this model's decode steps (``runner/decode_graph.py``).
@@ -170,7 +175,7 @@ class CausalLM(nn.Module):
         keeps plain weights (or bf16 tiles) for it."""
         if self.state_layout is None:
             return True
-        return self.embed.weight.device.type == "cpu" and recurrent_decode.available()
+        return self.recurrent_decode_graphs and self.embed.weight.device.type == "cpu" and recurrent_decode.available()
 
     def pack_weights(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add prepacked oneDNN weights to the linears where the device allows it (CPU). A

@@ -108,6 +108,7 @@ def test_greedy_identical_with_drafts_gemma3_window_pool(gemma3_model, monkeypat
     assert llm.get_stats()["swa_blocks_total"] > 0  # the sliding layers' own pool was in play
 
 
+@pytest.mark.hybrid_graphs  # plain decode steps through the compiled graphs, verifications eager
 @pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
 def test_greedy_identical_with_drafts_hybrids(hybrid_models, monkeypatch, arch):
     """Mamba2 and Gated DeltaNet: the state after the last accepted token comes from the scratch

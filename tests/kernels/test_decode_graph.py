@@ -67,6 +67,7 @@ def test_greedy_through_compiled_steps_matches_transformers(tiny_models, arch):
 
 
 @pytest.mark.batched_graphs
+@pytest.mark.hybrid_graphs
 @pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
 def test_hybrids_decode_through_compiled_steps(hybrid_models, arch):
     """Models with recurrent layers (Mamba2, Gated DeltaNet) decode through the graphs, whose
@@ -104,6 +105,21 @@ def test_hybrids_decode_through_compiled_steps(hybrid_models, arch):
     llm.check_invariants()
 
 
+@pytest.mark.hybrid_graphs
+@pytest.mark.parametrize("arch", ["bamba", "mamba2"])
+def test_other_mamba2_models_decode_through_the_batch_1_graph(hybrid_models, arch):
+    """Bamba (attention with partial rotary, gated MLPs) and pure Mamba2 (a float32 residual
+    stream) through the batch-1 graph: transformers' greedy tokens, every decode step compiled."""
+    path, hf = hybrid_models[arch]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
+    runner = llm.engine.runner
+    for prompt in random_prompts((3, 18), seed=7):
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+            hf_greedy(hf, prompt, GREEDY.max_tokens), f"{arch} len {len(prompt)}"
+    assert runner.decode_steps == {"kernel": 0, "graph": 2 * (GREEDY.max_tokens - 1), "eager": 0}
+
+
+@pytest.mark.hybrid_graphs
 def test_moe_hybrids_decode_eagerly(hybrid_models):
     """A hybrid with MoE layers (Qwen3-Next: its routing sizes the experts' groups from the data,
     which a graph cannot hold) gets no compiled decode graphs; its decode steps run eagerly, with
