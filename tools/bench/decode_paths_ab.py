@@ -22,10 +22,12 @@ import threading
 import time
 
 
-def offline_round(engine, prompts: list[list[int]], tokens: int, params_cls) -> tuple[float, list[list[int]]]:
+def offline_round(engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from hyprefix import SamplingParams
+
     for i, prompt in enumerate(prompts):
         engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt,
-                           params_cls(temperature=0, max_tokens=tokens, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     steps, outputs = [], {}
     counts = engine.runner.decode_steps  # decode-only steps by path: a step that adds one is timed
     while engine.has_unfinished():
@@ -81,7 +83,7 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     same = 0
     if args.model:
-        from hyprefix import LLM, SamplingParams
+        from hyprefix import LLM
 
         arms = {"graphs": LLM(args.model, dtype=args.dtype, log_stats_interval=0),
                 "eager": LLM(args.model, dtype=args.dtype, log_stats_interval=0, enforce_eager=True)}
@@ -95,7 +97,7 @@ def main() -> None:
         tokens = {}
         for name in order:
             if args.model:
-                step, tokens[name] = offline_round(arms[name].engine, prompts, args.output_len, SamplingParams)
+                step, tokens[name] = offline_round(arms[name].engine, prompts, args.output_len)
             else:
                 step = served_round(arms[name], args.served_model, prompts, args.output_len)
             times.setdefault(name, []).append(step)
