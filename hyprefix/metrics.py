@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -197,6 +197,10 @@ class RouterMetrics:
         self.matched_blocks = Counter(
             "hyprefix:router_matched_blocks", "Blocks of the routed requests that their replica held when "
             "routed (from its KV events).", ["replica"], registry=self.registry)
+        self.running = Gauge(
+            "hyprefix:router_requests_running", "Requests this process's routers count against a replica: "
+            "chosen or routed there and not ended (the load the least-loaded rule weighs).", ["replica"],
+            registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

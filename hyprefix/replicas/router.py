@@ -13,14 +13,16 @@ so it reaches its metrics through the module ``hyprefix.metrics``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections import Counter as Tally
+from collections.abc import Iterator
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from hyprefix import metrics
+from hyprefix.routing.assignments import Assignments
 from hyprefix.routing.policy import PrefixRouter, RoutingRule
 from hyprefix.routing.request_key import RoutingKey
 from hyprefix.routing.subscriber import EventSubscriber, ReplicaEndpoints
@@ -37,9 +39,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.policy = PrefixRouter(RoutingRule(balance_abs, balance_rel, min_match))
         self._subscriber: EventSubscriber | None = None
         self._subscribed: set[str] = set()
-        self._loads: Tally[str] = Tally()
-        self._assigned: dict[str, str] = {}  # internal request id -> replica (chosen or routed to)
-        self._unrouted: dict[str, tuple[float, str]] = {}  # chosen, not yet routed: id -> (when, reason)
+        self.assignments = Assignments(self.policy)  # under self._lock: the subscriber thread reads the policy
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -65,12 +65,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         key = _key(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         with self._lock:
-            decision = self.policy.choose(key.hashes, {r: self._loads[r] for r in by_id}, key.block_aligned)
-        if pending_request is not None:
-            request = pending_request.metadata.internal_request_id
-            self._forget_stale_choices()
-            self._unrouted[request] = (time.monotonic(), decision.reason)
-            self._assign(request, decision.ranking[0], key.hashes)
+            decision = self.policy.choose(key.hashes, {r: self.assignments.loads[r] for r in by_id},
+                                          key.block_aligned)
+            if pending_request is not None:
+                now = time.monotonic()
+                request = pending_request.metadata.internal_request_id
+                with self._counting():
+                    self.assignments.forget_stale(now - _UNROUTED_TTL_S)
+                    self.assignments.chosen(request, decision.ranking[0], key.hashes, decision.reason, now)
         return [[by_id[r]] for r in decision.ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -78,40 +80,27 @@ class PrefixAwareRequestRouter(RequestRouter):
         key = _key(pending_request)
         with self._lock:
             matched = self.policy.replica(replica).index.cached_blocks(key.hashes)
-        self._assign(request, replica, key.hashes)
-        _, reason = self._unrouted.pop(request, (0.0, "least-loaded"))
+            with self._counting():
+                reason = self.assignments.routed(request, replica, key.hashes)
         if ROUTING_KWARG in pending_request.kwargs:  # a generation call, not a control one (describe)
             metrics.ROUTER_METRICS.requests.labels(reason, replica).inc()
             metrics.ROUTER_METRICS.matched_blocks.labels(replica).inc(matched)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._unassign(internal_request_id)
+        """Also called for an attempt the replica rejected (Ray chooses again for the retry)."""
+        with self._lock, self._counting():
+            self.assignments.completed(internal_request_id)
 
-    def _assign(self, request: str, replica: str, hashes: tuple[bytes, ...]) -> None:
-        if self._assigned.get(request) == replica:
-            return
-        self._unassign(request)
-        self._assigned[request] = replica
-        self._loads[replica] += 1
-        with self._lock:
-            self.policy.routed(replica, request, hashes)
-
-    def _unassign(self, request: str) -> None:
-        replica = self._assigned.pop(request, None)
-        if replica is None:
-            return
-        self._loads[replica] -= 1
-        with self._lock:
-            self.policy.finished(replica, request)
-
-    def _forget_stale_choices(self) -> None:
-        """Requests chosen long ago and never routed were cancelled while queued."""
-        cutoff = time.monotonic() - _UNROUTED_TTL_S
-        for request, (when, _) in list(self._unrouted.items()):
-            if when >= cutoff:
-                break
-            del self._unrouted[request]
-            self._unassign(request)
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Carries the change in each replica's load to the running gauge (additive: a
+        process can hold several routers)."""
+        before = dict(self.assignments.loads)
+        yield
+        after = self.assignments.loads
+        for replica in before.keys() | after.keys():
+            if delta := after.get(replica, 0) - before.get(replica, 0):
+                metrics.ROUTER_METRICS.running.labels(replica).inc(delta)
 
 
 def _key(pending_request: PendingRequest | None) -> RoutingKey:

@@ -121,6 +121,17 @@ def test_repeats_of_a_prefix_land_where_it_is_cached_and_new_ones_spread(cluster
     routed = per_replica(after, "hyprefix:router_requests_total", reason="prefix")
     assert sum(routed.values()) - sum(per_replica(before, "hyprefix:router_requests_total", reason="prefix").values()) \
         == 4
+    assert_the_router_counts_nothing_running(client)
+
+
+def assert_the_router_counts_nothing_running(client) -> None:
+    """Every request the router chose has ended, so no replica's load stays counted
+    (a leaked count would keep the least-loaded rule off that replica for good). Ray
+    reports an end on the ingress's event loop just after the response."""
+    deadline = time.monotonic() + 10
+    while any(per_replica(samples(client), "hyprefix:router_requests_running").values()):
+        assert time.monotonic() < deadline, per_replica(samples(client), "hyprefix:router_requests_running")
+        time.sleep(0.1)
 
 
 def test_a_burst_on_a_new_prefix_follows_its_first_request(cluster):
@@ -138,6 +149,7 @@ def test_a_burst_on_a_new_prefix_follows_its_first_request(cluster):
     after = per_replica(samples(client), "hyprefix:prompt_tokens_total")
     grown = {r: after[r] - before.get(r, 0.0) for r in after if after[r] > before.get(r, 0.0)}
     assert len(grown) == 1 and sum(grown.values()) == 6 * (8 * BLOCK + 1)
+    assert_the_router_counts_nothing_running(client)
 
 
 def test_greedy_tokens_and_streams_match_one_engine(cluster):
@@ -227,6 +239,7 @@ def test_a_client_that_leaves_aborts_its_request_on_the_replica(cluster):
     while aborted_and_running() != (aborted + 2, 0) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert aborted_and_running() == (aborted + 2, 0)
+    assert_the_router_counts_nothing_running(client)
 
 
 def test_reset_reaches_every_replica_and_the_router(cluster):
