@@ -28,6 +28,7 @@ def _builders() -> dict[str, Callable[[], object]]:
 
     from hyprefix.kernels import (
         bf16_linear,
+        decay_scores,
         decode_attention,
         decode_layers,
         int8_linear,
@@ -48,6 +49,7 @@ def _builders() -> dict[str, Callable[[], object]]:
         "quant_linear": quant_linear.available,
         "decode_layers": decode_layers.available,
         "recurrent_decode": recurrent_decode.available,
+        "decay_scores": decay_scores.available,
     }
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import recurrent_decode
+from hyprefix.kernels.decay_scores import decay_scores
 from hyprefix.models.layers import Linear
 from hyprefix.models.recurrent_state import (
     LayerStateShape,
@@ -200,13 +201,10 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         qs, ks, vs = (x[:, start:end] for x in (q_all, k_all, v_all))  # [H, Q, *]
         bs = beta_all[:, start:end]  # [H, Q]
         cs = torch.cumsum(g_all[:, start:end], dim=-1)  # [H, Q]
-        span = end - start
-        causal = torch.ones(span, span, dtype=torch.bool, device=q.device).tril()
-        decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q, Q]
-        lower = (bs[:, :, None] * (ks @ ks.transpose(1, 2)) * decay).tril(-1)
+        lower = decay_scores(cs, ks @ ks.transpose(1, 2), bs, strict=True)  # beta_t (G_t / G_j) k_t . k_j, j < t
         rhs = bs[:, :, None] * vs - ((bs * torch.exp(cs))[:, :, None] * ks) @ h
         u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [H, Q, V]
-        out = (qs * torch.exp(cs)[:, :, None]) @ h + ((qs @ ks.transpose(1, 2)) * decay) @ u
+        out = (qs * torch.exp(cs)[:, :, None]) @ h + decay_scores(cs, qs @ ks.transpose(1, 2)) @ u
         o[:, start:end] = out
         to_end = torch.exp(cs[:, -1:] - cs)  # [H, Q]
         h = h * torch.exp(cs[:, -1])[:, None, None] + (ks * to_end[:, :, None]).transpose(1, 2) @ u

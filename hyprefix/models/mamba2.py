@@ -21,6 +21,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import recurrent_decode
+from hyprefix.kernels.decay_scores import decay_scores
 from hyprefix.models.layers import Linear
 from hyprefix.models.recurrent_state import (
     LayerStateShape,
@@ -196,12 +197,10 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         end = min(start + chunk, n, *(c for c in cut_set if c > start))
         q = end - start
         cs = torch.cumsum(a[:, start:end], dim=-1)  # [H, Q]
-        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))  # [H, Q(t), Q(s)]
         b, c, xs = b_all[:, start:end], c_all[:, start:end], xdt[:, start:end]
-        scores = decay.view(groups, rep, q, q) * (c @ b.transpose(1, 2))[:, None]  # C_t . B_s per group
+        scores = decay_scores(cs, c @ b.transpose(1, 2))  # exp(cs_t - cs_s) C_t . B_s, s <= t
         from_state = (c @ h.view(groups, rep * p, size).transpose(1, 2)).view(groups, q, rep, p)
-        y[:, start:end] = (scores.view(heads, q, q) @ xs
+        y[:, start:end] = (scores @ xs
                            + from_state.transpose(1, 2).reshape(heads, q, p) * torch.exp(cs)[:, :, None])
         to_end = (xs * torch.exp(cs[:, -1:] - cs)[:, :, None]).transpose(1, 2).reshape(groups, rep * p, q)
         h = h * torch.exp(cs[:, -1])[:, None, None] + (to_end @ b).view(heads, p, size)
