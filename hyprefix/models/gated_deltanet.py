@@ -33,6 +33,7 @@ from hyprefix.models.recurrent_state import (
     RecurrentLayerState,
     conv_decode,
     conv_prefill,
+    silu_heads,
     tap_decode_rows,
 )
 
@@ -123,15 +124,17 @@ class GatedDeltaNet(nn.Module):
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs [n, conv_dim] -> q, k [n, v_heads, k_dim] (normalised, q scaled)
-        and v [n, v_heads, v_dim], float32."""
+        and v [n, v_heads, v_dim], float32: views of head-major [heads, n, dim] tensors, the
+        layout the chunked scan reads (a prefill's conv output is channel-major, so this costs
+        one pass per part, and the normalisation reduces over contiguous memory)."""
         d = self.d
-        q, k, v = F.silu(conv_out.float()).split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
-        n, rep = q.shape[0], d.v_heads // d.k_heads
-        q = _l2norm(q.view(n, d.k_heads, d.k_dim)) * d.k_dim ** -0.5
-        k = _l2norm(k.view(n, d.k_heads, d.k_dim))
+        rep = d.v_heads // d.k_heads
+        q, k, v = conv_out.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        q = _l2norm(silu_heads(q, d.k_heads)) * d.k_dim ** -0.5
+        k = _l2norm(silu_heads(k, d.k_heads))
         if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        return q, k, v.reshape(n, d.v_heads, d.v_dim)
+            q, k = q.repeat_interleave(rep, dim=0), k.repeat_interleave(rep, dim=0)
+        return q.transpose(0, 1), k.transpose(0, 1), silu_heads(v, d.v_heads).transpose(0, 1)
 
     def _decode(self, qkv, g, beta, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
         slots, slot_range = batch.decode_state_slots, batch.decode_state_range

@@ -28,6 +28,7 @@ from hyprefix.models.recurrent_state import (
     RecurrentLayerState,
     conv_decode,
     conv_prefill,
+    silu_heads,
     tap_decode_rows,
 )
 
@@ -94,7 +95,8 @@ class Mamba2Mixer(nn.Module):
             y[:n_dec], xs[:n_dec] = self._decode(xbc[:n_dec], dt[:n_dec], A, batch, state)
         for span in batch.prefills:
             sl = span.token_slice
-            y[sl], xs[sl] = self._prefill(xbc[sl], dt[sl], A, span.state_slot, span.state_taps, state)
+            y[sl], xs[sl].view(-1, d.heads, d.head_dim)[:] = self._prefill(xbc[sl], dt[sl], A, span.state_slot,
+                                                                           span.state_taps, state)
         y = y + self.D.float()[:, None] * xs.view_as(y)
         out = self._gated_norm(y.view(t, d.inner), z).to(x.dtype)
         if fused:
@@ -117,16 +119,14 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return dt.clamp(min=self.d.dt_min, max=self.d.dt_max)
 
-    def _split_xbc(self, xbc: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv outputs -> x [n, inner], B and C [n, heads, state] (``per_head``) or [n, groups, state], float32."""
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs -> x [n, inner], B and C [n, heads, state] (each head its group's), float32."""
         d = self.d
         gn = d.groups * d.state
         xv, B, C = xbc.split([d.inner, gn, gn], dim=-1)
-        B = B.float().view(-1, d.groups, d.state)
-        C = C.float().view(-1, d.groups, d.state)
-        if per_head:
-            rep = d.heads // d.groups
-            B, C = B.repeat_interleave(rep, dim=1), C.repeat_interleave(rep, dim=1)
+        rep = d.heads // d.groups
+        B = B.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
+        C = C.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
         return xv.float(), B, C
 
     def _decode(self, xbc, dt, A, batch: ForwardBatch, state: RecurrentLayerState):
@@ -151,11 +151,14 @@ class Mamba2Mixer(nn.Module):
     def _prefill(self, xbc, dt, A, slot: int, taps: list[tuple[int, int]], state: RecurrentLayerState):
         d = self.d
         k1 = d.conv_kernel - 1
-        n = xbc.shape[0]
         conv, inputs = conv_prefill(state, slot, xbc, self.conv1d_weight, self.conv1d_bias)
-        xv, B, C = self._split_xbc(F.silu(conv), per_head=False)
-        y, h, tapped = ssd_scan(xv.view(n, d.heads, d.head_dim), self._dt(dt), A, B, C,
-                                state.prefill_matrix(slot), d.chunk, [offset for offset, _ in taps])
+        gn = d.groups * d.state
+        xv, B, C = conv.split([d.inner, gn, gn], dim=-1)
+        # Head-major ([heads, n, dim]) as the scan reads them: its transposes become views.
+        xv = silu_heads(xv, d.heads).transpose(0, 1)
+        B, C = silu_heads(B, d.groups).transpose(0, 1), silu_heads(C, d.groups).transpose(0, 1)
+        y, h, tapped = ssd_scan(xv, self._dt(dt), A, B, C, state.prefill_matrix(slot), d.chunk,
+                                [offset for offset, _ in taps])
         state.matrix[slot].copy_(h)
         for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
             state.tap(ckpt, inputs[:, offset:offset + k1], h_at)

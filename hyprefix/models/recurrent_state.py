@@ -127,6 +127,16 @@ def conv_prefill(state: RecurrentLayerState, slot: int, x: torch.Tensor, weight:
     return out.t(), inputs
 
 
+def silu_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """SiLU of ``x`` [n, heads * dim] (any strides) as a new head-major float32 [heads, n, dim]
+    tensor: the layout the chunked scans read, made in one pass from a prefill's channel-major
+    conv output, so later reductions over ``dim`` read contiguous memory."""
+    n = x.shape[0]
+    out = torch.empty(heads, n, x.shape[1] // heads, dtype=torch.float32, device=x.device)
+    out.copy_(x.view(n, heads, -1).transpose(0, 1))
+    return F.silu(out, inplace=True)
+
+
 def conv_decode(state: RecurrentLayerState, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``x`` [m, C] for the live ``slots``; advances their conv
