@@ -41,8 +41,12 @@ def cluster(tiny_models):
     path = str(tiny_models["llama"][0])
     args = EngineArgs(model=path, dtype="float32", num_kv_blocks=256, enforce_eager=True)
     port = free_port()
+    # Ray sends a request to the next replica of the router's ranking when the first does not
+    # answer its queue-length probe within 0.1 s, which a loaded 2-core runner can miss: these
+    # tests check the ranking, so the probe gets 1 s.
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**28, configure_logging=False,
-             _node_ip_address="127.0.0.1")
+             _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         server = ServerArgs(replicas=2, replica_cpus=1, served_model_name=[MODEL_NAME])
