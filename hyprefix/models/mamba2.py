@@ -119,11 +119,15 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return dt.clamp(min=self.d.dt_min, max=self.d.dt_max)
 
+    def _xbc_parts(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv inputs or outputs [n, conv_dim] -> views x [n, inner], B and C [n, groups * state]."""
+        gn = self.d.groups * self.d.state
+        return xbc.split([self.d.inner, gn, gn], dim=-1)
+
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs -> x [n, inner], B and C [n, heads, state] (each head its group's), float32."""
         d = self.d
-        gn = d.groups * d.state
-        xv, B, C = xbc.split([d.inner, gn, gn], dim=-1)
+        xv, B, C = self._xbc_parts(xbc)
         rep = d.heads // d.groups
         B = B.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
         C = C.float().view(-1, d.groups, d.state).repeat_interleave(rep, dim=1)
@@ -152,8 +156,7 @@ class Mamba2Mixer(nn.Module):
         d = self.d
         k1 = d.conv_kernel - 1
         conv, inputs = conv_prefill(state, slot, xbc, self.conv1d_weight, self.conv1d_bias)
-        gn = d.groups * d.state
-        xv, B, C = conv.split([d.inner, gn, gn], dim=-1)
+        xv, B, C = self._xbc_parts(conv)
         # Head-major ([heads, n, dim]) as the scan reads them: its transposes become views.
         xv = silu_heads(xv, d.heads).transpose(0, 1)
         B, C = silu_heads(B, d.groups).transpose(0, 1), silu_heads(C, d.groups).transpose(0, 1)
