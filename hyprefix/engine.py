@@ -15,6 +15,7 @@ import torch
 
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.plan import build_cache, plan_pools
+from hyprefix.catalog import DEFAULT_MODEL, default_quantization
 from hyprefix.config import EngineArgs
 from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
 from hyprefix.disk_cache import DiskCache
@@ -97,15 +98,13 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        model_path = args.model
-        if model_path is None:
-            from hyprefix.demo import demo_model_path
-
-            model_path = str(demo_model_path("hybrid"))
+        model_path = args.model or DEFAULT_MODEL
+        # a catalog model runs in the format measured to answer right unless one is asked for
+        self.quantization = args.quantization or default_quantization(model_path)
         t0 = time.perf_counter()
         with gguf_parsed_once():
             loaded = load_model(model_path, args.dtype, self.device, args.max_model_len, args.revision,
-                                quantization=args.quantization, compiled_decode=not args.enforce_eager,
+                                quantization=self.quantization, compiled_decode=not args.enforce_eager,
                                 lm_head_fp32=args.lm_head_fp32, batch_invariant=args.batch_invariant)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
         self._text_decoders = {(True, True): text_decoder(self.tokenizer)}
@@ -215,7 +214,7 @@ class Engine:
             kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, self.dtype, 1),
             state_bytes_per_sequence=self.state_bytes_per_slot,
             decode_weight_bytes=model.decode_weight_bytes(),
-            quantization=self.args.quantization,
+            quantization=self.quantization,
         )
 
     def warmup(self) -> None:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from hyprefix.outputs import DECODE_PATHS, RequestOutput
+from hyprefix.server.status import RecentRequests
 
 # (name, stats key, help)
 _ENGINE_COUNTERS = (
@@ -131,6 +132,7 @@ class ServerMetrics:
         self.queue_time = Histogram("hyprefix:request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=reg)
         reg.register(_EngineStatsCollector(stats, const))
+        self.recent = RecentRequests()  # the status page's last finished requests
         self._generated: dict[str, int] = {}  # request id -> tokens counted so far (engine thread only)
 
     def observe(self, outputs: list[RequestOutput]) -> None:
@@ -145,6 +147,7 @@ class ServerMetrics:
                 self._generated[out.request_id] = total
                 continue
             self._generated.pop(out.request_id, None)
+            self.recent.add(out)
             self.prompt_tokens.labels(*values).inc(len(out.prompt_token_ids))
             for c in out.outputs:
                 self.request_success.labels(*values, c.finish_reason or "abort").inc()

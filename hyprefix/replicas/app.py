@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from hyprefix.catalog import DEFAULT_MODEL
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
@@ -31,7 +32,7 @@ from hyprefix.metrics import ROUTER_METRICS, merge_expositions
 from hyprefix.replicas.router import METADATA_KEY, ROUTING_KWARG
 from hyprefix.routing.policy import RoutingRule
 from hyprefix.routing.request_key import RequestHasher, RoutingKey
-from hyprefix.server.api import DEMO_MODEL_NAME, build_openai_app
+from hyprefix.server.api import build_openai_app
 from hyprefix.server.args import ServerArgs
 from hyprefix.server.backend import Answer, LocalBackend
 from hyprefix.server.protocol import (
@@ -46,6 +47,7 @@ from hyprefix.server.protocol import (
     sse,
 )
 from hyprefix.server.serving import Tokenization, as_api_error, engine_salt, finalize_on_gc
+from hyprefix.server.status import merge_status
 from hyprefix.text import chat_token_ids
 
 log = logging.getLogger("hyprefix.replicas")
@@ -66,7 +68,7 @@ class ReplicasConfig:
 
     @property
     def names(self) -> list[str]:
-        return self.server.model_names or [self.engine.model or DEMO_MODEL_NAME]
+        return self.server.model_names or [self.engine.model or DEFAULT_MODEL]
 
     @property
     def rule(self) -> RoutingRule:
@@ -154,6 +156,9 @@ class EngineReplica:
     async def metrics_text(self) -> bytes:
         return await self.backend.metrics_text()
 
+    async def status(self) -> dict[str, Any]:
+        return await self.backend.status()
+
     async def reset_prefix_cache(self) -> int:
         self._start()
         return await self.backend.reset_prefix_cache()
@@ -236,6 +241,9 @@ class ReplicaSetBackend:
     async def metrics_text(self) -> bytes:
         texts = [t for t in await self._broadcast("metrics_text") if isinstance(t, bytes)]
         return merge_expositions([*texts, ROUTER_METRICS.exposition()])
+
+    async def status(self) -> dict[str, Any]:
+        return merge_status([s for s in await self._broadcast("status") if isinstance(s, dict)])
 
     async def reset_prefix_cache(self) -> int:
         results = await self._broadcast("reset_prefix_cache")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEMO_MODEL_NAME", "build_app", "run_server"]
+__all__ = ["build_app", "run_server"]
 
 
 def __getattr__(name: str) -> Any:

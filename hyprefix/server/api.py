@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.datastructures import Headers
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hyprefix import __version__
 from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadError
+from hyprefix.catalog import DEFAULT_MODEL
 from hyprefix.config import EngineArgs
 from hyprefix.engine import Engine
 from hyprefix.server.args import ServerArgs
@@ -44,10 +45,10 @@ from hyprefix.server.protocol import (
     TokenizeResponse,
 )
 from hyprefix.server.serving import as_api_error
+from hyprefix.server.status import status_page
 
 log = logging.getLogger("hyprefix.server")
 
-DEMO_MODEL_NAME = "hyprefix-demo"
 _PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache", "/tokenize", "/detokenize", *CONTROL_PATHS)
 _TOKENIZE_BODY = ("vLLM's TokenizeCompletionRequest {model?, prompt, add_special_tokens, return_token_strs} or "
                   "TokenizeChatRequest {model?, messages, add_generation_prompt, continue_final_message, "
@@ -64,7 +65,7 @@ def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str
     requests share cached blocks only with requests made with the same key (its
     ``cache_salt`` is bound to the key), so no salt a client guesses reaches another
     tenant's cache. ``chat``: tool-call and reasoning parsing (``ServerArgs.chat``)."""
-    backend = LocalBackend(engine, model_names or [engine.args.model or DEMO_MODEL_NAME], limits, chat=chat)
+    backend = LocalBackend(engine, model_names or [engine.args.model or DEFAULT_MODEL], limits, chat=chat)
     app = build_openai_app(backend, api_key, backend.limits, cache_per_key)
     app.state.async_engine, app.state.metrics = backend.async_engine, backend.metrics
     return app
@@ -107,6 +108,15 @@ def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(status_page())
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        """The status page's data: engine counters and pools, configuration, last requests."""
+        return {**await backend.status(), "api_key_required": bool(keys), "version": __version__}
 
     @app.get("/v1/models", responses=protected)
     async def models() -> dict[str, Any]:
@@ -343,7 +353,7 @@ def run_server(args: EngineArgs, server: ServerArgs | None = None, log_level: st
     engine = Engine(args)
     engine.warmup()
     app = build_app(engine, server.model_names, server.api_keys, server.limits, server.cache_per_key, server.chat)
-    names = ", ".join(server.model_names or [args.model or DEMO_MODEL_NAME])
+    names = ", ".join(server.model_names or [args.model or DEFAULT_MODEL])
     log.info("serving %s on http://%s:%d (API key %s)", names, server.host, server.port,
              "required" if server.api_key else "off")
     config = uvicorn.Config(app, host=server.host, port=server.port, access_log=server.access_log,

@@ -36,7 +36,7 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     served_model_name: tuple[str, ...] | None = _opt(
-        None, "model name(s) clients use (default: --model, or hyprefix-demo)", nargs="+", metavar="NAME")
+        None, "model name(s) clients use (default: --model, or smollm2-135m-instruct)", nargs="+", metavar="NAME")
     api_key: tuple[str, ...] | None = _opt(
         None, f"require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: ${API_KEY_ENV}, "
               "comma-separated)", nargs="+", metavar="KEY")

@@ -4,6 +4,7 @@ in this process (``hyprefix serve``). ``hyprefix.replicas`` has the Ray Serve on
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from hyprefix.server.protocol import (
     TokenizeResponse,
 )
 from hyprefix.server.serving import OpenAIServing, Tokenization, request_error
+from hyprefix.server.status import engine_status
 
 # A generation endpoint answers a response (a pydantic model or its dict) or, for a
 # stream, an iterator of SSE events; client errors raise ``APIError``.
@@ -41,6 +43,9 @@ class ServingBackend(Protocol):
         """"ok", or why not ("dead", "stopping", ...): the app answers 503 then."""
 
     async def metrics_text(self) -> bytes: ...
+
+    async def status(self) -> dict[str, Any]:
+        """``/status``: the engine's stats, configuration and last requests (``server/status.py``)."""
 
     async def reset_prefix_cache(self) -> int: ...
 
@@ -74,6 +79,8 @@ class LocalBackend:
     def __init__(self, engine: Engine, model_names: list[str], limits: ServerLimits | None = None,
                  replica: str | None = None, chat: ChatOptions | None = None) -> None:
         self.engine = engine
+        self.replica = replica
+        self.started_at = time.time()
         self.model_names = model_names
         self.max_model_len = engine.max_model_len
         self.limits = limits or ServerLimits()
@@ -96,6 +103,14 @@ class LocalBackend:
 
     async def metrics_text(self) -> bytes:
         return self.metrics.exposition()
+
+    async def status(self) -> dict[str, Any]:
+        args = self.engine.args
+        config = {"block_size": args.block_size, "max_model_len": self.max_model_len,
+                  "max_num_seqs": args.max_num_seqs, "enable_prefix_caching": args.enable_prefix_caching,
+                  "disk_cache_bytes_capacity": int(args.disk_cache_gb * 2**30) if args.disk_cache_dir else 0}
+        return engine_status(self.model_names, self.async_engine.stats, self.metrics.recent.snapshot(), config,
+                             self.started_at, self.replica)
 
     async def reset_prefix_cache(self) -> int:
         return await self.async_engine.call(self.engine.reset_prefix_cache)

@@ -4,7 +4,7 @@ Qwen3.5 dense and MoE, Qwen3-Next, NemotronH and Mamba2.
 The converter (``convert_hf_to_gguf.py`` with its ``conversion`` package and its own
 ``gguf-py``, which knows these architectures where the pip ``gguf`` may not) comes from the
 llama-cpp-python sdist on PyPI, as CI gets it, and is kept under the test-model cache
-(``$HYPREFIX_TEST_MODELS``, by default ``.venv/test-models``). It converts the tiny float32 HF
+(``$HYPREFIX_TEST_MODELS``, by default ``~/.cache/hyprefix/models``). It converts the tiny float32 HF
 checkpoints to f32 GGUF files; our loader must give back transformers' exact tensors and
 config, so the engine's greedy tokens equal transformers' on the original model."""
 

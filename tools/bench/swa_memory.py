@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "models"))  # fetch_test_models
 
 
 def run(model: str, dtype: str, prompts: list[list[int]], followups: list[list[int]], output_len: int,
@@ -62,8 +60,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], followups: list[list[i
 
 
 def main() -> None:
-    from fetch_test_models import GEMMA3, fetch
-
+    from hyprefix.catalog import GEMMA3, fetch_model
     from hyprefix.hardware import device_caps
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -74,7 +71,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    model = args.model or str(fetch(GEMMA3))
+    model = args.model or str(fetch_model(GEMMA3))
 
     from hyprefix.models.loader import load_config, resolve_model_dir
 

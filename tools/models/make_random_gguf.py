@@ -16,6 +16,8 @@ import argparse
 import subprocess
 from pathlib import Path
 
+from hyprefix import catalog
+
 SHAPES = {  # Llama-3.2-1B with SmolLM2's vocabulary (tied embeddings: no output.weight, as the real one)
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
@@ -78,8 +80,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree with build/bin")
     parser.add_argument("--tokenizer-gguf", type=Path,
-                        default=Path(__file__).resolve().parents[2] / ".venv" / "test-models"
-                        / "SmolLM2-135M-Instruct.Q4_1.gguf")
+                        default=catalog.cached_path(catalog.SMOLLM2))
     parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
