@@ -26,6 +26,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python tools/models/fetch_test_models.py
+	bash tools/browser/ensure_browser.sh
 	$(BIN)/hyprefix build-kernels --strict
 	$(BIN)/python -m pytest -q
 

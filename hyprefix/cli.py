@@ -1,17 +1,19 @@
-"""Command line: hyprefix serve | generate | make-demo-model | build-kernels | bench."""
+"""Command line: hyprefix serve | chat | generate | make-demo-model | build-kernels | bench."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import time
 
+from hyprefix.chat_cli import ChatArgs
 from hyprefix.config import DEPRECATED_NAMES, EngineArgs
 from hyprefix.field_flags import add_field_flag
-from hyprefix.server.args import ServerArgs, add_server_flags, server_args
+from hyprefix.server.args import API_KEY_ENV, ServerArgs, add_server_flags, server_args
 
 
 class _StoreNamed(argparse._StoreAction):
@@ -58,6 +60,38 @@ def cmd_generate(ns: argparse.Namespace) -> int:
           f"ttft={m.first_token_time - m.arrival_time:.3f}s, "
           f"total={m.finished_time - m.arrival_time:.3f}s]", file=sys.stderr)
     return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from hyprefix.chat_cli import ChatArgs, ChatError, Conversation, LocalChat, RemoteChat, run_chat
+
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401 - line editing and history for input()
+    chat = ChatArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ChatArgs)})
+    args = engine_args(ns)
+    if chat.url is not None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would break the replies
+        changed = [f.name for f in dataclasses.fields(EngineArgs)
+                   if f.name != "model" and getattr(args, f.name) != f.default]
+        if changed:
+            raise ValueError(f"--url chats with a running server, whose engine is set where it was started: "
+                             f"drop {', '.join('--' + n.replace('_', '-') for n in changed)}")
+        try:
+            backend = RemoteChat(chat.url, chat.api_key or os.environ.get(API_KEY_ENV, "").split(",")[0] or None,
+                                 args.model)
+        except ChatError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    else:
+        from hyprefix.catalog import DEFAULT_MODEL
+        from hyprefix.engine import Engine
+
+        engine = Engine(args)
+        engine.warmup()
+        if ns.log_level.upper() == "INFO":  # the default: loading was worth telling, the stats lines are not
+            logging.getLogger("hyprefix").setLevel(logging.WARNING)
+        backend = LocalChat(engine, args.model or DEFAULT_MODEL)
+    return run_chat(backend, chat, Conversation(chat.system))
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -119,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     add_server_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="chat in the terminal with a model (or a server's, --url), the cache's "
+                                       "hits shown every turn")
+    add_engine_flags(chat)
+    chat_group = chat.add_argument_group("chat")
+    for f in dataclasses.fields(ChatArgs):
+        add_field_flag(chat_group, f)
+    chat.set_defaults(func=cmd_chat)
 
     gen = sub.add_parser("generate", help="one-shot generation for quick checks")
     add_engine_flags(gen)
