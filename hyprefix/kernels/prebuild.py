@@ -97,6 +97,11 @@ def _build_in_child(kernel: str) -> BuildResult:
     return BuildResult(kernel, json.loads(lines[-1]), seconds)
 
 
+def kernel_names() -> tuple[str, ...]:
+    """Every kernel ``build_kernels`` builds, in its order."""
+    return tuple(_builders())
+
+
 def build_kernels(jobs: int, kernels: tuple[str, ...] | None = None,
                   report: Callable[[BuildResult], None] | None = None) -> list[BuildResult]:
     """Build ``kernels`` (default: every one) in ``jobs`` child processes at a time; ``report``
@@ -108,7 +113,7 @@ def build_kernels(jobs: int, kernels: tuple[str, ...] | None = None,
         return result
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        return list(pool.map(one, kernels or tuple(_builders())))
+        return list(pool.map(one, kernels or kernel_names()))
 
 
 if __name__ == "__main__":  # the child of ``_build_in_child``: its builds as one JSON line

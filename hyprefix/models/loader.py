@@ -9,7 +9,7 @@ import contextlib
 import functools
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from hyprefix.hardware import DTYPES, resolve_dtype
 from hyprefix.models import gguf_hybrid
 from hyprefix.models.gguf_weights import INT8_TYPES, GGUFWeights
 from hyprefix.models.registry import model_class
+from hyprefix.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,27 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_tensor(name)
+
+
+def _tensor_count(path: Path) -> int:
+    """How many tensors the checkpoint's files hold (headers only)."""
+    if path.suffix == ".gguf":
+        import gguf
+
+        return len(gguf.GGUFReader(str(path)).tensors)  # one parse inside ``gguf_parsed_once``
+    from safetensors import safe_open
+
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _loading(tensors: Iterable[tuple[str, torch.Tensor]], path: Path, total: int) -> Iterable[
+        tuple[str, torch.Tensor]]:
+    """``tensors`` behind a progress bar (on a terminal) naming the checkpoint."""
+    return progress_bar(tensors, total=total, desc=f"loading {path.name}", unit=" tensors", leave=False)
 
 
 def checkpoint_identity(path: Path) -> str:
@@ -238,7 +260,7 @@ def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | N
     weights = GGUFWeights(path, hf_config, gguf_architecture(path))
     kept = kept_quantized(net, weights) if quantization is None else {}
     held = net.load_quantized((hf, weights.quantized(g)) for hf, g in kept.items())
-    net.load_weights(weights.floats(set(kept)), quantized=held)
+    net.load_weights(_loading(weights.floats(set(kept)), path, len(weights.tensors) - len(kept)), quantized=held)
     if quantization == "int8":
         net.load_int8_weights((weights.names[g], weights.quantized(g)) for g in weights.tensors
                               if weights.type_name(g) in INT8_TYPES and weights.can_keep(g))
@@ -270,7 +292,8 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
         as_floats = quantization is None and (batch_invariant or device.type != "cpu")
         load_gguf(net, path, hf_config, "none" if as_floats else quantization)
     else:
-        net.load_weights(iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path))
+        tensors = iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path)
+        net.load_weights(_loading(tensors, path, _tensor_count(path)))
     net.eval()
     if lm_head_fp32:  # from the plain weight, before any other form replaces it
         net.use_fp32_head()

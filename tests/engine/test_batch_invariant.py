@@ -136,7 +136,7 @@ def test_what_the_mode_refuses(tiny_models, monkeypatch):
         EngineArgs(batch_invariant=True, quantization="int8")
     if invariant_linear.available():
         with pytest.raises(ValueError, match="recurrent layers"):
-            LLM(None, batch_invariant=True)  # the built-in demo model is a Mamba2 hybrid
+            LLM("demo-hybrid-tiny", batch_invariant=True)  # a Mamba2 hybrid
     monkeypatch.setattr(invariant_linear, "_available", False)  # as where the kernels do not build
     with pytest.raises(ValueError, match="C\\+\\+ kernels"):
         LLM(str(tiny_models["qwen3"][0]), dtype="float32", batch_invariant=True)

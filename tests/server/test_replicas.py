@@ -126,6 +126,13 @@ def test_repeats_of_a_prefix_land_where_it_is_cached_and_new_ones_spread(cluster
     assert sum(routed.values()) - sum(per_replica(before, "hyprefix:router_requests_total", reason="prefix").values()) \
         == 4
     assert_the_router_counts_nothing_running(client)
+    # the status page's data: both replicas' numbers, summed, and their requests
+    status = client.get("/status").json()
+    assert status["replicas"] == 2 and status["model"] == MODEL_NAME
+    hits = per_replica(samples(client), "hyprefix:prefix_cache_hits_total")
+    assert status["stats"]["prefix_cache_hits"] == sum(hits.values())
+    assert {r["replica"] for r in status["recent_requests"]} == set(hits)
+    assert status["recent_requests"][0]["cached_tokens"] == 5 * BLOCK  # the newest: the last repeat
 
 
 def assert_the_router_counts_nothing_running(client) -> None:

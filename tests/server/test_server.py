@@ -503,12 +503,26 @@ def test_errors_through_the_openai_client_and_nothing_leaks(server, client):
 
 
 # ----------------------------------------------------------------- shutdown
+def readme_first_curl() -> tuple[str, dict]:
+    """The path and JSON body of the first curl of README.md's quick start."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text[text.index("## Quick start"):].split("```sh\n", 1)[1].split("```", 1)[0]
+    command = block.replace("\\\n", " ").splitlines()[0]
+    assert command.startswith("curl http://127.0.0.1:8000/"), command
+    path = command.split()[1].removeprefix("http://127.0.0.1:8000")
+    return path, json.loads(command.split(" -d '", 1)[1].rsplit("'", 1)[0])
+
+
 def test_sigterm_aborts_streams_and_stops_cleanly(tmp_path):
-    """The default model (no --model) and name; SIGTERM mid-stream ends the stream with
-    an ``abort`` choice and ``[DONE]``, and the engine thread stops."""
+    """The default model (no --model: SmolLM2-135M-Instruct, which ``make test`` fetched) and
+    its name; the README's first curl gets a real answer; SIGTERM mid-stream ends the stream
+    with an ``abort`` choice and ``[DONE]``, and the engine thread stops."""
     log_path = tmp_path / "server.log"
     with launch_server(log_path, model_args=()) as (url, proc):
-        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["hyprefix-demo"]
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["smollm2-135m-instruct"]
+        path, readme_body = readme_first_curl()
+        answer = httpx.post(url + path, json=readme_body, timeout=60).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"]
         events: list[str] = []
         body = {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
