@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help=("OpenAI-compatible HTTP server with a status page at / "
-                                                 "(SmolLM2-135M-Instruct without --model)"))
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a status page at / "
+                                         "(SmolLM2-135M-Instruct without --model)")
     add_engine_flags(serve)
     add_server_flags(serve)
     serve.set_defaults(func=cmd_serve)

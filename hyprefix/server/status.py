@@ -29,7 +29,7 @@ class RequestSummary:
     """One finished request as the page lists it: numbers only, no text."""
 
     request_id: str
-    finished_at: float  # unix time
+    finished_at: float  # unix time (``time.time()``, as the request's metrics)
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -43,7 +43,7 @@ class RequestSummary:
         ttft = None if m.first_token_time is None else max(0.0, m.first_token_time - m.arrival_time)
         e2e = None if m.finished_time is None else max(0.0, m.finished_time - m.arrival_time)
         reasons = sorted({c.finish_reason or "abort" for c in out.outputs})
-        return cls(out.request_id, now, len(out.prompt_token_ids), out.num_cached_tokens,
+        return cls(out.request_id, m.finished_time or now, len(out.prompt_token_ids), out.num_cached_tokens,
                    sum(len(c.token_ids) for c in out.outputs), ttft, e2e, ",".join(reasons))
 
 
