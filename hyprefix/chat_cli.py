@@ -46,12 +46,12 @@ class ChatArgs:
     """``hyprefix chat``'s own flags (a model loaded here takes the engine's, ``EngineArgs``)."""
 
     url: str | None = _opt(None, "chat with the OpenAI-compatible server at this URL (e.g. http://127.0.0.1:8000) "
-                                 "instead of loading --model here; --model then names the server's model (default: "
-                                 "its first)")
+                                 "instead of loading --model here; --model then names one of the server's models, "
+                                 "its first when not given")
     api_key: str | None = _opt(None, "with --url: the server's API key (default: $HYPREFIX_API_KEY)")
     system: str | None = _opt(None, "system prompt (/system changes it during the chat)")
     max_tokens: int = _opt(512, "most tokens of one reply")
-    temperature: float = _opt(0.8, "sampling temperature, 0 for greedy (llama.cpp's chat default)")
+    temperature: float = _opt(0.8, "sampling temperature (llama.cpp's chat default); 0 is greedy")
     top_p: float = _opt(0.95, "nucleus sampling: the smallest set of tokens holding this much probability")
 
 
