@@ -96,28 +96,7 @@ def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = 
     _add_error_handlers(app)
     protected, generate = _documented_errors(bool(keys), limits.max_body_bytes)
 
-    @app.get("/health")
-    async def health() -> Response:
-        status = await backend.health()
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/", include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(status_page())
-
-    @app.get("/status")
-    async def status() -> dict[str, Any]:
-        """The status page's data: engine counters and pools, configuration, last requests."""
-        return {**await backend.status(), "api_key_required": bool(keys), "version": __version__}
-
+    _add_open_routes(app, backend, key_required=bool(keys))
     @app.get("/v1/models", responses=protected)
     async def models() -> dict[str, Any]:
         # root is the name, not the model's path: clients need not know the server's directories
@@ -162,6 +141,32 @@ def build_openai_app(backend: ServingBackend, api_key: str | list[str] | None = 
     add_control_routes(app, backend, {code: generate[code] for code in (400, *protected, "default")})
 
     return app
+
+
+def _add_open_routes(app: FastAPI, backend: ServingBackend, key_required: bool) -> None:
+    """The routes that need no API key: health, version, metrics, the status page and its data."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = await backend.health()
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(status_page())
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        """The status page's data: engine counters and pools, configuration, last requests."""
+        return {**await backend.status(), "api_key_required": key_required, "version": __version__}
 
 
 async def _respond(request: Request, work: Awaitable[Any]) -> Response:
