@@ -54,6 +54,14 @@ class ChatArgs:
     temperature: float = _opt(0.8, "sampling temperature (llama.cpp's chat default); 0 is greedy")
     top_p: float = _opt(0.95, "nucleus sampling: the smallest set of tokens holding this much probability")
 
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
 
 class ChatBackend(Protocol):
     name: str
@@ -223,7 +231,7 @@ def _turn(backend: ChatBackend, sampling: ChatArgs, conversation: Conversation, 
         replies.close()
         print("\n(reply interrupted; not kept)", file=out, flush=True)
         return
-    except ChatError as exc:
+    except (ChatError, ValueError) as exc:  # a server's refusal, or the engine's (RequestError): not kept
         print(f"\n(error: {exc})", file=out, flush=True)
         return
     stats.seconds = time.perf_counter() - t0

@@ -66,6 +66,15 @@ def test_commands_reset_and_set_the_system_prompt(local):
     assert turns[1][0] > 0 and turns[1][1] == turns[0][1]  # the same prompt again after /reset: a hit
 
 
+def test_a_turn_the_engine_refuses_is_not_kept_and_bad_flags_stop_at_once(local):
+    text, turns = chat(local, ["x " * 5000, "hello"], system=None)  # the first is over the model's context
+    assert text.count("(error: ") == 1 and len(turns) == 1 and turns[0][1] < 100
+    local.engine.check_invariants()
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}):
+        with pytest.raises(ValueError):
+            ChatArgs(**bad)
+
+
 def test_stopping_a_reply_early_aborts_its_request(local):
     stats = TurnStats()
     stream = local.stream([{"role": "user", "content": "go on"}], ChatArgs(max_tokens=200, temperature=0.0), stats)
