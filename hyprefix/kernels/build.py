@@ -5,12 +5,14 @@ compiler error and returns False, so the caller keeps its portable path."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger("hyprefix")
@@ -50,6 +52,43 @@ def load_vector_op(source: Path, op: str, fake: Callable[..., object], what: str
     return True
 
 
+def build_directory(name: str) -> Path:
+    """Where torch's extension builder keeps ``name`` by default (``$TORCH_EXTENSIONS_DIR/name``,
+    else ``~/.cache/torch_extensions/py311_cpu/name`` and the like), made if missing."""
+    import torch
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        device = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+                  f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{device}")
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds or loads the kernel of ``build_dir``: an ``flock``, which
+    the system drops when its holder dies. torch's own build lock is a file that a killed build
+    (Ctrl-C during ``make serve``'s first kernel builds) leaves behind, and every later process
+    would wait on it for ever; holding this lock, a torch lock found is such a leftover (every
+    builder of our kernels takes this lock first), so it is removed."""
+    with open(build_dir / "hyprefix.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build of the %s kernel that was stopped mid-way", stale,
+                            build_dir.name)
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:
     """Compile (or load from the cache) ``source`` as extension ``name``, registering its ops.
     ``what`` names the fallback in the warning ("int8 weights take the portable path")."""
@@ -60,10 +99,13 @@ def load_kernel(name: str, source: Path, flags: list[str], what: str) -> bool:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     t0 = time.perf_counter()
+    build_dir = build_directory(name)
     try:
-        # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header; without it, one thread.
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with _builder_lock(build_dir):
+            # -fopenmp: ATen's parallel_for is an OpenMP pragma in its header; without it, one thread.
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+                               build_directory=str(build_dir))
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         detail = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")

@@ -35,3 +35,25 @@ def test_a_failed_build_is_not_ok() -> None:
                                                     "hyprefix_quant_linear_avx2": False}, 3.0)
     assert not result.ok and "FAILED (hyprefix_quant_linear_avx2" in result.describe()
     assert prebuild.BuildResult("bf16_linear", {}, 1.0).describe() == "bf16_linear: not for this CPU"
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_stop_later_ones(tmp_path, monkeypatch, caplog) -> None:
+    """torch's build lock is a plain file: a build killed mid-way (Ctrl-C during ``make serve``'s
+    first builds) leaves it, and torch would wait on it for ever. ``load_kernel`` removes it,
+    since it holds the only lock our builders take; the build then completes."""
+    import threading
+
+    from hyprefix.kernels.build import build_directory, load_kernel
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    source = tmp_path / "tiny_kernel.cpp"
+    source.write_text("extern \"C\" int hyprefix_tiny_kernel() { return 1; }\n")
+    (build_directory("hyprefix_tiny_kernel") / "lock").touch()  # the leftover
+    outcome: list[bool] = []
+    worker = threading.Thread(target=lambda: outcome.append(load_kernel("hyprefix_tiny_kernel", source, [], "-")),
+                              daemon=True)
+    worker.start()
+    worker.join(180)
+    assert outcome == [True], "the build waited on the leftover lock"
+    assert not (build_directory("hyprefix_tiny_kernel") / "lock").exists()
+    assert "left by a build of the hyprefix_tiny_kernel kernel that was stopped" in caplog.text
