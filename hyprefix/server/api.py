@@ -339,6 +339,12 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, "; ".join(messages) + more, param=loc[0])
 
 
+def _not_status_polls(record: logging.LogRecord) -> bool:
+    """The access log without the status page's polls (one ``GET /status`` a second per open page)."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) >= 3 and args[1] == "GET" and args[2] == "/status")
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, whose first SIGINT/SIGTERM also aborts the requests in flight,
     so open streams end at once and the graceful shutdown does not wait on them."""
@@ -363,4 +369,5 @@ def run_server(args: EngineArgs, server: ServerArgs | None = None, log_level: st
              "required" if server.api_key else "off")
     config = uvicorn.Config(app, host=server.host, port=server.port, access_log=server.access_log,
                             log_level=log_level.lower(), timeout_graceful_shutdown=10)
+    logging.getLogger("uvicorn.access").addFilter(_not_status_polls)  # after Config set uvicorn's logging up
     _Server(config, app.state.async_engine).run()

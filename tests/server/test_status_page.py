@@ -124,3 +124,17 @@ def test_status_json_and_page_need_nothing_from_outside(server):
     for item in status["recent_requests"]:
         assert set(item) == {"request_id", "finished_at", "prompt_tokens", "cached_tokens", "completion_tokens",
                              "ttft_s", "e2e_s", "finish_reason"}
+
+
+def test_the_access_log_leaves_out_the_pages_polls():
+    import logging
+
+    from hyprefix.server.api import _not_status_polls
+
+    def access(method: str, path: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", method, path, "1.1", 200), None)
+
+    assert not _not_status_polls(access("GET", "/status"))
+    assert _not_status_polls(access("GET", "/"))
+    assert _not_status_polls(access("POST", "/v1/chat/completions"))
