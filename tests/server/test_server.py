@@ -479,6 +479,9 @@ def test_api_key(server, client):
         assert authorized.status_code == 200, authorized.text
     assert httpx.get(f"{server}/health").status_code == 200  # probes and scrapes need no key
     assert httpx.get(f"{server}/metrics").status_code == 200
+    # the status page and its data too; the data tells the page's chat box to ask for the key
+    assert httpx.get(f"{server}/").status_code == 200
+    assert httpx.get(f"{server}/status").json()["api_key_required"] is True
     wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=1)
