@@ -49,7 +49,9 @@ def browser():
         driver.quit()
 
 
-def wait_for(check: Callable[[], object], what: str, timeout: float = 30.0) -> object:
+def wait_for(check: Callable[[], object], what: str, timeout: float = 120.0) -> object:
+    """Poll ``check`` until it holds; the timeout only guards against a hang (a loaded 2-core runner
+    takes many seconds for a 256-token reply)."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()
