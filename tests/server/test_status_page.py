@@ -86,13 +86,18 @@ def test_page_shows_the_cache_at_work(server, browser, tmp_path):
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{server}/v1/completions", json=body, timeout=60).status_code == 200
 
-    wait_for(lambda: shown(browser, "tokens-saved") > saved_before, "the saved prompt tokens to move")
+    def newest_cached() -> int:
+        cells = browser.find_elements("css selector", "#recent tr:first-child td")
+        return int(cells[2].text.split()[0].replace(",", "")) if len(cells) == 7 else -1
+
+    # The page shows what its last poll saw: wait for the state after both requests, in one view
+    # (a poll during the second request already counts its hit but still holds its blocks).
+    wait_for(lambda: shown(browser, "tokens-saved") > saved_before and shown(browser, "kv-used") == 0
+             and newest_cached() >= 16 * 4, "the page to show both requests finished, the repeat a hit")
     assert shown(browser, "hit-rate") > hits_before
     assert shown(browser, "kv-cached") > 0  # the finished requests' blocks stay findable
-    rows = browser.find_elements("css selector", "#recent tr")
-    assert len(rows) >= 2
-    newest = [cell.text for cell in rows[0].find_elements("tag name", "td")]
-    assert int(newest[2].split()[0].replace(",", "")) >= 16 * 4  # cached tokens of the repeat: whole blocks
+    assert len(browser.find_elements("css selector", "#recent tr")) >= 2
+    assert newest_cached() % 16 == 0  # the repeat's cached tokens: whole blocks of its prompt
     shot = tmp_path / "status.png"
     assert browser.save_screenshot(str(shot))
     width, height = png_size(shot)
