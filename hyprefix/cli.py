@@ -13,7 +13,7 @@ import time
 from hyprefix.chat_cli import ChatArgs
 from hyprefix.config import DEPRECATED_NAMES, EngineArgs
 from hyprefix.field_flags import add_field_flag
-from hyprefix.server.args import API_KEY_ENV, ServerArgs, add_server_flags, server_args
+from hyprefix.server.args import ServerArgs, add_server_flags, env_api_keys, server_args
 
 
 class _StoreNamed(argparse._StoreAction):
@@ -63,7 +63,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from hyprefix.chat_cli import ChatArgs, ChatError, Conversation, LocalChat, RemoteChat, run_chat
+    from hyprefix.chat_cli import ChatError, Conversation, LocalChat, RemoteChat, run_chat
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401 - line editing and history for input()
@@ -77,8 +77,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             raise ValueError(f"--url chats with a running server, whose engine is set where it was started: "
                              f"drop {', '.join('--' + n.replace('_', '-') for n in changed)}")
         try:
-            backend = RemoteChat(chat.url, chat.api_key or os.environ.get(API_KEY_ENV, "").split(",")[0] or None,
-                                 args.model)
+            backend = RemoteChat(chat.url, chat.api_key or next(iter(env_api_keys()), None), args.model)
         except ChatError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

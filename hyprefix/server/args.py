@@ -108,9 +108,13 @@ class ServerArgs:
         """``ServerArgs(**kwargs)``, the keys of ``$HYPREFIX_API_KEY`` (comma-separated)
         standing in for an ``api_key`` not given."""
         if not kwargs.get("api_key"):
-            env_keys = [key for key in os.environ.get(API_KEY_ENV, "").split(",") if key]
-            kwargs["api_key"] = env_keys or None
+            kwargs["api_key"] = env_api_keys() or None
         return cls(**kwargs)
+
+
+def env_api_keys() -> list[str]:
+    """The keys of ``$HYPREFIX_API_KEY`` (comma-separated; empty entries dropped)."""
+    return [key for key in os.environ.get(API_KEY_ENV, "").split(",") if key]
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
