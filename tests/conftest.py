@@ -10,6 +10,7 @@ import pytest
 
 from hyprefix.models.base import CausalLM
 from hyprefix.runner.decode_graph import DecodeGraphs
+from tests.support.gguf_convert import extract_converter
 from tests.support.models import ARCHS, HYBRID_ARCHS, build_tiny_model
 
 
@@ -55,3 +56,10 @@ def gemma3_model(tmp_path_factory) -> tuple[Path, object]:
 @pytest.fixture(scope="session")
 def qwen3_dir(tiny_models) -> Path:
     return tiny_models["qwen3"][0]
+
+
+@pytest.fixture(scope="session")
+def llama_converter() -> Path:
+    """A directory holding llama.cpp's ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``
+    (``tests/support/gguf_convert.py``), extracted once and kept for later runs."""
+    return extract_converter()

@@ -17,7 +17,7 @@ from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.kernels import recurrent_decode
 from hyprefix.models import fused
 from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
-from hyprefix.models.quant import Int8Weight, int8_part, join_parts, quantize_low_bit
+from hyprefix.models.quant import Int8Weight, quantize_low_bit
 from hyprefix.models.weights import MatrixForms
 
 log = logging.getLogger("hyprefix.models")
@@ -282,22 +282,6 @@ class CausalLM(nn.Module):
                 switched += 1
         return switched
 
-    def load_quantized(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """A GGUF file's quantized matrices (``gguf_weights``: ``Int8Weight`` for Q8_0, ``QuantPart``
-        for the low-bit types) kept as they are, before ``load_weights`` reads the rest: each
-        linear's shards (q/k/v, gate/up) joined into one ``QuantTiles`` once all came (every
-        shard but the last of whole 16-row tiles: the caller sends only such), the embedding
-        table likewise (its lookups then read it: no float table). The float tensor of each such
-        matrix is dropped. Returns the names of the parameters so held (``load_weights``'
-        ``quantized``)."""
-        held: set[str] = set()
-        for param_name, module, ordered in self._whole_matrices(weights):
-            module.forms.use_quant(join_parts([int8_part(w) if isinstance(w, Int8Weight) else list(w.tensors)
-                                               for w in ordered]))
-            drop_plain(module.weight)
-            held.add(param_name)
-        return held
-
     def weight_memory_bytes(self) -> int:
         """Bytes the weights hold in memory: parameters, and each matrix's int8 weights, bf16
         tiles and prepacked copies."""
@@ -335,6 +319,14 @@ class CausalLM(nn.Module):
         """The name relative to the decoder (``layers.0...``); None to skip the tensor."""
         return strip_prefix(name)
 
+    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors (transformers names) as ``map_name`` reads them: where a family's
+        layout differs from transformers' (split or regrouped rows, norms stored as ``1 + w``),
+        the tensors it makes of each. Row moves must be torch ops along the first dimension only,
+        whatever the other dimensions hold: ``gguf_blocks`` passes tag columns through them to
+        follow a quantized matrix's rows. The identity here."""
+        return weights
+
     def map_layer(self, idx: int, rest: str) -> Target:
         """Our parameter for tensor ``rest`` (``self_attn.q_proj.weight``, ...) of layer ``idx``."""
         raise NotImplementedError
@@ -344,10 +336,10 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the parameters, or into ``into`` (parameter
         name -> a tensor of the parameter's shape, ``update_weights``' staging). Raises
         ValueError on a tensor with no place, a wrong shape, or a parameter left without one
-        (``quantized``: parameters ``load_quantized`` already holds, which need none)."""
+        (``quantized``: parameters already held in a GGUF file's blocks, ``gguf_blocks``, which need none)."""
         params = {name: p.data for name, p in self.named_parameters()} if into is None else into
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.converted(weights):
             target = self.map_name(name)
             if target is None:
                 continue

@@ -112,11 +112,9 @@ class Gemma3ForCausalLM(CausalLM):
             x, residual = layer(x, residual, batch, ropes[layer.layer_type], kv, self.kernels)
         return x + residual
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     into: dict[str, torch.Tensor] | None = None, quantized: set[str] = frozenset()) -> None:
+    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Gemma norms scale by ``1 + w``: stored so (in float32, as HF adds it)."""
-        super().load_weights(((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights),
-                             into, quantized)
+        return ((name, t.float() + 1 if name.endswith("norm.weight") else t) for name, t in weights)
 
     def relative_name(self, name: str) -> str | None:
         return language_model_name(name)

@@ -30,18 +30,7 @@ The converter's transforms, each undone in ``iter_tensors``'s builders:
   attention has no RoPE (``_unpermute``); Mamba2 and NemotronH: ``A`` and ``D`` reshaped to
   [heads, 1] and the gated norm to [groups, channels / groups] (flattened back).
 
-What a file does not state, and how it is filled: Qwen3-Next's ``norm_topk_prob`` is True
-(llama.cpp normalises the top-k weights of ``qwen3next`` unconditionally) unless the file
-states ``expert_weights_norm``; dense layers of a Qwen3-Next (``mlp_only_layers``) and biases
-are read off the tensors present; NemotronH's layer kinds come from the per-layer KV head
-counts and the tensors present; Mamba time-step limits keep transformers' defaults (llama.cpp
-clamps nothing either).
-
-``nemotron_h_moe`` is loaded too when none of its layers has experts: the converter picks that
-architecture for any NemotronH config that mentions ``num_experts_per_tok``, and transformers 5
-writes that default into every NemotronH config it saves, so a dense NemotronH re-saved by
-transformers 5 converts to ``nemotron_h_moe``. Expert layers themselves are refused (the engine
-runs no NemotronH MoE).
+The config comes from ``gguf_hybrid_config`` (what a file does not state, and how it is filled).
 """
 
 from __future__ import annotations
@@ -49,281 +38,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2")
-_QWEN = ("qwen35", "qwen35moe", "qwen3next")
-LINEAR, FULL, MLP = "linear_attention", "full_attention", "mlp"
-_EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
-                   "ffn_gate_up_exps.weight")
-_REQUIRED: Any = object()
-
-
-class _File:
-    """A GGUF file's metadata and tensor table (the reader maps the file; tensor data is only
-    read by ``read``). Metadata getters raise ValueError naming the file and the key."""
-
-    def __init__(self, path: Path) -> None:
-        import gguf
-
-        self.path, self.arch = path, ""
-        try:
-            self.reader = gguf.GGUFReader(str(path))  # the module attribute: ``gguf_parsed_once`` caches it
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from exc
-        self.arch = str(self.value("general.architecture"))
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"GGUF file {path.name}: architecture {self.arch!r} is not one of {ARCHITECTURES}")
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        # ggml lists dimensions fastest-moving first; torch the other way round
-        self.shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist())) for name, t in self.tensors.items()}
-
-    def error(self, problem: str) -> ValueError:
-        return ValueError(f"GGUF file {self.path.name}{f' ({self.arch})' if self.arch else ''}: {problem}")
-
-    def value(self, key: str, default: Any = _REQUIRED) -> Any:
-        field = self.reader.get_field(key)
-        if field is None:
-            if default is _REQUIRED:
-                raise self.error(f"no {key!r} in its metadata")
-            return default
-        return field.contents()
-
-    def arch_value(self, key: str, default: Any = _REQUIRED) -> Any:
-        """``{arch}.{key}``."""
-        return self.value(f"{self.arch}.{key}", default)
-
-    def int_value(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self.arch_value(key, default)
-        return value if value is default else int(value)
-
-    def float_value(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self.arch_value(key, default)
-        return value if value is default else float(value)
-
-    def per_layer(self, key: str, layers: int) -> list[int]:
-        """A count llama.cpp writes either once or once per layer."""
-        value = self.arch_value(key)
-        values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
-        if len(values) < layers:
-            raise self.error(f"{self.arch}.{key} has {len(values)} entries for {layers} layers")
-        return values[:layers]
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def rows(self, name: str) -> int:
-        if name not in self.shapes:
-            raise self.error(f"no tensor {name!r}")
-        return self.shapes[name][0]
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor's values in float32 (dequantized where quantized), in torch's shape."""
-        import gguf
-
-        tensor = self.tensors[name]
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise self.error(f"tensor {name} is stored as {tensor.tensor_type.name}, which the gguf package "
-                             f"cannot dequantize ({exc})") from exc
-        array = np.asarray(values, dtype=np.float32).reshape(self.shapes[name])
-        if not array.flags.writeable:  # the file's own (mapped, read-only) bytes: copy
-            array = array.copy()
-        return torch.from_numpy(array)
-
-
-# ---------------------------------------------------------------------------------------- config
-def load_config(path: str | Path):
-    """The transformers config of the HF model the file was converted from: the class of that
-    model type (Qwen3_5TextConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig, NemotronHConfig,
-    Mamba2Config) with ``architectures`` set, so the engine picks its model class as for an HF
-    checkpoint. Raises ValueError for a file this module does not load or whose metadata lacks
-    what the model needs."""
-    file = _File(Path(path))
-    if file.arch in _QWEN:
-        return _qwen_config(file)
-    if file.arch == "mamba2":
-        return _mamba2_config(file)
-    return _nemotron_config(file)
-
-
-def _common(file: _File) -> dict[str, Any]:
-    """Fields every architecture's config takes the same way."""
-    embed = "token_embd.weight"
-    if not file.has(embed):
-        raise file.error(f"no tensor {embed!r}")
-    ids = {name: file.value(f"tokenizer.ggml.{key}", None)
-           for name, key in (("eos_token_id", "eos_token_id"), ("bos_token_id", "bos_token_id"),
-                             ("pad_token_id", "padding_token_id"))}
-    return {
-        "vocab_size": file.rows("output.weight") if file.has("output.weight") else file.rows(embed),
-        "hidden_size": file.int_value("embedding_length"),
-        # llama.cpp's training context; the converter writes 2**20 for models without positions
-        "max_position_embeddings": file.int_value("context_length"),
-        **{name: int(value) if value is not None else None for name, value in ids.items()},
-    }
-
-
-def _layers(file: _File) -> int:
-    """Decoder layers: the file counts a multi-token-prediction block as one more."""
-    return file.int_value("block_count") - file.int_value("nextn_predict_layers", 0)
-
-
-def _has_experts(file: _File, layer: int) -> bool:
-    return any(file.has(f"blk.{layer}.{name}") for name in _EXPERT_TENSORS)
-
-
-def _rope_parameters(file: _File, head_dim: int) -> dict[str, Any]:
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": file.float_value("rope.freq_base", 10000.0)}
-    rotary = file.int_value("rope.dimension_count", head_dim)
-    if rotary != head_dim:  # a width in dimensions, where transformers takes a fraction of the head
-        params["partial_rotary_factor"] = rotary / head_dim
-    scaling = str(file.arch_value("rope.scaling.type", "none"))
-    if scaling == "linear":
-        params.update(rope_type="linear", factor=file.float_value("rope.scaling.factor"))
-    elif scaling == "yarn":
-        params.update(rope_type="yarn", factor=file.float_value("rope.scaling.factor"),
-                      original_max_position_embeddings=file.int_value("rope.scaling.original_context_length"))
-        for key, name in (("rope.scaling.yarn_attn_factor", "attention_factor"),
-                          ("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
-            if (value := file.float_value(key, None)) is not None:
-                params[name] = value
-    elif scaling != "none":
-        raise file.error(f"RoPE scaling {scaling!r} is not supported")
-    sections = [int(s) for s in file.arch_value("rope.dimension_sections", []) if int(s)]
-    if sections:  # Qwen3.5's interleaved multimodal RoPE; with text positions it is plain RoPE
-        params.update(mrope_section=sections, mrope_interleaved=True)
-    return params
-
-
-def _qwen_config(file: _File):
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
-
-    layers = _layers(file)
-    recurrent = file.arch_value("attention.recurrent_layers", None)
-    if recurrent is not None:
-        if len(recurrent) < layers:
-            raise file.error(f"attention.recurrent_layers has {len(recurrent)} entries for {layers} layers")
-        layer_types = [LINEAR if r else FULL for r in recurrent[:layers]]
-    else:
-        interval = file.int_value("full_attention_interval", 4)
-        layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
-    if FULL not in layer_types:
-        raise file.error("no full-attention layer")
-    first_full = layer_types.index(FULL)
-    head_dim = file.int_value("attention.key_length")
-    value_heads = file.int_value("ssm.time_step_rank")
-    fields = _common(file) | {
-        "num_hidden_layers": layers,
-        "layer_types": layer_types,
-        "num_attention_heads": max(file.per_layer("attention.head_count", layers)),
-        "num_key_value_heads": max(file.per_layer("attention.head_count_kv", layers)),
-        "head_dim": head_dim,
-        "rms_norm_eps": file.float_value("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": _rope_parameters(file, head_dim),
-        "attention_bias": file.has(f"blk.{first_full}.attn_q.bias"),
-        "linear_conv_kernel_dim": file.int_value("ssm.conv_kernel"),
-        "linear_key_head_dim": file.int_value("ssm.state_size"),
-        "linear_num_key_heads": file.int_value("ssm.group_count"),
-        "linear_num_value_heads": value_heads,
-        "linear_value_head_dim": file.int_value("ssm.inner_size") // value_heads,
-        # llama.cpp writes the output projection only when it is not the embedding
-        "tie_word_embeddings": not file.has("output.weight"),
-    }
-    moe = [i for i in range(layers) if _has_experts(file, i)]
-    dense = [i for i in range(layers) if i not in moe]
-    if file.arch == "qwen35":
-        if moe:
-            raise file.error(f"layers {moe} have experts, which a dense Qwen3.5 (qwen35) has not")
-        return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"],
-                                 intermediate_size=file.int_value("feed_forward_length"), **fields)
-    experts = {
-        "num_experts": file.int_value("expert_count"),
-        "num_experts_per_tok": file.int_value("expert_used_count"),
-        "moe_intermediate_size": file.int_value("expert_feed_forward_length"),
-        "shared_expert_intermediate_size": file.int_value("expert_shared_feed_forward_length", 0),
-    }
-    if file.arch == "qwen35moe":
-        if dense:
-            raise file.error(f"layers {dense} have no experts, which every Qwen3.5 MoE (qwen35moe) layer has")
-        return Qwen3_5MoeTextConfig(architectures=["Qwen3_5MoeForCausalLM"], **experts, **fields)
-    intermediate = file.rows(f"blk.{dense[0]}.ffn_up.weight") if dense else file.int_value("feed_forward_length", None)
-    return Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **experts, **fields,
-                           **({"intermediate_size": intermediate} if intermediate else {}),
-                           norm_topk_prob=bool(file.arch_value("expert_weights_norm", True)),
-                           decoder_sparse_step=1, mlp_only_layers=dense)
-
-
-def _norm_eps(file: _File) -> float:
-    eps = file.float_value("attention.layer_norm_rms_epsilon", None)
-    return eps if eps is not None else file.float_value("attention.layer_norm_epsilon")
-
-
-def _mamba_fields(file: _File, first_mamba: int | None) -> dict[str, Any]:
-    """The Mamba2 mixer's shape, named as NemotronHConfig names it."""
-    heads = file.int_value("ssm.time_step_rank")
-    b = f"blk.{first_mamba}."
-    return {
-        "mamba_num_heads": heads,
-        "mamba_head_dim": file.int_value("ssm.inner_size") // heads,
-        "ssm_state_size": file.int_value("ssm.state_size"),
-        "n_groups": file.int_value("ssm.group_count"),
-        "conv_kernel": file.int_value("ssm.conv_kernel"),
-        "use_bias": first_mamba is not None and file.has(b + "ssm_in.bias"),
-        "use_conv_bias": first_mamba is not None and file.has(b + "ssm_conv1d.bias"),
-        "layer_norm_epsilon": _norm_eps(file),
-    }
-
-
-def _mamba2_config(file: _File):
-    from transformers import Mamba2Config
-
-    layers, fields = _layers(file), _common(file)
-    mamba = _mamba_fields(file, 0)
-    return Mamba2Config(
-        architectures=["Mamba2ForCausalLM"], num_hidden_layers=layers, num_heads=mamba["mamba_num_heads"],
-        head_dim=mamba["mamba_head_dim"], state_size=mamba["ssm_state_size"], n_groups=mamba["n_groups"],
-        conv_kernel=mamba["conv_kernel"], expand=file.int_value("ssm.inner_size") // fields["hidden_size"],
-        use_bias=mamba["use_bias"], use_conv_bias=mamba["use_conv_bias"],
-        layer_norm_epsilon=mamba["layer_norm_epsilon"], tie_word_embeddings=not file.has("output.weight"), **fields)
-
-
-def _nemotron_kind(file: _File, layer: int, kv_heads: int) -> str:
-    b = f"blk.{layer}."
-    if _has_experts(file, layer):
-        raise file.error(f"layer {layer} is a mixture-of-experts layer; hyprefix runs no NemotronH MoE")
-    if kv_heads > 0 or file.has(b + "attn_q.weight"):
-        return FULL
-    if file.has(b + "ssm_in.weight"):
-        return LINEAR
-    if file.has(b + "ffn_up.weight"):
-        return MLP
-    raise file.error(f"layer {layer} is none of Mamba2 (ssm_in), attention (attn_q) or MLP (ffn_up)")
-
-
-def _nemotron_config(file: _File):
-    from transformers import NemotronHConfig
-
-    layers = _layers(file)
-    kinds = [_nemotron_kind(file, i, kv) for i, kv in enumerate(file.per_layer("attention.head_count_kv", layers))]
-    fields = _common(file)
-    first = {kind: kinds.index(kind) if kind in kinds else None for kind in (LINEAR, FULL, MLP)}
-    heads = max(file.per_layer("attention.head_count", layers))
-    extra: dict[str, Any] = {}
-    if first[MLP] is not None:
-        extra.update(intermediate_size=file.rows(f"blk.{first[MLP]}.ffn_up.weight"),
-                     mlp_bias=file.has(f"blk.{first[MLP]}.ffn_up.bias"))
-    mamba = _mamba_fields(file, first[LINEAR])
-    return NemotronHConfig(
-        architectures=["NemotronHForCausalLM"], layers_block_type=kinds, num_attention_heads=heads,
-        num_key_value_heads=max(file.per_layer("attention.head_count_kv", layers)) or heads,
-        head_dim=file.int_value("attention.key_length", fields["hidden_size"] // max(heads, 1)),
-        attention_bias=first[FULL] is not None and file.has(f"blk.{first[FULL]}.attn_q.bias"),
-        mamba_proj_bias=mamba["use_bias"], tie_word_embeddings=False, **mamba, **extra, **fields)
+from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix, row_tags, tagged_rows
+from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and ARCHITECTURES are this module's API
+    ARCHITECTURES,
+    FULL,
+    LINEAR,
+    QWEN_ARCHS,
+    HybridFile,
+    has_experts,
+    load_config,
+)
 
 
 # --------------------------------------------------------------------------------------- tensors
@@ -380,33 +109,80 @@ def _as_row(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Tensor:
     """One transformers tensor, ``name``, built by ``build`` from the file's tensors ``sources``
-    (their float32 values, in order)."""
+    (their float32 values, in order), then ``columns`` (a reorder of its columns, which the
+    blocks of a quantized matrix cannot take: ``gguf_blocks``)."""
 
     name: str
     sources: tuple[str, ...]
     build: Callable[..., torch.Tensor] = _same
+    columns: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def values(self, file: HybridFile) -> torch.Tensor:
+        t = self.build(*(file.read(name) for name in self.sources))
+        return t if self.columns is None else self.columns(t)
+
+
+class HybridGGUF:
+    """A hybrid GGUF file's tensors under transformers' names (``load_config``'s model type),
+    with the converter's transforms undone (module docstring): its quantized matrices as
+    ``gguf_blocks.BlockMatrix`` and every other tensor as float32. Raises ValueError naming the
+    file and the tensors when one the model needs is missing, or when the file holds one this
+    loader does not place (weights are never dropped silently); blocks past the decoder's layers
+    (the multi-token-prediction block) are skipped, as transformers skips ``mtp.*``."""
+
+    def __init__(self, path: str | Path, hf_config) -> None:
+        self.file = file = HybridFile(Path(path))
+        cfg = hf_config.get_text_config()
+        self.specs = _qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else _mamba_tensors(file, cfg)
+        needed = [name for spec in self.specs for name in spec.sources]
+        missing = [name for name in needed if not file.has(name)]
+        if missing:
+            raise file.error(f"missing tensors the model needs: {_listed(missing)}")
+        used = set(needed)
+        unknown = [n for n in file.tensors if n not in used and not _past_layers(n, cfg.num_hidden_layers)]
+        if unknown:
+            raise file.error(f"tensors hyprefix does not know where to load: {_listed(unknown)}")
+
+    def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor but those named in ``skip``, float32."""
+        for spec in self.specs:
+            if spec.name not in skip:
+                yield spec.name, spec.values(self.file)
+
+    def block_matrices(self) -> list[BlockMatrix]:
+        """The matrices that can stay in their blocks: every source 2-D and of one type the
+        kernels take (which run here), the build a move of whole rows (``gguf_blocks.row_tags``)."""
+        if not quant_kernel.available():
+            return []
+        out = []
+        for spec in self.specs:
+            tensors = [self.file.tensors[name] for name in spec.sources]
+            kinds = {t.tensor_type.name for t in tensors}
+            if len(kinds) != 1 or not kinds <= set(KEPT_TYPES) or any(t.data.ndim != 2 for t in tensors) \
+                    or len({t.data.shape[1] for t in tensors}) != 1:
+                continue
+            counts = [int(t.data.shape[0]) for t in tensors]
+            try:
+                rows = tagged_rows(spec.build(*row_tags(counts)), sum(counts))
+            except (RuntimeError, ValueError):  # a build that needs the real columns
+                rows = None
+            if rows is None:
+                continue
+            cols = int(tensors[0].shape[0])  # gguf lists dimensions innermost first
+            order = None if spec.columns is None else spec.columns(torch.arange(cols).reshape(1, cols))[0]
+            out.append(BlockMatrix(spec.name, kinds.pop(), len(rows), cols,
+                                   lambda ts=tensors, r=rows: torch.cat([_raw(t) for t in ts])[r], order))
+        return out
+
+
+def _raw(tensor) -> torch.Tensor:
+    """A quantized tensor's blocks as uint8 [rows, bytes a row] (a copy of the mapped bytes)."""
+    return torch.from_numpy(np.array(tensor.data, copy=True))
 
 
 def iter_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file under transformers' parameter name (those of the model type
-    ``load_config`` gives), float32, with the converter's transforms undone (module docstring).
-    Before yielding anything, raises ValueError naming the file and the tensors when one the
-    model needs is missing, or when the file holds one this loader does not place (weights are
-    never dropped silently); blocks past the decoder's layers (the multi-token-prediction
-    block) are skipped, as transformers skips ``mtp.*``."""
-    file = _File(Path(path))
-    cfg = hf_config.get_text_config()
-    specs = _qwen_tensors(file, cfg) if file.arch in _QWEN else _mamba_tensors(file, cfg)
-    needed = [name for spec in specs for name in spec.sources]
-    missing = [name for name in needed if not file.has(name)]
-    if missing:
-        raise file.error(f"missing tensors the model needs: {_listed(missing)}")
-    used = set(needed)
-    unknown = [name for name in file.tensors if name not in used and not _past_layers(name, cfg.num_hidden_layers)]
-    if unknown:
-        raise file.error(f"tensors hyprefix does not know where to load: {_listed(unknown)}")
-    for spec in specs:
-        yield spec.name, spec.build(*(file.read(name) for name in spec.sources))
+    """Every tensor of the file under transformers' parameter name, float32 (``HybridGGUF``)."""
+    yield from HybridGGUF(path, hf_config).floats(set())
 
 
 def _listed(names: list[str]) -> str:
@@ -418,7 +194,7 @@ def _past_layers(name: str, layers: int) -> bool:
     return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= layers
 
 
-def _qwen_tensors(file: _File, cfg) -> list[_Tensor]:
+def _qwen_tensors(file: HybridFile, cfg) -> list[_Tensor]:
     k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     k_dim, v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     per_key, key_dim, value_dim = v_heads // k_heads, k_heads * k_dim, v_heads * v_dim
@@ -455,7 +231,7 @@ def _qwen_tensors(file: _File, cfg) -> list[_Tensor]:
                 _Tensor(la + "conv1d.weight", (b + "ssm_conv1d.weight",),
                         lambda t: _conv(grouped(0, v_dim, 2 * key_dim)(t))),
                 _Tensor(la + "norm.weight", (b + "ssm_norm.weight",)),  # the one norm the converter leaves
-                _Tensor(la + "out_proj.weight", (b + "ssm_out.weight",), grouped(1, v_dim)),
+                _Tensor(la + "out_proj.weight", (b + "ssm_out.weight",), columns=grouped(1, v_dim)),
             ]
             if file.arch == "qwen3next":
                 out += [_Tensor(la + "in_proj_qkvz.weight", (b + "attn_qkv.weight", b + "attn_gate.weight"), qkvz),
@@ -478,9 +254,9 @@ def _qwen_tensors(file: _File, cfg) -> list[_Tensor]:
     return out
 
 
-def _qwen_mlp(file: _File, cfg, i: int) -> list[_Tensor]:
+def _qwen_mlp(file: HybridFile, cfg, i: int) -> list[_Tensor]:
     p, b = f"model.layers.{i}.mlp.", f"blk.{i}."
-    if not _has_experts(file, i):
+    if not has_experts(file, i):
         return [_Tensor(f"{p}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
     fused = b + "ffn_gate_up_exps.weight"  # the converter's --fuse-gate-up-exps
     gate_up = (_Tensor(p + "experts.gate_up_proj", (fused,)) if file.has(fused) else
@@ -494,7 +270,7 @@ def _qwen_mlp(file: _File, cfg, i: int) -> list[_Tensor]:
     return out
 
 
-def _mamba_tensors(file: _File, cfg) -> list[_Tensor]:
+def _mamba_tensors(file: HybridFile, cfg) -> list[_Tensor]:
     nemotron = cfg.model_type == "nemotron_h"
     kinds = list(cfg.layers_block_type) if nemotron else [LINEAR] * cfg.num_hidden_layers
     base = "model." if nemotron else "backbone."  # transformers' NemotronH names its decoder ``model``

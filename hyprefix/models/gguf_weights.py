@@ -8,12 +8,11 @@ Names and the per-tensor fix-ups are transformers' (``get_gguf_hf_weights_map`` 
 Gemma's norms shifted by one); a quantized matrix takes a fix-up only where it is a row
 permutation, which is applied while packing.
 
-Kept quantized (``quantized_matrices``), by type:
+Kept quantized (``block_matrices``, loaded by ``gguf_blocks``), by type:
 
-* Q8_0 -> ``Int8Weight`` with the file's int8 values and one scale per 32 (``quant.py``); Q5_0
+* Q8_0 -> the int8 kernel's tiles with the file's int8 values and one scale per 32; Q5_0
   likewise, exactly (its 5-bit codes minus 16 are int8 values, its float16 d the scale);
-* Q4_0, Q4_1, Q4_K, Q6_K -> ``QuantPart`` in ``kernels/quant_tiles.h``'s Q4, Q4K or Q6 tiles, the
-  same numbers;
+* Q4_0, Q4_1, Q4_K, Q6_K -> ``kernels/quant_tiles.h``'s Q4, Q4K or Q6 tiles, the same numbers;
 * Q5_K -> Q4 tiles: each group of 32 rounded from 5 to 4 bits (the nearest kernel format at no
   more bytes than the file's; ``docs/quantization.md`` measures what it costs).
 
@@ -24,26 +23,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
-from hyprefix.models.quant import Int8Weight
-
-Q8_0 = "Q8_0"
-INT8_TYPES = (Q8_0, "Q5_0")  # kept as int8 with a scale per 32, exactly
-TILE_TYPES = tuple(quant_kernel.GGUF_TYPES)  # Q4_0 Q4_1 Q4_K Q5_K Q6_K
-
-
-@dataclass
-class QuantPart:
-    """One matrix (or one shard of a fused one) packed for ``quant_linear``: [data, scales, extra]."""
-
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    rows: int
+from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix
 
 
 class GGUFWeights:
@@ -80,27 +66,21 @@ class GGUFWeights:
         rows = np.asarray(result).reshape(-1)
         return rows if rows.shape == (n,) and np.array_equal(np.sort(rows), order[:, 0]) else None
 
-    def can_keep(self, gguf_name: str) -> bool:
-        """Whether this 2-D tensor can stay quantized here (its type has a kernel form that runs
-        here, and its fix-up is a row order)."""
-        tensor = self.tensors[gguf_name]
-        kind = tensor.tensor_type.name
-        if tensor.data.ndim != 2 or kind not in (*INT8_TYPES, *TILE_TYPES):
-            return False
+    def block_matrices(self) -> list[BlockMatrix]:
+        """The file's matrices that can stay in their blocks here (``gguf_blocks``): 2-D, of a
+        type the kernels take (which run here), whose fix-up is a row order."""
         if not quant_kernel.available():  # every kept matrix becomes ``QuantTiles``, Q8_0's too: its ops
-            return False
-        return self._rows(gguf_name, tensor.data.shape[0]) is not None
-
-    def quantized(self, gguf_name: str) -> Int8Weight | QuantPart:
-        """The matrix in its kernel form, rows in transformers' order."""
-        tensor = self.tensors[gguf_name]
-        raw = _tensor(tensor.data)
-        rows = self._rows(gguf_name, raw.shape[0])
-        kind = tensor.tensor_type.name
-        if kind in INT8_TYPES:
-            return _int8_blocks(raw[torch.from_numpy(rows)], kind)
-        cols = int(tensor.shape[0])  # gguf lists dimensions innermost first
-        return QuantPart(tuple(quant_kernel.pack_gguf(raw, kind, cols, torch.from_numpy(rows))), raw.shape[0])
+            return []
+        out = []
+        for gguf_name, tensor in self.tensors.items():
+            kind = tensor.tensor_type.name
+            if tensor.data.ndim != 2 or kind not in KEPT_TYPES:
+                continue
+            rows = self._rows(gguf_name, tensor.data.shape[0])
+            if rows is not None:
+                out.append(BlockMatrix(self.names[gguf_name], kind, len(rows), int(tensor.shape[0]),
+                                       lambda t=tensor, r=rows: _tensor(t.data)[torch.from_numpy(r)]))
+        return out
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip`` (transformers names), as float32 with its
@@ -121,22 +101,6 @@ class GGUFWeights:
                                  ) from exc
             values = self.processor.process(weights=values, name=gguf_name).weights
             yield hf_name, _tensor(values).float()
-
-
-def _int8_blocks(raw: torch.Tensor, kind: str) -> Int8Weight:
-    """Q8_0 (float16 d, 32 int8 values) or Q5_0 blocks (float16 d, 32 high bits, 32 low nibbles;
-    value d * (q - 16), ggml's order: nibble j low then high of byte j) of uint8 [rows, row bytes]
-    as int8 values with their scales per 32."""
-    n = raw.shape[0]
-    blocks = raw.view(n, -1, 34 if kind == Q8_0 else 22)
-    scales = blocks[:, :, :2].contiguous().view(torch.float16)[:, :, 0].float()
-    if kind == Q8_0:
-        return Int8Weight(blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1), scales)
-    high_bits = blocks[:, :, 2:6].contiguous().view(torch.int32)  # [n, blocks, 1], bit e of element e
-    low = blocks[:, :, 6:].to(torch.int32)
-    nibbles = torch.cat([low & 0xF, low >> 4], dim=2)  # elements 0-15, then 16-31
-    high = (high_bits >> torch.arange(32, dtype=torch.int32)) & 1
-    return Int8Weight(((nibbles | (high << 4)) - 16).to(torch.int8).reshape(n, -1), scales)
 
 
 def _tensor(values: np.ndarray) -> torch.Tensor:

@@ -106,6 +106,9 @@ class LlamaForCausalLM(CausalLM):
 
     # (its caches, hyprefix::DecodeModel, whether it has the LM head): ``_decode_model_for``
     _decode_model: tuple[list, torch.ScriptObject, bool] | None = None
+    # The layer each index builds: families with Llama's layout and names but a different
+    # layer (SmolLM3's NoPE layers, Granite's residual multiplier) subclass with their own.
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
@@ -117,7 +120,7 @@ class LlamaForCausalLM(CausalLM):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         attn_kw = {"qk_norm": qk_norm, "qkv_bias": qwen2 or attention_bias, "o_bias": attention_bias}
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device, **attn_kw) for i in range(cfg.num_hidden_layers))
+            self.layer_class(cfg, i, dtype, device, **attn_kw) for i in range(cfg.num_hidden_layers))
         attn = self.layers[0].attn
         self.kv_layout = KVLayout(cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim,
                                   tuple(layer.attn.window for layer in self.layers))

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from hyprefix.hardware import DTYPES, resolve_dtype
-from hyprefix.models import gguf_hybrid
-from hyprefix.models.gguf_weights import INT8_TYPES, GGUFWeights
-from hyprefix.models.registry import model_class
+from hyprefix.models import gguf_blocks, gguf_config, gguf_hybrid
+from hyprefix.models.gguf_weights import GGUFWeights
+from hyprefix.models.registry import GGUF_CONFIGS, GGUF_LLAMA_ROWS, model_class
 from hyprefix.progress import progress_bar
 
 
@@ -133,8 +133,9 @@ def checkpoint_identity(path: Path) -> str:
 
 
 # GGUF architectures (``general.architecture``) whose models hyprefix runs: Llama
-# (SmolLM2, and Mistral, which llama.cpp writes as llama), Mistral, Qwen2, Qwen3, Gemma 3.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# (SmolLM2, and Mistral, which llama.cpp writes as llama), Mistral, Qwen2, Qwen3, Gemma 3, and
+# SmolLM3, Phi-3 / Phi-4-mini and Granite (their configs from ``registry.GGUF_CONFIGS``), LFM2.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm3", "phi3", "granite", "lfm2")
 
 
 def gguf_architecture(path: Path) -> str:
@@ -176,6 +177,8 @@ def load_config(path: Path):
     arch = gguf_architecture(path)
     if arch in gguf_hybrid.ARCHITECTURES:
         config = gguf_hybrid.load_config(path)
+    elif arch in GGUF_CONFIGS:  # transformers' GGUF reader lacks these or reads them in part
+        config = gguf_config.load_config(path, GGUF_CONFIGS, GGUF_LLAMA_ROWS)
     elif arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; hyprefix loads GGUF "
                          f"files of {', '.join(GGUF_ARCHITECTURES + gguf_hybrid.ARCHITECTURES)}")
@@ -212,58 +215,33 @@ def _meta_reference(hf_config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
 
 
-def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors under transformers' names, dequantized to float32 (a hybrid
-    architecture's through ``gguf_hybrid``)."""
+def gguf_source(path: Path, hf_config) -> GGUFWeights | gguf_hybrid.HybridGGUF:
+    """The reader of a GGUF file's tensors under transformers' names: ``gguf_hybrid`` for the
+    hybrid architectures (it undoes what llama.cpp's converter did), transformers' name map
+    otherwise (``gguf_weights``)."""
     if hybrid_gguf(path):
-        yield from gguf_hybrid.iter_tensors(path, hf_config)
-    else:
-        yield from GGUFWeights(path, hf_config, gguf_architecture(path)).floats(set())
+        return gguf_hybrid.HybridGGUF(path, hf_config)
+    return GGUFWeights(path, hf_config, gguf_architecture(path))
 
 
-def kept_quantized(net: torch.nn.Module, weights: GGUFWeights) -> dict[str, str]:
-    """The file's matrices ``net`` keeps in their quantized blocks (transformers name -> GGUF
-    name): a linear's or the embedding table's, where every shard of the matrix (q/k/v, gate/up)
-    can stay quantized (``GGUFWeights.can_keep``), its columns fill groups of 32 and every shard
-    but the last holds whole 16-row tiles (the kernel's parts)."""
-    from hyprefix.models.layers import Embedding, Linear
-
-    modules = dict(net.named_modules())
-    groups: dict[str, list[tuple[int, str, str]]] = {}
-    expected: dict[str, list[int] | None] = {}
-    for gguf_name, hf_name in ((g, weights.names[g]) for g in weights.tensors):
-        target = net.map_name(hf_name)
-        if target is None:
-            continue
-        param_name, shard, sizes = target
-        module_name, leaf = param_name.rsplit(".", 1)
-        if leaf != "weight" or not isinstance(modules.get(module_name), Linear | Embedding):
-            continue
-        groups.setdefault(param_name, []).append((0 if shard is None else shard, hf_name, gguf_name))
-        expected[param_name] = sizes
-    kept: dict[str, str] = {}
-    for param_name, shards in groups.items():
-        sizes = expected[param_name] or [None]
-        shards.sort()
-        whole = len(shards) == len(sizes) and all(size % 16 == 0 for size in sizes[:-1])
-        if whole and all(weights.can_keep(g) for _, _, g in shards) \
-                and int(weights.tensors[shards[0][2]].shape[0]) % 32 == 0:
-            kept.update({hf_name: gguf_name for _, hf_name, gguf_name in shards})
-    return kept
+def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under transformers' names, dequantized to float32."""
+    yield from gguf_source(path, hf_config).floats(set())
 
 
 def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | None) -> None:
-    """Fill ``net`` from a GGUF file read from its memory map (``gguf_weights``): with
-    ``quantization`` None the quantized matrices stay in their blocks (``kept_quantized``; the
-    low-bit ones where ``kernels/quant_linear`` runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and
-    reads the rest as floats (quantized per channel afterwards), "none" dequantizes all."""
-    weights = GGUFWeights(path, hf_config, gguf_architecture(path))
-    kept = kept_quantized(net, weights) if quantization is None else {}
-    held = net.load_quantized((hf, weights.quantized(g)) for hf, g in kept.items())
-    net.load_weights(_loading(weights.floats(set(kept)), path, len(weights.tensors) - len(kept)), quantized=held)
+    """Fill ``net`` from a GGUF file read from its memory map: with ``quantization`` None the
+    quantized matrices stay in their blocks (``gguf_blocks``; where ``kernels/quant_linear``
+    runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and reads the rest as floats (quantized
+    per channel afterwards), "none" dequantizes all."""
+    source = gguf_source(path, hf_config)
+    matrices = source.block_matrices() if quantization in (None, "int8") else []
+    plan = gguf_blocks.plan_blocks(net, matrices) if quantization is None else gguf_blocks.BlockPlan()
+    held = gguf_blocks.load_blocks(net, plan)
+    net.load_weights(_loading(source.floats(plan.names), path, _tensor_count(path) - len(plan.names)),
+                     quantized=held)
     if quantization == "int8":
-        net.load_int8_weights((weights.names[g], weights.quantized(g)) for g in weights.tensors
-                              if weights.type_name(g) in INT8_TYPES and weights.can_keep(g))
+        net.load_int8_weights(gguf_blocks.int8_weights(net, matrices))
 
 
 def load_model(model: str, dtype: str, device: torch.device, max_positions: int | None,
@@ -287,13 +265,12 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
     net.materialize(device)
-    if path.suffix == ".gguf" and not hybrid_gguf(path):  # hybrids: floats (gguf_hybrid) for now
+    if path.suffix == ".gguf":
         # the kept blocks run on the CPU kernels only, and have no batch-invariant matmul
         as_floats = quantization is None and (batch_invariant or device.type != "cpu")
         load_gguf(net, path, hf_config, "none" if as_floats else quantization)
     else:
-        tensors = iter_gguf(path, hf_config) if path.suffix == ".gguf" else iter_safetensors(path)
-        net.load_weights(_loading(tensors, path, _tensor_count(path)))
+        net.load_weights(_loading(iter_safetensors(path), path, _tensor_count(path)))
     net.eval()
     if lm_head_fp32:  # from the plain weight, before any other form replaces it
         net.use_fp32_head()

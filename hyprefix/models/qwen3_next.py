@@ -158,11 +158,7 @@ class Qwen3NextForCausalLM(CausalLM):
         return x + residual
 
     # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     into: dict[str, torch.Tensor] | None = None, quantized: set[str] = frozenset()) -> None:
-        super().load_weights(self._converted(weights), into, quantized)
-
-    def _converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors -> ours: ``1 + w`` norms; the attention q_proj split into query and
         gate rows; Qwen3-Next's interleaved DeltaNet projections and fused expert tensors
         split into the per-part tensors the names map to."""
@@ -200,7 +196,7 @@ class Qwen3NextForCausalLM(CausalLM):
         yield name.replace("in_proj_qkvz", "in_proj_z"), z.reshape(-1, t.shape[-1])
 
     def relative_name(self, name: str) -> str | None:
-        return name  # ``_converted`` made it relative already
+        return name  # ``converted`` made it relative already
 
     def map_layer(self, idx: int, rest: str) -> Target:
         prefix, layer = f"layers.{idx}", self.layers[idx]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from hyprefix.models import gguf_config, granite, phi3, smollm3
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
+from hyprefix.models.lfm2 import Lfm2ForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
 from hyprefix.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -22,7 +24,22 @@ MODEL_CLASSES: dict[str, type] = {
     "Qwen3_5ForConditionalGeneration": Qwen3NextForCausalLM,  # the language model; images are not supported
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3NextForCausalLM,  # likewise
+    "SmolLM3ForCausalLM": smollm3.SmolLM3ForCausalLM,
+    "Phi3ForCausalLM": phi3.Phi3ForCausalLM,
+    "GraniteForCausalLM": granite.GraniteForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
+
+# GGUF architectures (``general.architecture``) whose transformers config hyprefix builds from
+# the file's metadata (``gguf_config.load_config``): transformers' reader knows neither smollm3
+# nor granite, and reads phi3 without its partial rotary width, LongRoPE factors and sliding window.
+GGUF_CONFIGS: dict[str, gguf_config.Builder] = {
+    "smollm3": smollm3.config_from_gguf,
+    "phi3": phi3.config_from_gguf,
+    "granite": granite.config_from_gguf,
+}
+# Those written by llama.cpp's LlamaModel subclasses, with Llama's q/k row order (``gguf_config.teach_transformers``).
+GGUF_LLAMA_ROWS = ("smollm3", "granite")
 
 
 def model_class(hf_config) -> type:

@@ -143,6 +143,17 @@ class MatrixForms(nn.Module):
                 self.register_buffer(f"quant{i // 3}_{leaf}", tensor, persistent=False)
         self.packed = self.packed_halves = None
 
+    def use_column_order(self, order: torch.Tensor) -> None:
+        """The low-bit tiles hold the matrix with its columns in the order of a GGUF file whose
+        converter reordered them (the matrix is the tiles' ``[:, order]``; columns cannot move
+        inside a block, ``gguf_blocks``): from now on each input is gathered into the tiles' order
+        first (the buffer ``column_gather``, ``order``'s inverse)."""
+        self.register_buffer("column_gather", torch.argsort(order), persistent=False)
+
+    @property
+    def input_index(self) -> torch.Tensor | None:
+        return self._buffers.get("column_gather")
+
     @property
     def bf16(self) -> Bf16Tiles | None:
         tiles = self._buffers.get("bf16_tiles")
@@ -266,6 +277,8 @@ class MatrixForms(nn.Module):
                 self._buffers["scales"].copy_(fresh.scales)
         quant = self.quant
         if quant is not None:
+            if self.input_index is not None:  # the tiles' column order (``use_column_order``)
+                plain = plain[:, self.input_index]
             for old, new in zip(quant.tensors, requantize_like(plain, quant), strict=True):
                 old.copy_(new)
         tiles = self._buffers.get("bf16_tiles")
@@ -301,6 +314,8 @@ class MatrixForms(nn.Module):
         int8, else packed, else ``plain``. (Packed halves are multiplied by their owner,
         ``GatedMLP``, except in a one-row graph, which reads ``graph_weight``.) The batch-invariant
         mode always multiplies with its kernels (``use_batch_invariant``)."""
+        if self.input_index is not None:  # only beside low-bit tiles (``use_column_order``)
+            x = x.index_select(-1, self.input_index)
         if self.invariant:
             tiles = self.bf16
             if tiles is not None and x.dtype == torch.bfloat16:

@@ -9,6 +9,7 @@ multi-token sequences (prefill chunks), each contiguous; attention relies on it.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,37 +31,9 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
     prefills = [s for s in seqs if s.num_tokens > 1]
     ordered = decodes + prefills
 
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    write_index: list[int] = []
-    all_write = all(seq.write_kv for seq in ordered)
-    logits_indices: list[int] = []
-    sample_seqs: list[ScheduledSeq] = []
-    spans: list[PrefillSpan] = []
-    for seq in ordered:
-        start = len(input_ids)
-        input_ids.extend(seq.token_ids)
-        table = seq.block_table
-        positions.extend(range(seq.start_pos, seq.context_len))
-        if seq.write_kv:
-            slots.extend(table[pos // block_size] * block_size + pos % block_size
-                         for pos in range(seq.start_pos, seq.context_len))
-            if not all_write:
-                write_index.extend(range(start, start + seq.num_tokens))
-        if seq.sample and seq.num_drafts:  # every token of a row verifying drafts samples
-            logits_indices.extend(range(start, len(input_ids)))
-            sample_seqs.extend(verify.sample_rows(seq))
-        elif seq.sample:
-            logits_indices.append(len(input_ids) - 1)
-            sample_seqs.append(seq)
-        if seq.num_tokens > 1:
-            n_blocks = -(-seq.context_len // block_size)
-            spans.append(PrefillSpan(
-                token_start=start, num_tokens=seq.num_tokens, start_pos=seq.start_pos,
-                block_table=torch.tensor(table[:n_blocks], dtype=torch.long, device=device),
-                state_slot=seq.state_slot,
-                state_taps=[(pos - seq.start_pos, slot) for pos, slot in seq.state_taps]))
+    rows = _token_rows(ordered, block_size, device)
+    input_ids, positions, slots, write_index = rows.input_ids, rows.positions, rows.slots, rows.write_index
+    all_write, logits_indices, sample_seqs, spans = rows.all_write, rows.logits_indices, rows.sample_seqs, rows.spans
 
     def as_long(values: list) -> torch.Tensor:
         return _long(values, device)
@@ -104,6 +77,48 @@ def build_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
         segments, covered = cascade.plan_segments(tables, lens, block_size, unshared)
         batch.decode_cascade = _decode_cascade(segments, covered, tables, decode_lens, block_size, device)
     return batch
+
+
+@dataclass
+class _TokenRows:
+    """The step's tokens, decodes first, as flat lists (``build_batch`` makes tensors of them)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    write_index: list[int] = field(default_factory=list)  # rows that write KV, unless all do
+    all_write: bool = True
+    logits_indices: list[int] = field(default_factory=list)
+    sample_seqs: list[ScheduledSeq] = field(default_factory=list)
+    spans: list[PrefillSpan] = field(default_factory=list)
+
+
+def _token_rows(ordered: list[ScheduledSeq], block_size: int, device: torch.device) -> _TokenRows:
+    rows = _TokenRows(all_write=all(seq.write_kv for seq in ordered))
+    for seq in ordered:
+        start = len(rows.input_ids)
+        rows.input_ids.extend(seq.token_ids)
+        table = seq.block_table
+        rows.positions.extend(range(seq.start_pos, seq.context_len))
+        if seq.write_kv:
+            rows.slots.extend(table[pos // block_size] * block_size + pos % block_size
+                              for pos in range(seq.start_pos, seq.context_len))
+            if not rows.all_write:
+                rows.write_index.extend(range(start, start + seq.num_tokens))
+        if seq.sample and seq.num_drafts:  # every token of a row verifying drafts samples
+            rows.logits_indices.extend(range(start, len(rows.input_ids)))
+            rows.sample_seqs.extend(verify.sample_rows(seq))
+        elif seq.sample:
+            rows.logits_indices.append(len(rows.input_ids) - 1)
+            rows.sample_seqs.append(seq)
+        if seq.num_tokens > 1:
+            n_blocks = -(-seq.context_len // block_size)
+            rows.spans.append(PrefillSpan(
+                token_start=start, num_tokens=seq.num_tokens, start_pos=seq.start_pos,
+                block_table=torch.tensor(table[:n_blocks], dtype=torch.long, device=device),
+                state_slot=seq.state_slot,
+                state_taps=[(pos - seq.start_pos, slot) for pos, slot in seq.state_taps]))
+    return rows
 
 
 def _decode_cascade(segments: list[cascade.Segment], covered: list[int], tables: list[list[int]],

@@ -75,8 +75,8 @@ def test_an_unsupported_architecture_is_named(tmp_path):
 
 
 def test_an_architecture_transformers_reads_but_we_do_not_run_is_named(tmp_path):
-    path = write_gguf(tmp_path / "phi.gguf", arch="phi3")
-    with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported"):
+    path = write_gguf(tmp_path / "starcoder2.gguf", arch="starcoder2")
+    with pytest.raises(ValueError, match=r"architecture 'starcoder2' is not supported"):
         LLM(str(path), dtype="float32")
 
 

@@ -10,12 +10,6 @@ config, so the engine's greedy tokens equal transformers' on the original model.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,15 +19,8 @@ from hyprefix import LLM, SamplingParams
 from hyprefix.models import gguf_hybrid
 from hyprefix.models.loader import gguf_architecture, load_config, load_tokenizer
 from tests.support.compare import hf_greedy, random_prompts
+from tests.support.gguf_convert import run_converter
 from tests.support.models import _tiny_hybrid_config, save_tiny_checkpoint, vary_deltanet_weights
-from tools.models.fetch_test_models import models_dir
-
-VERSION = "0.3.36"  # llama-cpp-python, as pyproject's llamacpp extra pins it
-SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
-LOCAL_SDIST = Path("/tmp/llama") / SDIST  # a copy already on this machine: only saves the download
-SDIST_ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
-# What the converter needs from llama.cpp: the script, its model classes, its gguf package.
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
 # test case -> (its tiny checkpoint, the GGUF architecture the converter writes for it)
 ARCHS = {"qwen3_5": ("qwen3_5", "qwen35"), "qwen3_5_moe": ("qwen3_5_moe", "qwen35moe"),
@@ -45,57 +32,6 @@ FLAGS = {"qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"], "qwen3_next": ["-
 # NemotronH config, which sends the converter down its MoE path (nemotron_h_moe, here without
 # expert layers); hidden, it takes the dense path (nemotron_h), as for a config from the hub.
 HIDDEN = {"nemotron_h_dense": ["num_experts_per_tok"]}
-
-# llama.cpp names a BPE pre-tokenizer by hashing how the tokenizer splits a test text, and
-# refuses one it does not know, as the tests' tiny tokenizer is. It splits as GPT-2 does
-# (ByteLevel), so it is named that; the tensors and every other metadata key are the converter's.
-RUN_CONVERTER = """
-import json, runpy, sys
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-load_hparams = base.ModelBase.load_hparams
-script, jobs = sys.argv[1], json.loads(sys.argv[2])
-for args, hidden in jobs:  # one interpreter for every checkpoint: importing torch and transformers is most of it
-    def hparams(dir_model, is_mistral_format, hidden=hidden):
-        config = load_hparams(dir_model, is_mistral_format)
-        return {key: value for key, value in config.items() if key not in hidden}
-    base.ModelBase.load_hparams = staticmethod(hparams)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
-"""
-
-
-def _sdist(into: Path) -> Path:
-    if LOCAL_SDIST.is_file():
-        return LOCAL_SDIST
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={VERSION}", "-d", str(into)], check=True)
-    return into / SDIST
-
-
-@pytest.fixture(scope="session")
-def llama_converter() -> Path:
-    """A directory holding llama.cpp's ``convert_hf_to_gguf.py``, ``conversion/`` and
-    ``gguf-py/``, extracted once from the sdist and kept for later runs."""
-    out = models_dir() / f"llama-cpp-converter-{VERSION}"
-    if (out / "convert_hf_to_gguf.py").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        staging = Path(tmp) / "converter"
-        with tarfile.open(_sdist(Path(tmp))) as tar:
-            for member in tar:
-                name = member.name.removeprefix(SDIST_ROOT)
-                if member.isfile() and name != member.name and name.startswith(CONVERTER_FILES):
-                    member.name = name
-                    tar.extract(member, staging, filter="data")
-        try:
-            staging.rename(out)
-        except OSError:  # another session extracted it meanwhile
-            if not (out / "convert_hf_to_gguf.py").is_file():
-                raise
-    return out
-
 
 def _build(config, out: Path):
     """A tiny float32 checkpoint of ``config`` (seeded; the DeltaNet weights varied as the
@@ -137,9 +73,7 @@ def ggufs(llama_converter, checkpoints, tmp_path_factory) -> dict[str, Path]:
     out = {case: root / f"{case}.gguf" for case in ARCHS}
     jobs = [(["--outtype", "f32", "--outfile", str(out[case]), *FLAGS.get(case, []), str(checkpoints[arch][0])],
              HIDDEN.get(case, [])) for case, (arch, _) in ARCHS.items()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_converter), str(llama_converter / "gguf-py")])}
-    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(llama_converter / "convert_hf_to_gguf.py"),
-                           json.dumps(jobs)], cwd=llama_converter, env=env, capture_output=True, text=True)
+    proc = run_converter(llama_converter, jobs)
     if proc.returncode:
         pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
     return out
@@ -189,9 +123,7 @@ def test_a_bf16_file_runs_in_bf16(llama_converter, checkpoints, tmp_path):
     checkpoint = checkpoints["qwen3_5"][0]
     path = tmp_path / "qwen3_5-bf16.gguf"
     jobs = [(["--outtype", "bf16", "--outfile", str(path), "--no-mtp", str(checkpoint)], [])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_converter), str(llama_converter / "gguf-py")])}
-    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(llama_converter / "convert_hf_to_gguf.py"),
-                           json.dumps(jobs)], cwd=llama_converter, env=env, capture_output=True, text=True)
+    proc = run_converter(llama_converter, jobs)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert load_config(path).dtype == torch.bfloat16
     auto = LLM(str(path), num_kv_blocks=64, log_stats_interval=0)
@@ -230,3 +162,84 @@ def test_a_missing_tensor_is_a_clear_error(ggufs, tmp_path):
     broken.write_bytes(data.replace(name, b"blk.0.ssm_OUT.weight"))
     with pytest.raises(ValueError, match=r"broken\.gguf.*blk\.0\.ssm_out\.weight"):
         LLM(str(broken), dtype="float32", num_kv_blocks=16, log_stats_interval=0)
+
+
+# Hybrid files with quantized matrices keep them in their blocks (``gguf_blocks``), as dense ones do.
+Q8_CASES = ("qwen3_5", "qwen3_next", "nemotron_h_dense", "mamba2")
+
+
+@pytest.fixture(scope="session")
+def q8_ggufs(llama_converter, checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """test case -> the Q8_0 GGUF file llama.cpp's converter writes for its checkpoint."""
+    root = tmp_path_factory.mktemp("gguf-hybrid-q8")
+    out = {case: root / f"{case}-q8_0.gguf" for case in Q8_CASES}
+    jobs = [(["--outtype", "q8_0", "--outfile", str(out[case]), *FLAGS.get(case, []),
+              str(checkpoints[ARCHS[case][0]][0])], HIDDEN.get(case, [])) for case in Q8_CASES]
+    proc = run_converter(llama_converter, jobs)
+    if proc.returncode:
+        pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+def _linears(model) -> dict[str, torch.nn.Module]:
+    from hyprefix.models.layers import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def _float_parameters(model, path: Path) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` as the float path reads it from the file (dequantized), in
+    transformers' layout (``load_weights`` into staging tensors, as ``update_weights`` does)."""
+    from hyprefix.models.loader import iter_gguf
+
+    modules = dict(model.named_modules())
+    staged = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        forms = getattr(modules[module_name], "forms", None)
+        shape = (forms.rows, forms.cols) if forms is not None and leaf == "weight" else param.shape
+        staged[name] = torch.empty(shape)
+    model.load_weights(iter_gguf(path, load_config(path)), into=staged)
+    return staged
+
+
+@pytest.mark.parametrize("case", Q8_CASES)
+def test_quantized_hybrid_files_keep_their_blocks(q8_ggufs, case):
+    """Every projection of the recurrent and attention layers stays in the file's Q8_0 blocks,
+    each equal, dequantized, to the matrix the float path reads from the same file (rows moved
+    back as the converter moved them; Qwen3.5's ``out_proj`` keeps the file's column order and
+    gathers its inputs instead); the weights take a third of the float32 bytes or less (but
+    Qwen3-Next's, whose experts stay float)."""
+    from hyprefix.kernels import quant_linear
+
+    if not quant_linear.available():
+        pytest.skip("the quant kernels do not run on this CPU")
+    path = q8_ggufs[case]
+    kept = LLM(str(path), dtype="float32", num_kv_blocks=32, log_stats_interval=0).engine.runner.model
+    plain = _float_parameters(kept, path)
+    held = {name: lin for name, lin in _linears(kept).items() if lin.forms.quant is not None}
+    mixers = {n for n in _linears(kept) if n.endswith(("in_proj", "out_proj", "qkv", "o_proj"))}
+    assert mixers and mixers <= set(held), sorted(mixers - set(held))
+    if case == "qwen3_5":  # value heads tiled by the converter: the columns stay in the file's order
+        assert all(held[n].forms.input_index is not None for n in held if n.endswith("out_proj"))
+    for name, lin in held.items():
+        values = lin.forms.quant.dequantize(torch.float32)
+        if lin.forms.input_index is not None:
+            values = values[:, torch.argsort(lin.forms.input_index)]
+        torch.testing.assert_close(values, plain[f"{name}.weight"], rtol=0, atol=1e-6)
+    if case != "qwen3_next":  # its experts load as floats (a fused-MoE method is the MoE work's)
+        assert kept.weight_memory_bytes() * 3 < sum(t.nbytes for t in plain.values())
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "nemotron_h_dense"])
+def test_quantized_hybrid_files_hit_the_prefix_cache(q8_ggufs, case):
+    """On the kept blocks, greedy tokens are the same with prefix hits and without the cache."""
+    path = q8_ggufs[case]
+    prompts = random_prompts((3, 40), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cached = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    first = [o.outputs[0].token_ids for o in cached.generate(prompts, params, use_tqdm=False)]
+    again = cached.generate([prompts[-1]], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
+    uncached = LLM(str(path), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=0)
+    assert [o.outputs[0].token_ids for o in uncached.generate(prompts, params, use_tqdm=False)] == first

@@ -1,0 +1,92 @@
+"""IBM Granite 3.x dense (``GraniteForCausalLM``): Llama's layers and weight names with four
+multipliers from the config, applied where transformers applies them:
+
+* ``embedding_multiplier``: the embeddings are scaled by it before the first layer;
+* ``attention_multiplier``: the attention scale (in place of ``head_dim ** -0.5``);
+* ``residual_multiplier``: each attention and MLP output is scaled by it before it is added to
+  the residual stream;
+* ``logits_scaling``: the logits are divided by it.
+
+The one-call decode kernel knows none of these, so Granite decodes through ``forward``.
+
+A GGUF file (llama.cpp's ``granite``) states them as ``granite.embedding_scale``,
+``attention.scale``, ``residual_scale`` and ``logit_scale``; a missing one means what it means
+to llama.cpp (no scaling; for the attention scale ``head_dim ** -0.5``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyprefix.forward import ForwardBatch
+from hyprefix.models.fused import Kernels
+from hyprefix.models.gguf_config import GGUFMetadata, llama_like
+from hyprefix.models.layers import RopeTables
+from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    """A Llama layer with the attention scale ``attention_multiplier`` and both block outputs
+    scaled by ``residual_multiplier`` before they join the residual stream."""
+
+    def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device, **attn_kw) -> None:
+        super().__init__(cfg, layer_idx, dtype, device, **attn_kw)
+        self.attn.scale = float(cfg.attention_multiplier)
+        self.residual_multiplier = float(cfg.residual_multiplier)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream); their sum is the hidden state."""
+        h, residual = self.input_norm.add_forward(x, residual, kernels)
+        h = self.attn(h, batch, rope, kv_cache, kernels) * self.residual_multiplier
+        h, residual = self.post_norm.add_forward(h, residual, kernels)
+        return self.mlp(h) * self.residual_multiplier, residual
+
+    def fits_decode_kernel(self) -> bool:
+        return False  # the kernel has no residual multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3.x dense models. Refuses an activation other than SiLU."""
+
+    layer_class = GraniteDecoderLayer
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"Granite config sets hidden_act={hf_config.hidden_act!r}: only silu is supported")
+        super().__init__(hf_config, dtype, device, max_positions)
+        self.embedding_multiplier = float(hf_config.embedding_multiplier)
+        self.logits_scaling = float(hf_config.logits_scaling)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                states=None) -> torch.Tensor:
+        x, residual = self.embed(batch.input_ids) * self.embedding_multiplier, None
+        rope = self.rotary.tables(batch.positions)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, batch, rope, kv, self.kernels)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The Llama head's float32 logits divided by ``logits_scaling`` (every sampling path,
+        eager or compiled, reads logits from here)."""
+        return super().compute_logits(hidden) / self.logits_scaling
+
+
+def config_from_gguf(meta: GGUFMetadata):
+    """The ``GraniteConfig`` of a ``granite`` GGUF file: the Llama-style keys and the four
+    multipliers, each missing one as llama.cpp reads it (0 or absent: no scaling; the attention
+    scale then ``head_dim ** -0.5``). A file whose RoPE is switched off
+    (``rope.scaling.finetuned`` false, Granite 4's NoPE layers) is refused."""
+    from transformers import GraniteConfig
+
+    if not meta.get("rope.scaling.finetuned", True):
+        raise meta.error("granite.rope.scaling.finetuned is false (no RoPE): not supported")
+    config = llama_like(meta)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return GraniteConfig(
+        **config, architectures=["GraniteForCausalLM"],
+        embedding_multiplier=meta.real("embedding_scale", 0.0) or 1.0,
+        residual_multiplier=meta.real("residual_scale", 0.0) or 1.0,
+        attention_multiplier=meta.real("attention.scale", 0.0) or head_dim ** -0.5,
+        logits_scaling=meta.real("logit_scale"))

@@ -1,0 +1,66 @@
+"""Write a random-weight hybrid model of a real model's shape as GGUF files, the way a llama.cpp
+user gets them: the demo model's HF checkpoint (``hyprefix.demo``: ``demo-qwen3.5-0.8b``,
+``demo-hybrid-0.5b``) through llama.cpp's own ``convert_hf_to_gguf.py`` to BF16, then
+``llama-quantize`` to each requested type. For speed benchmarks (random weights decode at the
+speed of real ones).
+
+    python tools/models/make_hybrid_gguf.py --model demo-qwen3.5-0.8b --out /tmp/m \\
+        --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp --types Q4_K_M
+
+``--llama-cpp`` is llama.cpp's source tree (from the llama-cpp-python sdist) with
+``llama-quantize`` built in ``build/bin`` (``cmake --build build --target llama-quantize``). The
+demo tokenizer's pre-tokenizer is unknown to the converter's hash table; it splits as GPT-2
+does, so it is named that (as the test suite's converter runs do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hyprefix.demo import resolve_demo_alias
+
+RUN_CONVERTER = """
+import runpy, sys
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(checkpoint: Path, llama_cpp: Path, out: Path) -> Path:
+    """The checkpoint as a BF16 GGUF file written by llama.cpp's converter."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_cpp), str(llama_cpp / "gguf-py")])}
+    subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(llama_cpp / "convert_hf_to_gguf.py"),
+                    "--outtype", "bf16", "--no-mtp", "--outfile", str(out), str(checkpoint)],
+                   cwd=llama_cpp, env=env, check=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="demo-qwen3.5-0.8b", help="a demo alias of a hybrid model")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the GGUF files")
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree, llama-quantize built")
+    parser.add_argument("--types", nargs="+", default=["Q4_K_M"], help="llama-quantize types to write")
+    args = parser.parse_args()
+    checkpoint = resolve_demo_alias(args.model)
+    if checkpoint is None:
+        parser.error(f"{args.model!r} is not a demo alias")
+    args.out.mkdir(parents=True, exist_ok=True)
+    bf16 = args.out / f"{args.model}-BF16.gguf"
+    if not bf16.exists():
+        convert(Path(checkpoint), args.llama_cpp, bf16)
+    for kind in args.types:
+        target = args.out / f"{args.model}-{kind}.gguf"
+        subprocess.run([str(args.llama_cpp / "build" / "bin" / "llama-quantize"), str(bf16), str(target), kind],
+                       check=True)
+        print(f"{target}: {target.stat().st_size / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
