@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("make-demo-model", help="write a deterministic random-weight demo model")
-    demo.add_argument("--arch", default="dense", choices=["dense", "hybrid", "deltanet"],
-                      help="dense: Qwen3-style; hybrid: NemotronH-style (Mamba2); deltanet: Qwen3.5-style")
+    demo.add_argument("--arch", default="dense", choices=["dense", "hybrid", "deltanet", "lfm2"],
+                      help="dense: Qwen3-style; hybrid: NemotronH-style (Mamba2); deltanet: Qwen3.5-style; "
+                           "lfm2: LFM2-style (short convolutions)")
     demo.add_argument("--size", default="tiny", choices=["tiny", "bench"],
                       help="tiny: for tests and the quick start; bench: the benchmark shapes (default: %(default)s)")
     demo.add_argument("--out", required=True, help="directory to write the checkpoint and tokenizer to")

@@ -21,7 +21,7 @@ import transformers  # a lazy module: the model classes are imported when a demo
 # directory name includes it, so old cached models are not reused.
 DEMO_VERSION = "2"
 
-ARCHS = ("dense", "hybrid", "deltanet")
+ARCHS = ("dense", "hybrid", "deltanet", "lfm2")
 SIZES = ("tiny", "bench")
 # Names ``--model`` accepts for the demo models: (arch, size) of ``demo_model_path``.
 DEMO_ALIASES = {
@@ -31,6 +31,8 @@ DEMO_ALIASES = {
     "demo-hybrid-tiny": ("hybrid", "tiny"),
     "demo-qwen3.5-0.8b": ("deltanet", "bench"),
     "demo-qwen3.5-tiny": ("deltanet", "tiny"),
+    "demo-lfm2-350m": ("lfm2", "bench"),
+    "demo-lfm2-tiny": ("lfm2", "tiny"),
 }
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
@@ -227,8 +229,31 @@ def _deltanet_config(size: str) -> transformers.Qwen3_5TextConfig:
     )
 
 
+_LFM2_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden_size": 256, "intermediate_size": 1152, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "initializer_range": 0.1},
+    # "demo-lfm2-350m": LFM2-350M shapes (10 short-convolution + 6 attention layers; our 4,096-token
+    # vocabulary in place of its 65,536).
+    "bench": {"hidden_size": 1024, "intermediate_size": 6656, "num_hidden_layers": 16, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "initializer_range": 0.02},
+}
+_LFM2_ATTENTION = {"tiny": (1,), "bench": (2, 5, 8, 10, 12, 14)}  # LFM2-350M's attention layers
+
+
+def _lfm2_config(size: str) -> transformers.Lfm2Config:
+    shape = _LFM2_SHAPES[size]
+    layers = shape["num_hidden_layers"]
+    return transformers.Lfm2Config(
+        **shape, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=128_000, conv_L_cache=3, conv_bias=False,
+        norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        layer_types=["full_attention" if i in _LFM2_ATTENTION[size] else "conv" for i in range(layers)],
+        block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256, tie_word_embeddings=True,
+        **_demo_fields("lfm2", size),
+    )
+
+
 _BUILDERS = {"dense": (_dense_config, "Qwen3ForCausalLM"), "hybrid": (_hybrid_config, "NemotronHForCausalLM"),
-             "deltanet": (_deltanet_config, "Qwen3_5ForCausalLM")}
+             "deltanet": (_deltanet_config, "Qwen3_5ForCausalLM"), "lfm2": (_lfm2_config, "Lfm2ForCausalLM")}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ does, so it is named that (as the test suite's converter runs do).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -24,20 +25,42 @@ from pathlib import Path
 from hyprefix.demo import resolve_demo_alias
 
 RUN_CONVERTER = """
-import runpy, sys
+import json, runpy, sys
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = sys.argv[1:]
+load_hparams, (hidden, added) = base.ModelBase.load_hparams, json.loads(sys.argv[1])
+base.ModelBase.load_hparams = staticmethod(
+    lambda *args, **kwargs: {k: v for k, v in load_hparams(*args, **kwargs).items() if k not in hidden} | added)
+sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+# Config keys the converter is not shown, by model type. transformers 5 saves its MoE defaults
+# into every NemotronH config: num_experts_per_tok sends the converter down its MoE path
+# (nemotron_h_moe, which llama.cpp cannot load without expert layers), n_routed_experts makes it
+# write an expert count and n_group / topk_group expert groups, on which llama.cpp's loader asserts;
+# hidden, it writes a dense nemotron_h.
+HIDDEN = {"nemotron_h": ["num_experts_per_tok", "n_routed_experts", "n_group", "topk_group"]}
+# transformers 5 states NemotronH's layer kinds as a list (layers_block_type), which the converter
+# reads as MoE kinds only; the string pattern it also reads names the MLP layers of a dense one.
+PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def added_keys(config: dict) -> dict:
+    """Config keys the converter is shown besides the checkpoint's own."""
+    if config.get("model_type") == "nemotron_h" and "layers_block_type" in config:
+        return {"hybrid_override_pattern": "".join(PATTERN[kind] for kind in config["layers_block_type"])}
+    return {}
 
 
 def convert(checkpoint: Path, llama_cpp: Path, out: Path) -> Path:
     """The checkpoint as a BF16 GGUF file written by llama.cpp's converter."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    model_type = config.get("model_type", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_cpp), str(llama_cpp / "gguf-py")])}
-    subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(llama_cpp / "convert_hf_to_gguf.py"),
-                    "--outtype", "bf16", "--no-mtp", "--outfile", str(out), str(checkpoint)],
-                   cwd=llama_cpp, env=env, check=True)
+    flags = ["--no-mtp"] if model_type.startswith("qwen3") else []
+    subprocess.run([sys.executable, "-c", RUN_CONVERTER, json.dumps([HIDDEN.get(model_type, []), added_keys(config)]),
+                    str(llama_cpp / "convert_hf_to_gguf.py"), "--outtype", "bf16", *flags, "--outfile", str(out),
+                    str(checkpoint)], cwd=llama_cpp, env=env, check=True)
     return out
 
 
