@@ -44,6 +44,7 @@ import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix, row_tags, tagged_rows
+from hyprefix.models.gguf_check import check_types
 from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and ARCHITECTURES are this module's API
     ARCHITECTURES,
     FULL,
@@ -142,6 +143,11 @@ class HybridGGUF:
         unknown = [n for n in file.tensors if n not in used and not _past_layers(n, cfg.num_hidden_layers)]
         if unknown:
             raise file.error(f"tensors hyprefix does not know where to load: {_listed(unknown)}")
+
+    def check(self, net: torch.nn.Module) -> None:
+        """Before anything is allocated: every type reads (``gguf_check``); the names were
+        checked when this reader was made."""
+        check_types(self.file.path.name, self.file.tensors)
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip``, float32."""

@@ -30,6 +30,7 @@ import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix
+from hyprefix.models.gguf_check import check_coverage, check_types
 
 
 class GGUFWeights:
@@ -81,6 +82,12 @@ class GGUFWeights:
                 out.append(BlockMatrix(self.names[gguf_name], kind, len(rows), int(tensor.shape[0]),
                                        lambda t=tensor, r=rows: _tensor(t.data)[torch.from_numpy(r)]))
         return out
+
+    def check(self, net: torch.nn.Module) -> None:
+        """Before anything is allocated (``gguf_check``): every type reads, every parameter of
+        ``net`` (on the meta device) is given."""
+        check_types(self.path.name, self.tensors)
+        check_coverage(self.path.name, net, [self.names[name] for name in self.tensors])
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip`` (transformers names), as float32 with its

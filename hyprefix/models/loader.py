@@ -229,12 +229,12 @@ def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     yield from gguf_source(path, hf_config).floats(set())
 
 
-def load_gguf(net: torch.nn.Module, path: Path, hf_config, quantization: str | None) -> None:
-    """Fill ``net`` from a GGUF file read from its memory map: with ``quantization`` None the
-    quantized matrices stay in their blocks (``gguf_blocks``; where ``kernels/quant_linear``
-    runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and reads the rest as floats (quantized
-    per channel afterwards), "none" dequantizes all."""
-    source = gguf_source(path, hf_config)
+def load_gguf(net: torch.nn.Module, source: GGUFWeights | gguf_hybrid.HybridGGUF, path: Path,
+              quantization: str | None) -> None:
+    """Fill ``net`` from a GGUF file (``source``, its reader) read from its memory map: with
+    ``quantization`` None the quantized matrices stay in their blocks (``gguf_blocks``; where
+    ``kernels/quant_linear`` runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and reads the rest
+    as floats (quantized per channel afterwards), "none" dequantizes all."""
     matrices = source.block_matrices() if quantization in (None, "int8") else []
     plan = gguf_blocks.plan_blocks(net, matrices) if quantization is None else gguf_blocks.BlockPlan()
     held = gguf_blocks.load_blocks(net, plan)
@@ -264,11 +264,14 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     max_pos = int(getattr(hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
+    source = gguf_source(path, hf_config) if path.suffix == ".gguf" else None
+    if source is not None:
+        source.check(net)  # a bad file is refused before anything is allocated
     net.materialize(device)
-    if path.suffix == ".gguf":
+    if source is not None:
         # the kept blocks run on the CPU kernels only, and have no batch-invariant matmul
         as_floats = quantization is None and (batch_invariant or device.type != "cpu")
-        load_gguf(net, path, hf_config, "none" if as_floats else quantization)
+        load_gguf(net, source, path, "none" if as_floats else quantization)
     else:
         net.load_weights(_loading(iter_safetensors(path), path, _tensor_count(path)))
     net.eval()

@@ -24,10 +24,11 @@ TENSORS = {
 }
 
 
-def write_gguf(path: Path, arch: str = "llama", q_type=None, tensors: dict | None = None) -> Path:
+def write_gguf(path: Path, arch: str = "llama", q_type=None, tensors: dict | None = None,
+               leave_out: str | None = None) -> Path:
     """A one-layer Llama-shaped GGUF (float32 tensors; ``blk.0.attn_q.weight`` stored as
     ``q_type`` raw bytes when given; ``tensors``: name -> a float32 array, or (raw blocks, their
-    ggml type), in place of the random float32 tensor)."""
+    ggml type), in place of the random float32 tensor; ``leave_out``: a tensor not written)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -44,6 +45,8 @@ def write_gguf(path: Path, arch: str = "llama", q_type=None, tensors: dict | Non
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     rng = np.random.default_rng(0)
     for name, shape in TENSORS.items():
+        if name == leave_out:
+            continue
         given = (tensors or {}).get(name)
         if isinstance(given, tuple):
             w.add_tensor(name, given[0], raw_shape=given[0].shape, raw_dtype=given[1])
@@ -80,11 +83,30 @@ def test_an_architecture_transformers_reads_but_we_do_not_run_is_named(tmp_path)
         LLM(str(path), dtype="float32")
 
 
-def test_an_unsupported_quantization_type_is_named_with_its_tensors(tmp_path):
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fails the test if the model's weights are allocated (``CausalLM.materialize``)."""
+    from hyprefix.models.base import CausalLM
+
+    def allocate(self, device):
+        raise AssertionError("the weights were allocated before the file was refused")
+
+    monkeypatch.setattr(CausalLM, "materialize", allocate)
+
+
+def test_an_unsupported_quantization_type_is_named_with_its_tensors(tmp_path, no_allocation):
+    """Refused before any weight is allocated, naming the type, its tensors and the types that read."""
     import gguf
 
     path = write_gguf(tmp_path / "q8k.gguf", q_type=gguf.GGMLQuantizationType.Q8_K)
-    with pytest.raises(ValueError, match=r"Q8_K.*tensors of that type: blk\.0\.attn_q\.weight"):
+    with pytest.raises(ValueError, match=r"Q8_K.*tensors of that type: blk\.0\.attn_q\.weight.*types that read: F32, "
+                                         r"F16, Q4_0"):
+        LLM(str(path), dtype="float32")
+
+
+def test_a_missing_tensor_names_the_parameter_before_allocating(tmp_path, no_allocation):
+    path = write_gguf(tmp_path / "no-v.gguf", leave_out="blk.0.attn_v.weight")
+    with pytest.raises(ValueError, match=r"no-v\.gguf has no tensor for the model's layers\.0\.attn\.qkv\.weight"):
         LLM(str(path), dtype="float32")
 
 
