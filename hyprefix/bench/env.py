@@ -168,7 +168,8 @@ def measure_matmul_peak(dtype: Any, m: int = 2048, k: int = 2048, n: int = 8192,
     import torch
 
     from hyprefix.hardware import device_caps
-    from hyprefix.models.weights import pack_weight, packed_linear
+    from hyprefix.models.linear_methods import packed_linear
+    from hyprefix.models.weights import pack_weight
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.kernels import bf16_linear as bf16_kernel
-from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.models.fused import Kernels
+from hyprefix.models.linear_methods import ACTIVATIONS
 from hyprefix.models.quant import Int8Weight, quantize_int8
-from hyprefix.models.weights import MatrixForms, one_row, packed_gate_up
+from hyprefix.models.weights import MatrixForms
 
 
 class RMSNorm(nn.Module):
@@ -151,23 +149,13 @@ class Embedding(nn.Embedding):
         return super().forward(ids)
 
 
-# Gate activations: the eager function, and the oneDNN epilogue (attr, scalars, algorithm)
-# that computes it fused into the gate matmul (checked equal to the eager one to ~1 ulp).
-ACTIVATIONS: dict[str, tuple] = {
-    "silu": (F.silu, ("swish", [], "")),
-    "gelu_pytorch_tanh": (partial(F.gelu, approximate="tanh"), ("gelu", [], "tanh")),
-}
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), loaded with gate and up fused into one matrix;
     ``activation`` is a key of ``ACTIVATIONS`` (SiLU by default, Gemma's tanh-GELU).
 
-    Packed (CPU), gate and up become two oneDNN matmuls with the activation and the
-    product fused into their epilogues: no elementwise passes over the
-    intermediate activations. In the batch-invariant mode (``MatrixForms.use_batch_invariant``)
-    the activation and product run in ``kernels/invariant_linear``'s own op, whose result for an
-    element does not depend on where the element falls in torch's split of the tensor.
+    How gate_up, the activation and the product run is gate_up's method's ``apply_gated``
+    (``linear_methods``): packed (CPU), two oneDNN matmuls with the activation and the product
+    fused into their epilogues; in the batch-invariant mode, ``kernels/invariant_linear``'s own op.
     """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
@@ -175,21 +163,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: {sorted(ACTIVATIONS)}")
-        self.act, self._epilogue = ACTIVATIONS[activation]
+        self.act = ACTIVATIONS[activation][0]
         self.activation = activation
         self.intermediate = intermediate
         self.gate_up = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype, device=device, pack_halves=True)
         self.down = Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up.forms.invariant:
-            return self.down(invariant_kernel.invariant_gated_act(self.gate_up(x), self.activation))
-        halves = self.gate_up.forms.packed_halves
-        if halves is not None and not (torch.compiler.is_compiling() and one_row(x)) \
-                and not self.gate_up.forms.tiles_take(x):
-            bias = self.gate_up.bias
-            gate_bias, up_bias = bias.split(self.intermediate) if bias is not None else (None, None)
-            tiles = self.gate_up.forms.graph_tiles(x, bias) if torch.compiler.is_compiling() else None
-            return self.down(packed_gate_up(x, *halves, gate_bias, up_bias, self._epilogue, tiles))
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(self.act(gate) * up)
+        gate_up = self.gate_up
+        return self.down(gate_up.forms.method.apply_gated(gate_up.forms, x, gate_up.weight, gate_up.bias,
+                                                          self.activation, self.intermediate))

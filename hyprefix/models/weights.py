@@ -7,7 +7,7 @@ embedding table a tied LM head reuses). After loading it may gain, by the loader
 * **packed**: oneDNN's blocked layout (``pack_weight``; CPU, the dtypes
   ``hardware.DeviceCaps.prepack`` allows), for eager steps and batched compiled decode steps;
   a fused gate/up matrix is packed as its two halves, so the activation and the product run
-  in the matmuls' epilogues (``packed_gate_up``);
+  in the matmuls' epilogues (``linear_methods.packed_gate_up``);
 * **int8**: ``Int8Weight`` or the int8 kernel's ``Int8Tiles`` (``quant.py``), in place of
   the float matrix for every matmul;
 * **quant**: ``QuantTiles``, a GGUF's low-bit blocks (Q4 / Q6 / Q8_0 tiles, ``quant.py``), in
@@ -19,7 +19,8 @@ The batch-invariant mode (``use_batch_invariant``, before packing) adds no form 
 bfloat16 matrix takes its bf16 tiles where ``bf16_linear`` runs (whose arithmetic per row is
 fixed), any other keeps only its plain tensor, multiplied by ``kernels/invariant_linear.cpp``.
 
-``MatrixForms.matmul`` is the one place that picks the form for a step. The int8 and bf16
+Which form a step multiplies is the forms' method (``linear_methods``), chosen as forms are
+added at load; ``MatrixForms.matmul`` applies it. The int8 and bf16
 tensors are non-persistent buffers of the ``MatrixForms`` module: they move with the model
 (huge pages) and a compiled step reads them as lasting inputs like parameters (a dataclass
 attribute would cost Dynamo guard lookups every step). oneDNN's packed copies are opaque
@@ -29,19 +30,18 @@ tensors, kept as plain attributes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import bf16_linear as bf16_kernel
-from hyprefix.kernels import invariant_linear as invariant_kernel
+from hyprefix.models import linear_methods as methods
+from hyprefix.models.linear_methods import EAGER_TILE_ROWS, LinearMethod
 from hyprefix.models.quant import (
     Bf16Tiles,
     Int8Tiles,
     Int8Weight,
     QuantTiles,
     quantize_int8,
-    reduction_linear,
     requantize_like,
     tiles_fit,
 )
@@ -49,11 +49,6 @@ from hyprefix.models.quant import (
 # What a matmul of a compiled decode step reads: the int8 or low-bit weights, the bf16 tiles, or
 # the plain weight.
 GraphWeight = torch.Tensor | Int8Weight | Int8Tiles | Bf16Tiles | QuantTiles
-
-
-# Up to this many rows an eager matmul multiplies a matrix's bf16 tiles where it has them
-# (``MatrixForms.tiles_take``): decode batches, which stream the matrix once.
-EAGER_TILE_ROWS = 8
 
 
 def mkldnn_packing_available(weight: torch.Tensor) -> bool:
@@ -67,35 +62,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def one_row(x: torch.Tensor) -> bool:
-    """Whether ``x`` has exactly one row for certain (a batch-1 graph's static size; a
-    batched graph's row count is symbolic)."""
-    rows = x.shape[0]
-    return isinstance(rows, int) and rows == 1
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """``tiles``: the matrix's bf16 tiles, which a batched decode graph's call multiplies instead
-    when it has at most ``EAGER_TILE_ROWS`` rows (``kernels/packed_linear.cpp``)."""
-    if torch.compiler.is_compiling():  # a batched decode graph: an extern call (``kernels/packed_linear.cpp``)
-        return torch.ops.hyprefix.packed_linear(x, packed, bias, tiles, EAGER_TILE_ROWS if tiles is not None else 0)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None,
-                   up_bias: torch.Tensor | None, epilogue: tuple, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """act(x @ gate^T + gate_bias) * (x @ up^T + up_bias), the activation (``epilogue``: oneDNN's
-    attr, scalars, algorithm) and the product fused into the two prepacked matmuls. ``tiles``:
-    as ``packed_linear``'s, of the fused [gate; up] matrix."""
-    if torch.compiler.is_compiling():
-        assert not epilogue[1], "the compiled gate/up op passes no activation scalars"
-        return torch.ops.hyprefix.packed_gate_up(x, gate, up, gate_bias, up_bias, epilogue[0], epilogue[2], tiles,
-                                                 EAGER_TILE_ROWS if tiles is not None else 0)
-    h = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, *epilogue)
-    return torch.ops.mkldnn._linear_pointwise.binary(x, h, up, up_bias, "mul")
-
-
 class MatrixForms(nn.Module):
     """The packed, int8 and bf16-tile forms of one [rows, cols] matrix; its plain tensor stays
     with the owner, which passes it in (it may be emptied once another form replaces it)."""
@@ -105,7 +71,7 @@ class MatrixForms(nn.Module):
         self.rows, self.cols = rows, cols
         self.packed: torch.Tensor | None = None
         self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.invariant = False  # ``use_batch_invariant``
+        self.method: LinearMethod = methods.PLAIN  # how ``matmul`` multiplies: set as forms are added
         self.eager_tiles = False  # eager decode-sized matmuls take the bf16 tiles (``tiles_take``)
 
     @property
@@ -142,6 +108,7 @@ class MatrixForms(nn.Module):
             for leaf, tensor in zip(("tiles", "scales", "extra"), tensors[i:i + 3], strict=True):
                 self.register_buffer(f"quant{i // 3}_{leaf}", tensor, persistent=False)
         self.packed = self.packed_halves = None
+        self.method = methods.QUANT
 
     def use_column_order(self, order: torch.Tensor) -> None:
         """The low-bit tiles hold the matrix with its columns in the order of a GGUF file whose
@@ -184,11 +151,7 @@ class MatrixForms(nn.Module):
     def batched_kernel(self) -> str | None:
         """The extern kernel a batched compiled decode step multiplies this matrix with
         (``runner/decode_graph.batched_graph_capable``): "int8_tiles", "quant_tiles", "packed", or None."""
-        if isinstance(self.int8, Int8Tiles):
-            return "int8_tiles"
-        if self.quant is not None:
-            return "quant_tiles"
-        return "packed" if self.packed is not None or self.packed_halves is not None else None
+        return self.method.batched_kernel
 
     def pack(self, plain: torch.Tensor, keep_plain: bool, halves: bool = False, eager_tiles: bool = False) -> bool:
         """Add oneDNN's packed copy of ``plain`` where the device prepacks its dtype (whole, or
@@ -196,14 +159,14 @@ class MatrixForms(nn.Module):
         matrix) or ``eager_tiles`` (eager decode steps multiply a few rows, ``tiles_take``) also
         its bf16 tiles where the bf16 kernel takes them. Returns whether ``plain`` is no longer
         needed for matmuls: packed, and not kept or tiled."""
-        if self.packed is not None or self.packed_halves is not None or self.quantized is not None or self.invariant \
-                or not plain.numel() or not mkldnn_packing_available(plain):
+        if self.method is not methods.PLAIN or not plain.numel() or not mkldnn_packing_available(plain):
             return False
         if halves:
             top, bottom = plain.split(self.rows // 2)
             self.packed_halves = (pack_weight(top), pack_weight(bottom))
         else:
             self.packed = pack_weight(plain)
+        self.method = methods.PACKED
         if keep_plain:
             return self._set_bf16_tiles(plain)
         if eager_tiles:
@@ -247,9 +210,11 @@ class MatrixForms(nn.Module):
             tiled = Int8Tiles.pack(weight)
             self.register_buffer("tiles", tiled.tiles, persistent=False)
             self.register_buffer("scales", tiled.scales, persistent=False)
+            self.method = methods.INT8_TILES
         else:
             self.register_buffer("qweight", weight.qweight, persistent=False)
             self.register_buffer("scales", weight.scales, persistent=False)
+            self.method = methods.INT8
         self.packed = self.packed_halves = None
 
     def refresh(self, plain: torch.Tensor) -> None:
@@ -301,39 +266,21 @@ class MatrixForms(nn.Module):
                              "file's quantized matrices: load it with --quantization none)")
         if self.packed is not None or self.packed_halves is not None or self.bf16 is not None:
             raise ValueError("use_batch_invariant must come before the weights are packed")
-        self.invariant = True
+        self.method = methods.INVARIANT
         return self.fp32 is None and self._set_bf16_tiles(plain)
 
     def quantize(self, plain: torch.Tensor) -> None:
         """``use_int8`` with per-channel int8 quantized from ``plain``."""
         self.use_int8(quantize_int8(plain))
 
+    @property
+    def invariant(self) -> bool:
+        """The batch-invariant mode's kernels multiply this matrix (``use_batch_invariant``)."""
+        return self.method is methods.INVARIANT
+
     def matmul(self, x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ matrix^T (+ bias) in the form that suits this step: inside a compiled decode
-        step the packed GEMM for a batch of rows, else the form ``graph_weight`` picks; eager,
-        int8, else packed, else ``plain``. (Packed halves are multiplied by their owner,
-        ``GatedMLP``, except in a one-row graph, which reads ``graph_weight``.) The batch-invariant
-        mode always multiplies with its kernels (``use_batch_invariant``)."""
-        if self.input_index is not None:  # only beside low-bit tiles (``use_column_order``)
-            x = x.index_select(-1, self.input_index)
-        if self.invariant:
-            tiles = self.bf16
-            if tiles is not None and x.dtype == torch.bfloat16:
-                return bf16_kernel.bf16_linear(x, tiles.tiles, self.rows, bias)
-            return invariant_kernel.invariant_linear(x, plain, bias)
-        if torch.compiler.is_compiling():
-            if self.packed is not None and not one_row(x):  # a batched graph: oneDNN's GEMM (or the tiles)
-                return packed_linear(x, self.packed, bias, self.graph_tiles(x, bias))
-            return reduction_linear(x, self.graph_weight(plain), bias)
-        quantized = self.quantized
-        if quantized is not None:
-            return quantized.matmul(x, bias)
-        tiles = self.bf16
-        if tiles is not None and self.tiles_take(x):
-            return tiles.matmul(x, bias)
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, plain, bias)
+        """x @ matrix^T (+ bias) by the method the forms chose at load (``linear_methods``)."""
+        return self.method.apply(self, x, plain, bias)
 
     def memory_bytes(self, dtype: torch.dtype) -> int:
         """Bytes these forms hold beside the plain tensor (a packed copy counted as the float matrix)."""

@@ -11,6 +11,7 @@ import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.hardware import device_caps
+from hyprefix.models import linear_methods
 from hyprefix.models.quant import Int8Tiles, Int8Weight, quantize_activations, quantize_int8, reduction_linear
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner.batch import build_batch
@@ -202,14 +203,15 @@ def test_batched_graph_needs_an_extern_matmul_for_every_layer(tiny_models):
     model = llm.engine.runner.model
     assert batched_graph_capable(model)
     o_proj = model.layers[0].attn.o_proj
-    packed, o_proj.forms.packed = o_proj.forms.packed, None
+    packed, method = o_proj.forms.packed, o_proj.forms.method
+    o_proj.forms.packed, o_proj.forms.method = None, linear_methods.PLAIN
     try:
         assert not batched_graph_capable(model)
         graphs = DecodeGraphs(model)
         assert not graphs.batched and graphs.max_batch == 1
         assert not graphs.eligible(_decode_batch(llm, random_prompts((9, 20), seed=5)))
     finally:
-        o_proj.forms.packed = packed
+        o_proj.forms.packed, o_proj.forms.method = packed, method
 
 
 def test_a_long_context_of_one_row_stays_on_the_compiled_step(tiny_models):

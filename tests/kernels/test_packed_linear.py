@@ -12,7 +12,8 @@ from hyprefix.hardware import device_caps
 from hyprefix.kernels import bf16_linear as bf16_kernel
 from hyprefix.kernels import packed_linear as ops
 from hyprefix.models.layers import ACTIVATIONS
-from hyprefix.models.weights import pack_weight, packed_gate_up, packed_linear
+from hyprefix.models.linear_methods import packed_gate_up, packed_linear
+from hyprefix.models.weights import pack_weight
 from hyprefix.runner.decode_graph import _KERNEL_SOURCES_KEY
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="the packed-linear ops did not build here")

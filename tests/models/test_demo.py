@@ -205,7 +205,8 @@ def test_model_aliases_name_the_demo_directories(monkeypatch: pytest.MonkeyPatch
     assert {name: resolve_demo_alias(name) for name in demo.DEMO_ALIASES} == {
         "demo-dense-0.6b": "/demo/dense-bench", "demo-hybrid-0.5b": "/demo/hybrid-bench",
         "demo-dense-tiny": "/demo/dense-tiny", "demo-hybrid-tiny": "/demo/hybrid-tiny",
-        "demo-qwen3.5-0.8b": "/demo/deltanet-bench", "demo-qwen3.5-tiny": "/demo/deltanet-tiny"}
+        "demo-qwen3.5-0.8b": "/demo/deltanet-bench", "demo-qwen3.5-tiny": "/demo/deltanet-tiny",
+        "demo-lfm2-350m": "/demo/lfm2-bench", "demo-lfm2-tiny": "/demo/lfm2-tiny"}
     assert resolve_demo_alias("Qwen/Qwen3-0.6B") is None
     assert resolve_model_dir("demo-hybrid-0.5b") == Path("/demo/hybrid-bench")
     assert resolve_model("demo-hybrid-tiny") == ("/demo/hybrid-tiny", "demo-hybrid-tiny")  # the bench's --model
