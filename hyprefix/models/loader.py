@@ -321,5 +321,7 @@ def load_tokenizer(path: str | os.PathLike):
     if path.suffix == ".gguf" and path.is_file():
         if hybrid_gguf(path):
             return gguf_hybrid.load_tokenizer(path)
+        if gguf_architecture(path) in GGUF_CONFIGS:  # transformers reads their tokenizer once taught them
+            gguf_config.teach_transformers(GGUF_CONFIGS, GGUF_LLAMA_ROWS)
         return AutoTokenizer.from_pretrained(**pretrained_location(path))
     return AutoTokenizer.from_pretrained(str(path))

@@ -166,12 +166,11 @@ def _float32_lists(value):
 
 @pytest.mark.parametrize("family", ["smollm3", "granite"])
 def test_tokenizer_from_the_file(families, family):
-    """transformers' GGUF reader knows neither architecture; once the config is loaded (as the
-    engine does first) the tokenizer comes from the file's metadata, as the checkpoint's splits."""
+    """transformers' GGUF reader knows neither architecture; the tokenizer still comes from the
+    file's metadata (``load_tokenizer`` teaches transformers them first), splitting as the checkpoint's."""
     from transformers import PreTrainedTokenizerFast
 
     hf_dir, gguf, _ = families[family]
-    load_config(gguf)
     ours = load_tokenizer(gguf)
     reference = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
     text = "Hello world, <|im_start|>user\nhi there<|im_end|> 12345"
