@@ -16,23 +16,36 @@ import torch
 from hyprefix import LLM, SamplingParams
 from hyprefix.models.llama import LlamaForCausalLM
 
-path = sys.argv[1]
-kernel = LLM(path, num_kv_blocks=256, log_stats_interval=0, enable_prefix_caching=False)
-orig = LlamaForCausalLM.use_decode_kernel
-LlamaForCausalLM.use_decode_kernel = lambda self: False
-graph = LLM(path, num_kv_blocks=256, log_stats_interval=0, enable_prefix_caching=False)
-LlamaForCausalLM.use_decode_kernel = orig
-g = torch.Generator().manual_seed(0)
-sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
-one = SamplingParams(temperature=0, max_tokens=1)
-res = {"kernel": [], "graph": []}
-for llm in (kernel, graph):
-    llm.generate([torch.randint(10, 4000, (128,), generator=g).tolist()], sp, use_tqdm=False)  # warm / compile
-for _ in range(6):
-    for name, llm in (("kernel", kernel), ("graph", graph)):
-        p = torch.randint(10, 4000, (128,), generator=g).tolist()
-        t = time.perf_counter(); llm.generate([p], one, use_tqdm=False); t1 = time.perf_counter() - t
-        t = time.perf_counter(); llm.generate([p], sp, use_tqdm=False); t2 = time.perf_counter() - t
-        res[name].append((t2 - t1) / 64 * 1000)
-print(path, {k: (round(statistics.median(v), 2), [round(x, 2) for x in v]) for k, v in res.items()},
-      kernel.engine.runner.decode_steps, graph.engine.runner.decode_steps)
+
+def tpot_ms(llm: LLM, prompt: list[int], tokens: SamplingParams) -> float:
+    """Decode time per token: a request of 65 tokens less one of a single token."""
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompt], tokens, use_tqdm=False)
+    return (time.perf_counter() - t - first) / (tokens.max_tokens - 1) * 1000
+
+
+def main() -> None:
+    path = sys.argv[1]
+    kernel = LLM(path, num_kv_blocks=256, log_stats_interval=0, enable_prefix_caching=False)
+    original = LlamaForCausalLM.use_decode_kernel
+    LlamaForCausalLM.use_decode_kernel = lambda self: False  # this engine's runner compiles its decode steps
+    graph = LLM(path, num_kv_blocks=256, log_stats_interval=0, enable_prefix_caching=False)
+    LlamaForCausalLM.use_decode_kernel = original
+    g = torch.Generator().manual_seed(0)
+    tokens = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
+    for llm in (kernel, graph):  # warm-up (the graph's compile)
+        llm.generate([torch.randint(10, 4000, (128,), generator=g).tolist()], tokens, use_tqdm=False)
+    results: dict[str, list[float]] = {"kernel": [], "graph": []}
+    for _ in range(6):
+        for name, llm in (("kernel", kernel), ("graph", graph)):
+            results[name].append(tpot_ms(llm, torch.randint(10, 4000, (128,), generator=g).tolist(), tokens))
+    for name, values in results.items():
+        print(f"{name}: median {statistics.median(values):.2f} ms per token ({', '.join(f'{v:.2f}' for v in values)})")
+    print("decode steps by path:", kernel.engine.runner.decode_steps, graph.engine.runner.decode_steps)
+
+
+if __name__ == "__main__":
+    main()
