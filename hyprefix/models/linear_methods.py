@@ -143,6 +143,10 @@ class Int8TilesMethod(Int8Method):
     name = "int8_tiles"
     batched_kernel = "int8_tiles"
 
+    def apply(self, forms: MatrixForms, x: torch.Tensor, plain: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        return forms.int8.matmul(x, bias)  # the int8 kernel, eager or as an extern call in a graph
+
 
 class QuantMethod(LinearMethod):
     name = "quant"
