@@ -1,8 +1,8 @@
 """Checks of a GGUF file against the model built for it, run on the meta device before any
-weight is allocated (``loader.load_model``): every tensor's type readable, and every parameter
-of the model given a tensor. Each failure is a ValueError naming the file, the tensors or
-parameters, and what is supported. (Shapes are checked as the tensors are copied in:
-``CausalLM.load_weights`` names the tensor, its shape and the one expected.)"""
+weight is allocated (``loader.load_model``): every tensor's type readable, every parameter of
+the model given a tensor, and every tensor of the size its parameter (or shard) takes. Each
+failure is a ValueError naming the file, the tensors or parameters, and what is expected or
+supported. (``CausalLM.load_weights`` checks the exact shapes again as it copies.)"""
 
 from __future__ import annotations
 
@@ -62,6 +62,31 @@ def check_coverage(file_name: str, net: torch.nn.Module, names: Iterable[str]) -
                if param not in given or len(given[param]) < expected[param]]
     if missing:
         raise ValueError(f"GGUF file {file_name} has no tensor for the model's {_listed(missing)}")
+
+
+def check_sizes(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                exact: bool, sources: Mapping[str, str]) -> None:
+    """Every tensor (transformers name, a meta tensor of its shape) through the model's
+    ``converted`` fits the parameter (or shard) it maps to: the same shape with ``exact`` (a
+    reader that knows the final shapes), else the same number of elements (a reader whose
+    fix-ups may still reshape); one row per head copied into every head's row is allowed, as
+    ``load_weights`` does. Else a ValueError naming the tensor (``sources``: transformers name ->
+    the file's tensors it is made of), its shape and the expected one."""
+    params = {name: p for name, p in net.named_parameters()}
+    for name, tensor in net.converted(tensors):
+        target = net.map_name(name)
+        if target is None or target[0] not in params:
+            continue
+        param, shard, sizes = target
+        shape = params[param].shape
+        if shard is not None and sizes is not None:
+            shape = torch.Size((sizes[shard], *shape[1:]))
+        per_head = len(shape) == 2 and tensor.dim() == 1 and shape[1] == tensor.shape[0]
+        fits = tensor.shape == shape if exact else tensor.numel() == shape.numel()
+        if not (fits or per_head):
+            origin = f" (the file's {sources[name]})" if name in sources else ""
+            raise ValueError(f"GGUF file {file_name}: tensor {name!r}{origin} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(shape)} ({param})")
 
 
 def _listed(names: list[str]) -> str:

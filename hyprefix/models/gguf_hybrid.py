@@ -44,7 +44,7 @@ import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix, row_tags, tagged_rows
-from hyprefix.models.gguf_check import check_types
+from hyprefix.models.gguf_check import check_sizes, check_types
 from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and ARCHITECTURES are this module's API
     ARCHITECTURES,
     FULL,
@@ -122,6 +122,11 @@ class _Tensor:
         t = self.build(*(file.read(name) for name in self.sources))
         return t if self.columns is None else self.columns(t)
 
+    def meta(self, file: HybridFile) -> torch.Tensor:
+        """The tensor's shape, as a meta tensor: the transforms run on meta sources, reading nothing."""
+        t = self.build(*(torch.empty(file.shapes[name], device="meta") for name in self.sources))
+        return t if self.columns is None else self.columns(t)
+
 
 class HybridGGUF:
     """A hybrid GGUF file's tensors under transformers' names (``load_config``'s model type),
@@ -145,9 +150,11 @@ class HybridGGUF:
             raise file.error(f"tensors hyprefix does not know where to load: {_listed(unknown)}")
 
     def check(self, net: torch.nn.Module) -> None:
-        """Before anything is allocated: every type reads (``gguf_check``); the names were
-        checked when this reader was made."""
+        """Before anything is allocated (``gguf_check``): every type reads, every tensor the
+        transforms make has its parameter's shape; the names were checked when this reader was made."""
         check_types(self.file.path.name, self.file.tensors)
+        check_sizes(self.file.path.name, net, ((spec.name, spec.meta(self.file)) for spec in self.specs), exact=True,
+                    sources={spec.name: " + ".join(spec.sources) for spec in self.specs})
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip``, float32."""

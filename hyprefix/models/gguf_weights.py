@@ -30,7 +30,7 @@ import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix
-from hyprefix.models.gguf_check import check_coverage, check_types
+from hyprefix.models.gguf_check import check_coverage, check_sizes, check_types
 
 
 class GGUFWeights:
@@ -88,6 +88,9 @@ class GGUFWeights:
         ``net`` (on the meta device) is given."""
         check_types(self.path.name, self.tensors)
         check_coverage(self.path.name, net, [self.names[name] for name in self.tensors])
+        check_sizes(self.path.name, net, ((self.names[name], torch.empty(_shape(t), device="meta"))
+                                          for name, t in self.tensors.items()), exact=False,
+                    sources={self.names[name]: name for name in self.tensors})
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip`` (transformers names), as float32 with its
@@ -108,6 +111,11 @@ class GGUFWeights:
                                  ) from exc
             values = self.processor.process(weights=values, name=gguf_name).weights
             yield hf_name, _tensor(values).float()
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    """A tensor's shape in torch's order (gguf lists dimensions innermost first)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
 def _tensor(values: np.ndarray) -> torch.Tensor:

@@ -132,3 +132,14 @@ def test_gguf_parsed_once_shares_name_tables_and_restores_gguf():
         assert gguf.get_tensor_name_map(llama, layers + 1) is not table
         assert table.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
     assert (gguf.get_tensor_name_map, gguf.GGUFReader) == before
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_allocating(tmp_path, no_allocation):
+    """The file's k projection has half the rows the config's KV heads need: refused naming the
+    tensor (and the file's name for it), its shape and the expected one."""
+    wrong = np.zeros((HIDDEN // 4, HIDDEN), dtype=np.float32)
+    path = write_gguf(tmp_path / "k.gguf", tensors={"blk.0.attn_k.weight": wrong})
+    with pytest.raises(ValueError, match=r"k\.gguf: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' \(the "
+                                         r"file's blk\.0\.attn_k\.weight\) has shape \(64, 256\), the model expects "
+                                         r"\(128, 256\)"):
+        LLM(str(path), dtype="float32")
