@@ -73,8 +73,8 @@ def check_sizes(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[st
     ``load_weights`` does. Else a ValueError naming the tensor (``sources``: transformers name ->
     the file's tensors it is made of), its shape and the expected one."""
     params = {name: p for name, p in net.named_parameters()}
-    for name, tensor in net.converted(tensors):
-        target = net.map_name(name)
+    for name, converted, tensor in _converted(file_name, net, tensors, sources):
+        target = net.map_name(converted)
         if target is None or target[0] not in params:
             continue
         param, shard, sizes = target
@@ -87,6 +87,22 @@ def check_sizes(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[st
             origin = f" (the file's {sources[name]})" if name in sources else ""
             raise ValueError(f"GGUF file {file_name}: tensor {name!r}{origin} has shape {tuple(tensor.shape)}, the "
                              f"model expects {tuple(shape)} ({param})")
+
+
+def _converted(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+               sources: Mapping[str, str]) -> Iterable[tuple[str, str, torch.Tensor]]:
+    """(transformers name, the name ``map_name`` reads, tensor) for what the model's ``converted``
+    makes of each tensor on its own; a shape its row moves cannot take is a ValueError naming the
+    tensor."""
+    for name, tensor in tensors:
+        try:
+            made = list(net.converted([(name, tensor)]))
+        except RuntimeError as exc:
+            origin = f" (the file's {sources[name]})" if name in sources else ""
+            raise ValueError(f"GGUF file {file_name}: tensor {name!r}{origin} of shape {tuple(tensor.shape)} does not "
+                             f"fit the model: {exc}") from exc
+        for converted, part in made:
+            yield name, converted, part
 
 
 def _listed(names: list[str]) -> str:

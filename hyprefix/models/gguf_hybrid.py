@@ -153,8 +153,17 @@ class HybridGGUF:
         """Before anything is allocated (``gguf_check``): every type reads, every tensor the
         transforms make has its parameter's shape; the names were checked when this reader was made."""
         check_types(self.file.path.name, self.file.tensors)
-        check_sizes(self.file.path.name, net, ((spec.name, spec.meta(self.file)) for spec in self.specs), exact=True,
+        check_sizes(self.file.path.name, net, ((spec.name, self._meta(spec)) for spec in self.specs), exact=True,
                     sources={spec.name: " + ".join(spec.sources) for spec in self.specs})
+
+    def _meta(self, spec: _Tensor) -> torch.Tensor:
+        """``spec``'s tensor as a meta tensor; a source whose shape the transforms cannot take is
+        named with its shape."""
+        try:
+            return spec.meta(self.file)
+        except RuntimeError as exc:
+            shapes = ", ".join(f"{name} {self.file.shapes[name]}" for name in spec.sources)
+            raise self.file.error(f"tensor {spec.name!r} cannot be made of the file's {shapes}: {exc}") from exc
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip``, float32."""

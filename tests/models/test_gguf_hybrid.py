@@ -243,3 +243,37 @@ def test_quantized_hybrid_files_hit_the_prefix_cache(q8_ggufs, case):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
     uncached = LLM(str(path), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=0)
     assert [o.outputs[0].token_ids for o in uncached.generate(prompts, params, use_tqdm=False)] == first
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_allocating(ggufs, tmp_path, monkeypatch):
+    """A file whose ``ssm_out`` has its two dimensions swapped (the same bytes) is refused before
+    any weight is allocated, naming the tensor, the file's name for it and its shape (here the
+    converter's column reorder cannot even take it); so is one whose ``ffn_down`` is swapped,
+    naming both shapes."""
+    import struct
+
+    from hyprefix.models.base import CausalLM
+
+    def swapped(name: bytes) -> tuple[Path, int, int]:
+        data = bytearray(ggufs["qwen3_5"].read_bytes())
+        at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)  # n_dims (uint32), then the dims
+        assert struct.unpack_from("<I", data, at)[0] == 2
+        cols, rows = struct.unpack_from("<QQ", data, at + 4)
+        struct.pack_into("<QQ", data, at + 4, rows, cols)
+        out = tmp_path / f"swapped-{name.decode()}.gguf"
+        out.write_bytes(bytes(data))
+        return out, rows, cols
+
+    def allocate(self, device):
+        raise AssertionError("the weights were allocated before the file was refused")
+
+    monkeypatch.setattr(CausalLM, "materialize", allocate)
+    path, rows, cols = swapped(b"blk.0.ssm_out.weight")
+    with pytest.raises(ValueError, match=rf"tensor 'model\.layers\.0\.linear_attn\.out_proj\.weight' cannot be made "
+                                         rf"of the file's blk\.0\.ssm_out\.weight \({cols}, {rows}\)"):
+        LLM(str(path), dtype="float32", num_kv_blocks=16, log_stats_interval=0)
+    path, rows, cols = swapped(b"blk.3.ffn_down.weight")
+    with pytest.raises(ValueError, match=rf"tensor 'model\.layers\.3\.mlp\.down_proj\.weight' \(the file's "
+                                         rf"blk\.3\.ffn_down\.weight\) has shape \({cols}, {rows}\), the model "
+                                         rf"expects \({rows}, {cols}\)"):
+        LLM(str(path), dtype="float32", num_kv_blocks=16, log_stats_interval=0)
