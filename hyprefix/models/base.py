@@ -144,6 +144,20 @@ class CausalLM(nn.Module):
                  "%.1f MiB", forms.fp32.nbytes / 2**20)
         return True
 
+    def _mixed_layers(self, batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], states: list | None,
+                      recurrent_kind: str) -> torch.Tensor:
+        """The forward of a stack whose layers each hold either a recurrent mixer (``layer.kind``
+        ``recurrent_kind``: it takes the next of ``states``) or attention (the next (K, V) of
+        ``kv_caches``), called as ``layer(x, residual, batch, rope, cache, kernels)`` and returning
+        (output, residual) as a Llama layer does: the hidden state, output plus residual."""
+        x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary.tables(batch.positions)
+        kv_iter, state_iter = iter(kv_caches), iter(states or [])
+        for layer in self.layers:
+            cache = next(state_iter) if layer.kind == recurrent_kind else next(kv_iter)
+            x, residual = layer(x, residual, batch, rope, cache, self.kernels)
+        return x + residual
+
     def use_decode_kernel(self) -> bool:
         """Once its weights are final: run decode-only steps in one kernel call where
         the model and this CPU allow it (Llama-family int8, ``kernels/decode_layers.cpp``).

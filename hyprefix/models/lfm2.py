@@ -125,13 +125,7 @@ class Lfm2ForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
-        x, residual = self.embed(batch.input_ids), None
-        rope = self.rotary.tables(batch.positions)
-        kv_iter, state_iter = iter(kv_caches), iter(states or [])
-        for layer in self.layers:
-            cache = next(state_iter) if layer.kind == CONV else next(kv_iter)
-            x, residual = layer(x, residual, batch, rope, cache, self.kernels)
-        return x + residual
+        return self._mixed_layers(batch, kv_caches, states, CONV)
 
     def map_name(self, name: str) -> Target | None:
         head = self.map_head(self.relative_name(name), "embed_tokens.weight", "embedding_norm.weight")

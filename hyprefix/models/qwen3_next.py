@@ -149,13 +149,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
-        x, residual = self.embed(batch.input_ids), None
-        rope = self.rotary.tables(batch.positions)
-        kv_iter, state_iter = iter(kv_caches), iter(states or [])
-        for layer in self.layers:
-            cache = next(state_iter) if layer.kind == LINEAR else next(kv_iter)
-            x, residual = layer(x, residual, batch, rope, cache, self.kernels)
-        return x + residual
+        return self._mixed_layers(batch, kv_caches, states, LINEAR)
 
     # ------------------------------------------------------------------ loading
     def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
