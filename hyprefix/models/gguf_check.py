@@ -39,7 +39,7 @@ def check_types(file_name: str, tensors: Mapping[str, object]) -> None:
         if not readable(tensor.tensor_type):
             unreadable.setdefault(tensor.tensor_type.name, []).append(name)
     if unreadable:
-        kinds = "; ".join(f"type {kind} cannot be read; tensors of that type: {_listed(names)}"
+        kinds = "; ".join(f"type {kind} cannot be read; tensors of that type: {listed(names)}"
                           for kind, names in unreadable.items())
         supported = ", ".join(t.name for t in gguf.GGMLQuantizationType if readable(t))
         raise ValueError(f"cannot load the GGUF file {file_name}: {kinds} (types that read: {supported})")
@@ -61,7 +61,7 @@ def check_coverage(file_name: str, net: torch.nn.Module, names: Iterable[str]) -
     missing = [param for param, _ in net.named_parameters()
                if param not in given or len(given[param]) < expected[param]]
     if missing:
-        raise ValueError(f"GGUF file {file_name} has no tensor for the model's {_listed(missing)}")
+        raise ValueError(f"GGUF file {file_name} has no tensor for the model's {listed(missing)}")
 
 
 def check_sizes(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -105,5 +105,6 @@ def _converted(file_name: str, net: torch.nn.Module, tensors: Iterable[tuple[str
             yield name, converted, part
 
 
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" ... ({len(names)} in all)" if len(names) > 4 else "")
+def listed(names: list[str], first: int = 4) -> str:
+    """The first ``first`` names, and how many there are in all when there are more."""
+    return ", ".join(names[:first]) + (f" ... ({len(names)} in all)" if len(names) > first else "")

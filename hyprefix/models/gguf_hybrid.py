@@ -44,7 +44,7 @@ import torch
 
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.gguf_blocks import KEPT_TYPES, BlockMatrix, row_tags, tagged_rows
-from hyprefix.models.gguf_check import check_sizes, check_types
+from hyprefix.models.gguf_check import check_sizes, check_types, listed
 from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and ARCHITECTURES are this module's API
     ARCHITECTURES,
     FULL,
@@ -143,11 +143,11 @@ class HybridGGUF:
         needed = [name for spec in self.specs for name in spec.sources]
         missing = [name for name in needed if not file.has(name)]
         if missing:
-            raise file.error(f"missing tensors the model needs: {_listed(missing)}")
+            raise file.error(f"missing tensors the model needs: {listed(missing, 8)}")
         used = set(needed)
         unknown = [n for n in file.tensors if n not in used and not _past_layers(n, cfg.num_hidden_layers)]
         if unknown:
-            raise file.error(f"tensors hyprefix does not know where to load: {_listed(unknown)}")
+            raise file.error(f"tensors hyprefix does not know where to load: {listed(unknown, 8)}")
 
     def check(self, net: torch.nn.Module) -> None:
         """Before anything is allocated (``gguf_check``): every type reads, every tensor the
@@ -164,6 +164,10 @@ class HybridGGUF:
         except RuntimeError as exc:
             shapes = ", ".join(f"{name} {self.file.shapes[name]}" for name in spec.sources)
             raise self.file.error(f"tensor {spec.name!r} cannot be made of the file's {shapes}: {exc}") from exc
+
+    def __len__(self) -> int:
+        """How many transformers tensors this reader gives."""
+        return len(self.specs)
 
     def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those named in ``skip``, float32."""
@@ -205,10 +209,6 @@ def _raw(tensor) -> torch.Tensor:
 def iter_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file under transformers' parameter name, float32 (``HybridGGUF``)."""
     yield from HybridGGUF(path, hf_config).floats(set())
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:8]) + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
 def _past_layers(name: str, layers: int) -> bool:

@@ -52,12 +52,9 @@ class GGUFWeights:
         self.names = get_gguf_hf_weights_map(_meta_reference(hf_config), self.processor)
         self.tensors = {t.name: t for t in self.reader.tensors if t.name in self.names}
 
-    def type_name(self, gguf_name: str) -> str:
-        return self.tensors[gguf_name].tensor_type.name
-
-    def hf_types(self) -> dict[str, str]:
-        """transformers name -> the file's type name of that tensor."""
-        return {self.names[name]: self.type_name(name) for name in self.tensors}
+    def __len__(self) -> int:
+        """How many transformers tensors this reader gives."""
+        return len(self.tensors)
 
     def _rows(self, gguf_name: str, n: int) -> np.ndarray | None:
         """The fix-up of a matrix as a row order (row i of the result is the file's row
@@ -103,12 +100,9 @@ class GGUFWeights:
                 continue
             try:
                 values = gguf.dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError as exc:  # a type gguf cannot dequantize
-                kind = tensor.tensor_type.name
-                same = [n for n, t in self.tensors.items() if t.tensor_type.name == kind]
-                raise ValueError(f"cannot load the GGUF file {self.path.name}: type {kind} cannot be read ({exc}); "
-                                 f"tensors of that type: {', '.join(same[:4])}{' ...' if len(same) > 4 else ''}"
-                                 ) from exc
+            except NotImplementedError:  # a type gguf cannot dequantize (``check`` refuses such a file first)
+                check_types(self.path.name, self.tensors)  # names the types and their tensors
+                raise
             values = self.processor.process(weights=values, name=gguf_name).weights
             yield hf_name, _tensor(values).float()
 

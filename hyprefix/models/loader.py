@@ -97,11 +97,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _tensor_count(path: Path) -> int:
-    """How many tensors the checkpoint's files hold (headers only)."""
-    if path.suffix == ".gguf":
-        import gguf
-
-        return len(gguf.GGUFReader(str(path)).tensors)  # one parse inside ``gguf_parsed_once``
+    """How many tensors a checkpoint directory's safetensors files hold (headers only)."""
     from safetensors import safe_open
 
     total = 0
@@ -238,8 +234,7 @@ def load_gguf(net: torch.nn.Module, source: GGUFWeights | gguf_hybrid.HybridGGUF
     matrices = source.block_matrices() if quantization in (None, "int8") else []
     plan = gguf_blocks.plan_blocks(net, matrices) if quantization is None else gguf_blocks.BlockPlan()
     held = gguf_blocks.load_blocks(net, plan)
-    net.load_weights(_loading(source.floats(plan.names), path, _tensor_count(path) - len(plan.names)),
-                     quantized=held)
+    net.load_weights(_loading(source.floats(plan.names), path, len(source) - len(plan.names)), quantized=held)
     if quantization == "int8":
         net.load_int8_weights(gguf_blocks.int8_weights(net, matrices))
 
