@@ -182,8 +182,9 @@ def load_blocks(net: torch.nn.Module, plan: BlockPlan) -> set[str]:
                 raw = cache.get(shard.matrix.name)
                 if raw is None:
                     raw = cache[shard.matrix.name] = shard.matrix.read()
-                rows.append(raw[shard.ids])
-            parts.append(pack_rows(torch.cat(rows), run[0].matrix.kind, run[0].matrix.cols))
+                rows.append(raw if _every_row(shard.ids, raw) else raw[shard.ids])
+            block = rows[0] if len(rows) == 1 else torch.cat(rows)
+            parts.append(pack_rows(block, run[0].matrix.kind, run[0].matrix.cols))
         module = modules[param.rsplit(".", 1)[0]]
         module.forms.use_quant(join_parts(parts))
         order = shards[0].matrix.column_order
@@ -193,6 +194,11 @@ def load_blocks(net: torch.nn.Module, plan: BlockPlan) -> set[str]:
         if len(cache) > 4:  # a matrix's shards come together: keep few raw copies alive
             cache.clear()
     return set(plan.params)
+
+
+def _every_row(ids: torch.Tensor, raw: torch.Tensor) -> bool:
+    """Whether ``ids`` takes every row of ``raw`` in order (no copy needed)."""
+    return ids.numel() == raw.shape[0] and torch.equal(ids, torch.arange(raw.shape[0]))
 
 
 def int8_weights(net: torch.nn.Module, matrices: Iterable[BlockMatrix]) -> Iterator[tuple[str, Int8Weight]]:

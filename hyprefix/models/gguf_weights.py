@@ -77,7 +77,7 @@ class GGUFWeights:
             rows = self._rows(gguf_name, tensor.data.shape[0])
             if rows is not None:
                 out.append(BlockMatrix(self.names[gguf_name], kind, len(rows), int(tensor.shape[0]),
-                                       lambda t=tensor, r=rows: _tensor(t.data)[torch.from_numpy(r)]))
+                                       lambda t=tensor, r=rows: _rows_of(t, r)))
         return out
 
     def check(self, net: torch.nn.Module) -> None:
@@ -105,6 +105,13 @@ class GGUFWeights:
                 raise
             values = self.processor.process(weights=values, name=gguf_name).weights
             yield hf_name, _tensor(values).float()
+
+
+def _rows_of(tensor, rows: np.ndarray) -> torch.Tensor:
+    """A quantized tensor's blocks (uint8 [rows, bytes a row]) in the order ``rows``: a view of
+    the file's memory map where that is the file's own order (``gguf_blocks`` copies what it keeps)."""
+    raw = _tensor(tensor.data)
+    return raw if np.array_equal(rows, np.arange(len(rows))) else raw[torch.from_numpy(rows)]
 
 
 def _shape(tensor) -> tuple[int, ...]:
