@@ -85,9 +85,7 @@ def families(llama_converter, tmp_path_factory) -> dict[str, tuple[Path, Path, o
     jobs = [(["--outtype", "f32", "--outfile", str(root / f"{f}.gguf"), str(root / f)], []) for f in FAMILIES]
     jobs += [(["--outtype", "q8_0", "--outfile", str(root / f"{f}-q8_0.gguf"), str(root / f)], [])
              for f in Q8_FAMILIES]
-    proc = run_converter(llama_converter, jobs)
-    if proc.returncode:
-        pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
+    run_converter(llama_converter, jobs)
     return {f: (root / f, root / f"{f}.gguf", models[f]) for f in FAMILIES}
 
 

@@ -69,13 +69,16 @@ def checkpoints(hybrid_models, tmp_path_factory) -> dict[str, tuple[Path, object
 @pytest.fixture(scope="session")
 def ggufs(llama_converter, checkpoints, tmp_path_factory) -> dict[str, Path]:
     """test case (``ARCHS``) -> the GGUF file llama.cpp's converter writes for its checkpoint (f32)."""
-    root = tmp_path_factory.mktemp("gguf-hybrid")
-    out = {case: root / f"{case}.gguf" for case in ARCHS}
-    jobs = [(["--outtype", "f32", "--outfile", str(out[case]), *FLAGS.get(case, []), str(checkpoints[arch][0])],
-             HIDDEN.get(case, [])) for case, (arch, _) in ARCHS.items()]
-    proc = run_converter(llama_converter, jobs)
-    if proc.returncode:
-        pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
+    return _convert(llama_converter, checkpoints, tmp_path_factory.mktemp("gguf-hybrid"), list(ARCHS), "f32")
+
+
+def _convert(converter: Path, checkpoints, root: Path, cases: list[str], outtype: str) -> dict[str, Path]:
+    """test case -> the GGUF file (``outtype``) llama.cpp's converter writes for its checkpoint,
+    every case in one converter run."""
+    out = {case: root / f"{case}-{outtype}.gguf" for case in cases}
+    jobs = [(["--outtype", outtype, "--outfile", str(out[case]), *FLAGS.get(case, []),
+              str(checkpoints[ARCHS[case][0]][0])], HIDDEN.get(case, [])) for case in cases]
+    run_converter(converter, jobs)
     return out
 
 
@@ -121,10 +124,7 @@ def test_a_bf16_file_runs_in_bf16(llama_converter, checkpoints, tmp_path):
     from hyprefix.hardware import device_caps
 
     checkpoint = checkpoints["qwen3_5"][0]
-    path = tmp_path / "qwen3_5-bf16.gguf"
-    jobs = [(["--outtype", "bf16", "--outfile", str(path), "--no-mtp", str(checkpoint)], [])]
-    proc = run_converter(llama_converter, jobs)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    path = _convert(llama_converter, checkpoints, tmp_path, ["qwen3_5"], "bf16")["qwen3_5"]
     assert load_config(path).dtype == torch.bfloat16
     auto = LLM(str(path), num_kv_blocks=64, log_stats_interval=0)
     assert auto.engine.dtype == device_caps("cpu").auto_dtype(torch.bfloat16)[0]
@@ -171,14 +171,7 @@ Q8_CASES = ("qwen3_5", "qwen3_next", "nemotron_h_dense", "mamba2")
 @pytest.fixture(scope="session")
 def q8_ggufs(llama_converter, checkpoints, tmp_path_factory) -> dict[str, Path]:
     """test case -> the Q8_0 GGUF file llama.cpp's converter writes for its checkpoint."""
-    root = tmp_path_factory.mktemp("gguf-hybrid-q8")
-    out = {case: root / f"{case}-q8_0.gguf" for case in Q8_CASES}
-    jobs = [(["--outtype", "q8_0", "--outfile", str(out[case]), *FLAGS.get(case, []),
-              str(checkpoints[ARCHS[case][0]][0])], HIDDEN.get(case, [])) for case in Q8_CASES]
-    proc = run_converter(llama_converter, jobs)
-    if proc.returncode:
-        pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
-    return out
+    return _convert(llama_converter, checkpoints, tmp_path_factory.mktemp("gguf-hybrid-q8"), list(Q8_CASES), "q8_0")
 
 
 def _linears(model) -> dict[str, torch.nn.Module]:

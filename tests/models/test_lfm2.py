@@ -48,8 +48,7 @@ def lfm2(tmp_path_factory) -> tuple[Path, object]:
 @pytest.fixture(scope="module")
 def lfm2_gguf(lfm2, llama_converter, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lfm2-gguf") / "lfm2.gguf"
-    proc = run_converter(llama_converter, [(["--outtype", "f32", "--outfile", str(out), str(lfm2[0])], [])])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_converter(llama_converter, [(["--outtype", "f32", "--outfile", str(out), str(lfm2[0])], [])])
     return out
 
 

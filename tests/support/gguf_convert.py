@@ -88,9 +88,13 @@ def extract_converter() -> Path:
     return out
 
 
-def run_converter(converter: Path, jobs: list[tuple[list[str], list[str]]]) -> subprocess.CompletedProcess:
+def run_converter(converter: Path, jobs: list[tuple[list[str], list[str]]]) -> None:
     """Run the converter once per job (its arguments, and config keys hidden from it) in one
-    interpreter (``RUN_CONVERTER``); the caller checks ``returncode`` (stderr holds its log)."""
+    interpreter (``RUN_CONVERTER``); a failure fails the test with the end of its log."""
+    import pytest
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter), str(converter / "gguf-py")])}
-    return subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(converter / "convert_hf_to_gguf.py"),
+    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(converter / "convert_hf_to_gguf.py"),
                            json.dumps(jobs)], cwd=converter, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
