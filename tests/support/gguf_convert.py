@@ -8,14 +8,13 @@ once. ``run_converter`` converts several checkpoints in one interpreter."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from tools.models import llama_converter
 from tools.models.fetch_test_models import models_dir
 
 VERSION = "0.3.36"  # llama-cpp-python, as pyproject's llamacpp extra pins it
@@ -25,36 +24,6 @@ SDIST_ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 # What the converter needs from llama.cpp: the script, its model classes, its gguf package.
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
 
-# Two stand-ins for what the tests' tiny tokenizer is not, run before the converter:
-# * llama.cpp names a BPE pre-tokenizer by hashing how the tokenizer splits a test text, and
-#   refuses one it does not know, as the tiny tokenizer is. It splits as GPT-2 does (ByteLevel),
-#   so it is named that.
-# * Llama-style converters try a SentencePiece vocabulary first and import ``sentencepiece``
-#   before they look for ``tokenizer.model``; without the package that import fails instead of
-#   falling through to the BPE vocabulary. With no ``tokenizer.model`` the try fails as it would
-#   with the package installed.
-# The tensors and every other metadata key are the converter's. ``argv``: the script, then a JSON
-# list of (converter arguments, config keys to hide from it).
-RUN_CONVERTER = """
-import json, runpy, sys
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sentencepiece_vocab = base.TextModel._create_vocab_sentencepiece
-def no_sentencepiece_model(self):
-    if not (self.dir_model / "tokenizer.model").is_file():
-        raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
-    return sentencepiece_vocab(self)
-base.TextModel._create_vocab_sentencepiece = no_sentencepiece_model
-load_hparams = base.ModelBase.load_hparams
-script, jobs = sys.argv[1], json.loads(sys.argv[2])
-for args, hidden in jobs:  # one interpreter for every checkpoint: importing torch and transformers is most of it
-    def hparams(dir_model, is_mistral_format, hidden=hidden):
-        config = load_hparams(dir_model, is_mistral_format)
-        return {key: value for key, value in config.items() if key not in hidden}
-    base.ModelBase.load_hparams = staticmethod(hparams)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
-"""
 
 
 def _sdist(into: Path) -> Path:
@@ -90,11 +59,9 @@ def extract_converter() -> Path:
 
 def run_converter(converter: Path, jobs: list[tuple[list[str], list[str]]]) -> None:
     """Run the converter once per job (its arguments, and config keys hidden from it) in one
-    interpreter (``RUN_CONVERTER``); a failure fails the test with the end of its log."""
+    interpreter (``tools/models/llama_converter.py``); a failure fails the test with the end of its log."""
     import pytest
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter), str(converter / "gguf-py")])}
-    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(converter / "convert_hf_to_gguf.py"),
-                           json.dumps(jobs)], cwd=converter, env=env, capture_output=True, text=True)
+    proc = llama_converter.run_converter(converter, [(args, hidden, {}) for args, hidden in jobs])
     if proc.returncode:
         pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")

@@ -17,23 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from llama_converter import run_converter  # this script's directory
+
 from hyprefix.demo import resolve_demo_alias
 
-RUN_CONVERTER = """
-import json, runpy, sys
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-load_hparams, (hidden, added) = base.ModelBase.load_hparams, json.loads(sys.argv[1])
-base.ModelBase.load_hparams = staticmethod(
-    lambda *args, **kwargs: {k: v for k, v in load_hparams(*args, **kwargs).items() if k not in hidden} | added)
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 # Config keys the converter is not shown, by model type. transformers 5 saves its MoE defaults
 # into every NemotronH config: num_experts_per_tok sends the converter down its MoE path
 # (nemotron_h_moe, which llama.cpp cannot load without expert layers), n_routed_experts makes it
@@ -56,11 +47,11 @@ def convert(checkpoint: Path, llama_cpp: Path, out: Path) -> Path:
     """The checkpoint as a BF16 GGUF file written by llama.cpp's converter."""
     config = json.loads((checkpoint / "config.json").read_text())
     model_type = config.get("model_type", "")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama_cpp), str(llama_cpp / "gguf-py")])}
     flags = ["--no-mtp"] if model_type.startswith("qwen3") else []
-    subprocess.run([sys.executable, "-c", RUN_CONVERTER, json.dumps([HIDDEN.get(model_type, []), added_keys(config)]),
-                    str(llama_cpp / "convert_hf_to_gguf.py"), "--outtype", "bf16", *flags, "--outfile", str(out),
-                    str(checkpoint)], cwd=llama_cpp, env=env, check=True)
+    args = ["--outtype", "bf16", *flags, "--outfile", str(out), str(checkpoint)]
+    proc = run_converter(llama_cpp, [(args, HIDDEN.get(model_type, []), added_keys(config))])
+    if proc.returncode:
+        sys.exit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
     return out
 
 
