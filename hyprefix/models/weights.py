@@ -74,6 +74,11 @@ class MatrixForms(nn.Module):
         self.method: LinearMethod = methods.PLAIN  # how ``matmul`` multiplies: set as forms are added
         self.eager_tiles = False  # eager decode-sized matmuls take the bf16 tiles (``tiles_take``)
 
+    def attribute_tensors(self) -> list[torch.Tensor]:
+        """The tensors held as plain attributes, not buffers (oneDNN's packed copies), which a
+        compiled step reads beside the parameters and buffers."""
+        return [t for t in (self.packed, *(self.packed_halves or ())) if t is not None]
+
     @property
     def int8(self) -> Int8Weight | Int8Tiles | None:
         buffers = self._buffers

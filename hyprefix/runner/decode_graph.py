@@ -11,8 +11,7 @@ is one kernel call, ``kernels/decode_layers.cpp``, and the runner makes no ``Dec
 Two graphs, each compiled on first use, with the context length (block-table width) a
 symbolic size so a growing context never recompiles:
 - batch 1 (the one-stream, most latency-bound case): every matmul streams its weight once
-  (Inductor's loop, or the int8 / bf16 tile kernels), and the step is called without Dynamo
-  (``DecodeGraphs._compile``);
+  (Inductor's loop, or the int8 / bf16 tile kernels);
 - every larger batch, one graph with a symbolic batch size (``batched``), where the model's
   matmuls are oneDNN's prepacked GEMMs (or the int8 tile kernel) as extern calls
   (``kernels/packed_linear.cpp``) and Inductor fuses what lies between them. It exists where
@@ -20,6 +19,8 @@ symbolic size so a growing context never recompiles:
   and the paged decode-attention kernel runs; elsewhere batched steps run eagerly.
   Inductor's own loops with a symbolic batch size ran far slower than eager, and a static
   graph per batch size would cost a cold compile each (``docs/perf-log.md``).
+Each is traced by ``torch.compile`` once and then called straight into Inductor's code with
+its flat inputs, without Dynamo (``runner/graph_capture.py``: public APIs only).
 A step qualifies when it is decode only, reads no prefix shared by several rows through a
 cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
 ignored) and no sliding-window pool; any other step runs eagerly.
@@ -28,9 +29,7 @@ Models with recurrent layers (Mamba2, Gated DeltaNet) compile where their fused 
 (``CausalLM.decode_graph_capable``): the graph takes the live states and each row's slot, and
 calls the ops, which advance the states in place, as extern kernels between the matmuls.
 Checkpoint taps are copies of a live state after the step, so they are made after the graph
-(``tap_decode_rows``). Compiling runs a step more than once (``_compile``): every run starts from
-the rows' states before the step (a run from advanced states would advance them twice, and its
-attention layers would write other K/V over the step's).
+(``tap_decode_rows``). Compiling runs the step once, as the step itself.
 
 If compiling fails (no C++ compiler, an unsupported op) that graph is switched off with a
 warning: after a batch-1 failure every decode step runs eagerly, after a batched failure only
@@ -40,11 +39,8 @@ the batched steps do.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import CodeType, FunctionType
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -54,6 +50,8 @@ from hyprefix.kernels import decode_attention, packed_linear
 from hyprefix.models.layers import Linear
 from hyprefix.models.quant import uses_tile_kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState, tap_decode_rows
+from hyprefix.models.weights import MatrixForms
+from hyprefix.runner.graph_capture import CapturedStep, backend_for, capture
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -87,7 +85,7 @@ class DecodeGraphs:
                          **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
         # The batched graph calls many extern kernels: the C++ wrapper calls them for less.
         self._batched_options = {**self._options, "cpp_wrapper": True}
-        self._steps: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}  # 1 or BATCHED -> its step
+        self._steps: dict[int, CapturedStep] = {}  # 1 or BATCHED -> its step
 
     @property
     def max_batch(self) -> int | None:
@@ -131,7 +129,7 @@ class DecodeGraphs:
         step = self._steps.get(key)
         if step is not None:
             with torch.inference_mode():  # as when compiled: no guard would catch a grad-mode call
-                return step(self, *args)
+                return step(args[:_STEP_INPUTS])
         t0 = time.perf_counter()
         try:
             step, out = self._compile(args, batched=key == BATCHED)
@@ -149,66 +147,25 @@ class DecodeGraphs:
                  time.perf_counter() - t0)
         return out
 
-    def _compile(self, args: tuple, batched: bool) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                                                             tuple[torch.Tensor, torch.Tensor]]:
+    def _compile(self, args: tuple, batched: bool) -> tuple[CapturedStep, tuple[torch.Tensor, torch.Tensor]]:
         """Compile the step for these arguments' shapes (the table width symbolic; with
-        ``batched`` the row count too) and run it once. Returns the step to call as
-        ``step(self, *args)`` from then on.
-
-        Batch 1: the bytecode Dynamo made for it, called directly, as vLLM dispatches to its
-        compiled code, which skips Dynamo's frame evaluation and guards. That is sound
-        because nothing a guard checks changes between this engine's calls: the model, its
-        K/V tensors and every shape but the table width are fixed. Where no bytecode was made
-        in this call (another engine of the same shapes compiled it earlier in this process),
-        the step goes through Dynamo.
-
-        Batched: always through Dynamo, whose guards check each call's row count against
-        what the graph was compiled for (a small part of a batched step). It runs a second time with
-        one more row before it is kept: had Dynamo specialised the row count anyway, that
-        would compile again, and the batched graph is refused rather than compiled per size."""
-        captured: list[CodeType] = []
-        thread = threading.get_ident()
-
-        def keep(code: CodeType, new_code: CodeType) -> None:
-            if code is _STEP_CODE and threading.get_ident() == thread:
-                captured.append(new_code)
-
-        def mark(step_args: tuple) -> None:
-            torch._dynamo.mark_dynamic(step_args[3], 1)  # the block tables' width
-            if batched:
-                for t in step_args[:_STEP_INPUTS]:
-                    if t is not None:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
-
-        compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False,
-                                 options=self._batched_options if batched else self._options)
-        hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
-        rewind = _state_rewinder(args)
-        try:
-            mark(args)
-            out = compiled(self, *args)
-            if batched:  # row 0 again: its K/V written again to its slot (equal up to rounding)
-                with torch.inference_mode(args[0].is_inference()):  # tensors of the same kind (a guard)
-                    more = tuple(None if t is None else torch.cat([t, t[:1]]) for t in args[:_STEP_INPUTS])
-                made = len(captured)
-                mark(more)
-                rewind()
-                compiled(self, *more, *args[_STEP_INPUTS:])
-                if len(captured) > made:
-                    raise RuntimeError("the batched graph specialised its batch size")
-                if args[5] is not None:  # row 0's twin advanced its state twice and wrote K/V from it
-                    rewind()
-                    out = compiled(self, *args)
-        finally:
-            hook.remove()
-        if captured and not batched:
-            step = FunctionType(captured[-1], DecodeGraphs._step.__globals__, "_step")
-            return _direct_call(step, self, args, rewind) or step, out
-
-        def through_dynamo(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
-            mark(step_args)
-            return compiled(graphs, *step_args)
-        return through_dynamo, out
+        ``batched`` the row count too), run it once and capture it (``graph_capture``): from
+        then on it is called with the step's first ``_STEP_INPUTS`` arguments straight into Inductor's code, without
+        Dynamo. A batched graph that specialised its row count is refused (``CaptureError``)
+        rather than compiled per size."""
+        torch._dynamo.mark_dynamic(args[3], 1)  # the block tables' width
+        if batched:
+            for t in args[:_STEP_INPUTS]:
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        options = self._batched_options if batched else self._options
+        compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, backend=backend_for(options))
+        model = self.model
+        lasting = [*model.parameters(), *model.buffers(), *(t for pair in args[6] for t in pair),
+                   *(t for m in model.modules() if isinstance(m, MatrixForms) for t in m.attribute_tensors()),
+                   *(t for layer in args[7] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))]
+        symbolic = [(3, 1), *([(0, 0)] if batched else [])]
+        return capture(lambda: compiled(self, *args), args[:_STEP_INPUTS], lasting, symbolic)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               tables: torch.Tensor, context_lens: torch.Tensor, state_slots: torch.Tensor | None,
@@ -224,7 +181,6 @@ class DecodeGraphs:
         return logits, logits.argmax(dim=-1)
 
 
-_STEP_CODE = DecodeGraphs._step.__code__
 BATCHED = 2  # the key of the graph of every batch of two or more rows
 
 
@@ -263,77 +219,3 @@ _KERNEL_SOURCES_KEY = KernelSourcesKey()
 # input_ids, positions, slot_mapping, tables, context_lens, state slots (None without recurrent
 # layers): new tensors every step
 _STEP_INPUTS = 6
-
-
-def _state_rewinder(args: tuple) -> Callable[[], None]:
-    """A function that puts the live recurrent states of a step's rows back to what they are
-    now, before the step, so the step can run again as the same step: a K/V write run twice
-    writes the same values, but a run from advanced states would advance them twice and feed
-    the attention layers other inputs. A no-op without recurrent layers."""
-    slots, states = args[5], args[7]
-    if slots is None:
-        return lambda: None
-    saved = [(layer.conv.index_select(0, slots), layer.matrix.index_select(0, slots)) for layer in states]
-
-    def rewind() -> None:
-        for layer, (conv, matrix) in zip(states, saved, strict=True):
-            layer.conv.index_copy_(0, slots, conv)
-            layer.matrix.index_copy_(0, slots, matrix)
-    return rewind
-
-
-def _direct_call(step: Callable[..., tuple[torch.Tensor, torch.Tensor]], graphs: DecodeGraphs, args: tuple,
-                 rewind: Callable[[], None]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The compiled step called straight with its flat inputs, without the bytecode Dynamo
-    made to gather them (reading every weight through module attributes, every step). One
-    recorded run of ``step`` (a decode step run twice writes the same K/V twice) gives the
-    flat inputs: each must be one of this step's input tensors, the block tables' width (the
-    one symbolic size), or a tensor that lives as long as the engine (the model's parameters
-    and buffers, the K/V caches, the recurrent states); the outputs must be the compiled
-    function's own. Anything
-    else (another torch's bytecode, a graph that takes other values) returns None and
-    ``step`` stays."""
-    names = [n for n in step.__code__.co_names if n.startswith("__compiled_fn")]
-    if len(names) != 1 or not callable(compiled_fn := step.__globals__.get(names[0])):
-        return None
-    recorded: list[tuple[tuple, object]] = []
-
-    def record(*flat):
-        out = compiled_fn(*flat)
-        recorded.append((flat, out))
-        return out
-
-    rewind()  # the recorded run is the same step again (``_state_rewinder``)
-    with torch.inference_mode():
-        result = FunctionType(step.__code__, {**step.__globals__, names[0]: record}, "_step")(graphs, *args)
-    if len(recorded) != 1 or not isinstance(result, tuple) or not isinstance(recorded[0][1], list | tuple):
-        return None
-    flat, outputs = recorded[0]
-    inputs, width = args[:_STEP_INPUTS], args[3].shape[1]
-    lasting = {id(t) for t in (*graphs.model.parameters(), *graphs.model.buffers())}
-    lasting.update(id(t) for pair in args[6] for t in pair)
-    lasting.update(id(t) for layer in args[7] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))
-    slots: list[tuple[int, int]] = []  # (position in flat, index in inputs; -1: the tables' width)
-    for i, value in enumerate(flat):
-        which = next((j for j, t in enumerate(inputs) if value is t), None)
-        if which is not None:
-            slots.append((i, which))
-        elif isinstance(value, int) and value == width:
-            slots.append((i, -1))
-        elif not (isinstance(value, torch.Tensor) and id(value) in lasting):
-            return None
-    picks = [next((j for j, o in enumerate(outputs) if o is r), None) for r in result]
-    if None in picks:
-        return None
-    template = list(flat)
-    for i, _ in slots:
-        template[i] = None  # this run's inputs: not kept alive
-
-    def direct(graphs: DecodeGraphs, *step_args) -> tuple[torch.Tensor, torch.Tensor]:
-        call = template.copy()
-        for i, which in slots:
-            call[i] = step_args[which] if which >= 0 else step_args[3].shape[1]
-        out = compiled_fn(*call)
-        return tuple(out[j] for j in picks)
-
-    return direct

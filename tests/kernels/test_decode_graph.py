@@ -4,7 +4,6 @@ on tiny float32 models, against transformers and against our own eager path."""
 from __future__ import annotations
 
 import logging
-from types import FunctionType
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from hyprefix.models.quant import Int8Tiles, Int8Weight, quantize_activations, q
 from hyprefix.outputs import ScheduledSeq
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.decode_graph import BATCHED, DecodeGraphs, batched_graph_capable
+from hyprefix.runner.graph_capture import CapturedStep
 from tests.support.compare import hf_greedy, our_last_logits, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -150,24 +150,26 @@ def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None,
 
 
 def test_compiled_step_is_called_without_dynamo(tiny_models):
-    """An engine's step is the compiled function Dynamo made for it, called directly with its
-    flat inputs (``_direct_call``, recorded from Dynamo's bytecode): once made, it never
-    enters Dynamo again (with Dynamo's caches cleared nothing recompiles). Two engines of
-    different shapes in one process keep their own steps; a third whose shapes match an
-    earlier one's makes no bytecode of its own and goes through Dynamo. Each step equals its eager forward."""
+    """An engine's step is Inductor's compiled code called directly with its flat inputs
+    (``graph_capture``): once captured, it never enters Dynamo again (with Dynamo's caches
+    cleared, nothing recompiles). Two engines of different shapes in one process trace their
+    own graphs; a third whose shapes match an earlier one's reuses that trace (no graph of its
+    own) and is captured with its own tensors. Each step equals its eager forward."""
     path, _ = tiny_models["llama"]
+    before = _graph_count()
     engines = [LLM(str(path), dtype="float32", num_kv_blocks=n, block_size=16) for n in (96, 112, 96)]
     prompts = random_prompts((20, 37), seed=9)
     firsts = {tuple(llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) for llm in engines}
     assert len(firsts) == 1
+    assert _graph_count() - before <= 2
     steps = [llm.engine.runner.decode_graphs._steps[1] for llm in engines]
-    for step in steps[:2]:
-        assert isinstance(step, FunctionType) and step.__name__ == "direct"
-    assert steps[2].__name__ == "through_dynamo"
-    compiled, eager = _compiled_and_eager_logits(engines[2], prompts[1:])
-    assert (compiled - eager).abs().max().item() < 1e-4
-    torch._dynamo.reset()
-    for llm in engines[:2]:
+    assert all(isinstance(step, CapturedStep) for step in steps)
+    assert steps[0].compiled is steps[2].compiled and steps[0].compiled is not steps[1].compiled
+    caches = {id(t) for t in steps[2].template if isinstance(t, torch.Tensor)}
+    assert id(engines[2].engine.runner.kv_caches[0][0]) in caches
+    assert id(engines[0].engine.runner.kv_caches[0][0]) not in caches
+    torch.compiler.reset()
+    for llm in engines:
         compiled, eager = _compiled_and_eager_logits(llm, prompts[1:])
         assert (compiled - eager).abs().max().item() < 1e-4
     assert _graph_count() == 0
@@ -387,57 +389,42 @@ def test_bad_quantization_is_a_value_error():
         EngineArgs(quantization="int3")
 
 
-def _fake_step(body: str):
-    """A stand-in for Dynamo's bytecode: gathers flat inputs, calls ``__compiled_fn_1``."""
-    calls = []
+def test_capture_takes_only_what_it_can_replay():
+    """``capture`` maps each flat input of the compiled graph to a step input, a symbolic size
+    of one, or a lasting tensor, and later calls put each call's own values in their places;
+    a graph that reads any other tensor, or specialised a size the caller keeps symbolic, is refused."""
+    from hyprefix.runner.graph_capture import CaptureError, backend_for, capture
 
-    def compiled(*flat):
-        calls.append(flat)
-        return [flat[1] * 2, flat[-1] + flat[1].sum()]
+    weight, cache, other = torch.randn(4, 4), torch.zeros(8, 4), torch.randn(4)
 
-    scope = {"__compiled_fn_1": compiled, "torch": torch}
-    exec(f"def _step(self, ids, pos, slots, tables, lens, state_slots, kv, states, block_size):\n    {body}", scope)
-    return scope["_step"], calls
+    def step(x, tables):
+        cache.index_copy_(0, tables[:, 0], x)
+        return x @ weight + tables.shape[1], (x * 2).sum()
 
+    def reads_other(x, tables):
+        return x + other + tables.shape[1], x.sum()
 
-def test_direct_call_takes_only_what_it_can_replay():
-    """``_direct_call`` replays the recorded flat inputs with this step's tensors and the
-    tables' width swapped in (a recurrent layer's state tensors, lasting, are replayed as they
-    are); the recorded run comes after the step's states are rewound. A step whose inputs include
-    anything else (here a tensor made in the bytecode) keeps its bytecode."""
-    from types import SimpleNamespace
-
-    from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState
-    from hyprefix.runner.decode_graph import _direct_call
-
-    graphs = SimpleNamespace(model=torch.nn.Linear(4, 4))
-    kv = [(torch.zeros(2, 3), torch.zeros(2, 3))]
-    states = [RecurrentLayerState.allocate(LayerStateShape(4, 3, (2, 2)), 2, 1, torch.float32, torch.device("cpu"))]
-    rewinds = []
-
-    def args(width: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, 9, (1,), generator=g), torch.randn(1, generator=g), torch.tensor([3]),
-                torch.zeros(1, width, dtype=torch.long), torch.tensor([5]), torch.tensor([1]), kv, states, 16)
-
-    step, calls = _fake_step("out = __compiled_fn_1(self.model.weight, pos, kv[0][1], tables, states[0].matrix, "
-                             "state_slots, tables.shape[1])\n"
-                             "    return out[0], out[1]")
-    direct = _direct_call(step, graphs, args(2, 0), lambda: rewinds.append(len(calls)))
-    assert direct is not None and len(calls) == 1 and rewinds == [0]
-    for width, seed in ((5, 1), (9, 2)):
-        a = args(width, seed)
-        got = direct(graphs, *a)
-        assert calls[-1][0] is graphs.model.weight and calls[-1][1] is a[1] and calls[-1][2] is kv[0][1]
-        assert calls[-1][3] is a[3] and calls[-1][4] is states[0].matrix and calls[-1][5] is a[5]
-        assert calls[-1][6] == width
-        assert torch.equal(got[0], a[1] * 2) and got[1] == width + a[1].sum()
-    made, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos * 1, tables.shape[1])\n"
-                         "    return out[0], out[1]")
-    assert _direct_call(made, graphs, args(2, 0), lambda: None) is None
-    unmapped, _ = _fake_step("out = __compiled_fn_1(self.model.weight, pos, tables.shape[1])\n"
-                             "    return out[0], out[1] + 1")
-    assert _direct_call(unmapped, graphs, args(2, 0), lambda: None) is None  # an output the function did not return
+    backend = backend_for({"size_asserts": False})
+    x, tables = torch.randn(2, 4), torch.tensor([[1, 5], [3, 0]])
+    torch._dynamo.mark_dynamic(tables, 1)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(tables, 0)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    with torch.inference_mode():
+        captured, out = capture(lambda: compiled(x, tables), (x, tables), [weight, cache], [(1, 1), (0, 0)])
+        assert torch.allclose(out[0], x @ weight + 2)
+        for rows, width in ((3, 5), (4, 7)):
+            x2, t2 = torch.randn(rows, 4), torch.randint(0, 8, (rows, width))
+            got = captured((x2, t2))
+            assert torch.allclose(got[0], x2 @ weight + width) and torch.allclose(got[1], (x2 * 2).sum())
+            assert torch.equal(cache[t2[-1, 0]], x2[-1])
+        other_step = torch.compile(reads_other, fullgraph=True, dynamic=False, backend=backend)
+        with pytest.raises(CaptureError, match="neither a step input"):
+            capture(lambda: other_step(x, tables), (x, tables), [])
+        x3, t3 = torch.randn(3, 4), torch.tensor([[1, 2], [3, 4], [5, 6]])
+        fixed = torch.compile(lambda x, tables: step(x, tables), fullgraph=True, dynamic=False, backend=backend)
+        with pytest.raises(CaptureError, match="specialised size 0 of step input 0"):
+            capture(lambda: fixed(x3, t3), (x3, t3), [weight, cache], [(0, 0)])
 
 
 def test_inductor_cache_key_follows_the_kernel_sources(tmp_path, monkeypatch, tiny_models):

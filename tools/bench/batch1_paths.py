@@ -4,13 +4,13 @@ process on the same model, 128-token prompts and 64 tokens, the two alternated r
 ``kernel-graph``: the one-call ``DecodeModel`` kernel (``kernels/decode_layers.cpp``) against the
 compiled batch-1 graph the same model runs without it (six rounds, medians of each).
 
-``direct-dynamo``: ``runner/decode_graph._direct_call`` (the batch-1 graph called with its flat
-inputs, without the bytecode Dynamo made to gather them) against Dynamo's own call, with its guards
-and then under the public ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (ten rounds
-each, the ratio per round).
+``captured-dynamo``: the batch-1 graph as the engine calls it, captured (``runner/graph_capture``:
+Inductor's code called with its flat inputs, without Dynamo) against the same graph called through
+Dynamo, with its guards and then under the public
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (ten rounds each, the ratio per round).
 
     python tools/bench/batch1_paths.py kernel-graph MODEL.gguf
-    python tools/bench/batch1_paths.py direct-dynamo [smollm2-135m-instruct]
+    python tools/bench/batch1_paths.py captured-dynamo [smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-import hyprefix.runner.decode_graph as decode_graph
 from hyprefix import LLM, SamplingParams
 from hyprefix.models.llama import LlamaForCausalLM
+from hyprefix.runner.decode_graph import DecodeGraphs
+from hyprefix.runner.graph_capture import backend_for
 
 TOKENS = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
 
@@ -74,20 +75,32 @@ def kernel_graph(model: str, generator: torch.Generator) -> None:
     print("decode steps by path:", kernel.engine.runner.decode_steps, graph.engine.runner.decode_steps)
 
 
-def direct_dynamo(model: str, generator: torch.Generator) -> None:
-    direct = engine(model, generator)
-    dynamo = engine_patched(model, generator, decode_graph, "_direct_call", lambda *_args, **_kwargs: None)
+def through_dynamo(llm: LLM) -> None:
+    """Make ``llm``'s batch-1 graph run through Dynamo (the traced code it was captured from)."""
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, backend=backend_for(graphs._options))
+
+    def step(inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return compiled(graphs, *inputs, runner.kv_caches, [], runner.block_size)
+    graphs._steps[1] = step
+
+
+def captured_dynamo(model: str, generator: torch.Generator) -> None:
+    captured = engine(model, generator)
+    dynamo = engine(model, generator)
+    through_dynamo(dynamo)
     for phase in ("Dynamo with its guards", "skip_guard_eval_unsafe=True"):
         if phase != "Dynamo with its guards":
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        times = alternated({"direct": direct, "dynamo": dynamo}, generator, 10)
-        ratios = [b / a for a, b in zip(times["direct"], times["dynamo"], strict=True)]
-        print(f"{phase}: Dynamo / direct call, median {statistics.median(ratios):.3f} "
+        times = alternated({"captured": captured, "dynamo": dynamo}, generator, 10)
+        ratios = [b / a for a, b in zip(times["captured"], times["dynamo"], strict=True)]
+        print(f"{phase}: Dynamo / captured call, median {statistics.median(ratios):.3f} "
               f"({', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 COMPARISONS: dict[str, Callable[[str, torch.Generator], None]] = {
-    "kernel-graph": kernel_graph, "direct-dynamo": direct_dynamo}
+    "kernel-graph": kernel_graph, "captured-dynamo": captured_dynamo}
 
 
 def main() -> None:
