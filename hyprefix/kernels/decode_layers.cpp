@@ -1,17 +1,22 @@
-// hyprefix::DecodeModel: a Llama-style decoder with int8 weights, set up once (its weights, its
-// paged K/V caches, its embedding, final norm, LM head and RoPE tables), and a decode step over
-// it in one call and one parallel region: hyprefix::decode_model_hidden (the hidden states) and
-// hyprefix::decode_model_logits (the logits and their argmax). Per layer, with res the residual
-// stream (the rows' embeddings before the first layer):
+// hyprefix::DecodeModel: a decoder of pre-norm attention + gated-MLP layers (the layout of Llama,
+// Mistral, Qwen2/3, SmolLM3, Granite and Phi-3) with int8 or low-bit weights, set up once (its
+// weights, its paged K/V caches, its embedding, final norm, LM head and RoPE tables), and a
+// decode step over it in one call and one parallel region: hyprefix::decode_model_hidden (the
+// hidden states) and hyprefix::decode_model_logits (the logits and their argmax). Each family
+// describes its layers (models/llama.py's DecoderLayer: NoPE layers, residual multipliers); per
+// layer, with res the residual stream (the rows' embeddings times embed_scale before the first
+// layer) and s the layer's residual_scale (1 where the family has none):
 //
-//   res += out (the previous layer's);  h = rms_norm(res) * input_norm
+//   res += out * s (the previous layer's);  h = rms_norm(res) * input_norm
 //   q, k, v = split(h @ qkv^T + qkv_bias);  QK-norm per head (where given), rotate-half RoPE on
-//   the first rotary_dim channels;  k, v written to the layer's paged caches at slot_mapping
+//   the first rotary_dim channels (unless a NoPE layer);  k, v written to the layer's paged
+//   caches at slot_mapping
 //   a = attention of q over each row's K/V through its block table (decode_attention.h)
-//   res += a @ o^T + o_bias;  h = rms_norm(res) * post_norm
+//   res += (a @ o^T + o_bias) * s;  h = rms_norm(res) * post_norm
 //   gate, up = split(h @ gate_up^T + gate_up_bias);  out = (silu(gate) * up) @ down^T + down_bias
 //
-// then hidden = out + res of the last layer, or logits = rms_norm(res + out) * final_norm @ head^T.
+// then hidden = out * s + res of the last layer, or logits = rms_norm(res + out * s) * final_norm
+// @ head^T / logits_scale.
 // That is the arithmetic, in the same float32 order, of the model run op by op (models/llama.py
 // with the int8 kernel of int8_tiles.h and the attention of decode_attention.h), so the results
 // agree to float32 rounding. What it saves is the time between those ops: a batch-1 decode step
@@ -149,6 +154,15 @@ void rms_norm(const float* src, const float* weight, float eps, int64_t n, float
   at::vec::map2([&](Vec x, Vec w) { return w * (x * Vec(r)); }, dst, src, weight, n);
 }
 
+// res += out * scale over n values (scale 1: a plain add, as a layer without a residual multiplier).
+inline void add_scaled(float* res, const float* out, float scale, int64_t n) {
+  if (scale == 1.0f) {
+    for (int64_t j = 0; j < n; ++j) res[j] += out[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) res[j] += out[j] * scale;
+  }
+}
+
 // Every row's norm of res [rows, n], quantized into q (sized for it) for the next matmul; h: scratch.
 void norm_rows(const float* res, const float* weight, float eps, int64_t rows, int64_t n, float* h,
                GroupedActivations& q) {
@@ -180,6 +194,8 @@ struct Layer {
   Matrix qkv, o, gate_up, down;
   float *k_cache, *v_cache;
   size_t plan;  // its window's index in DecodeModel::windows
+  bool rope;  // false: a NoPE layer (q and k not rotated)
+  float residual_scale;  // each block's output times this before it joins res (1: none)
 };
 
 void check_vector(const at::Tensor& t, int64_t n, const char* name) {
@@ -194,6 +210,7 @@ struct DecodeModel : torch::CustomClassHolder {
   int64_t hidden, vocab, num_heads, rotary_dim, max_positions;
   int64_t kv_heads = 0, dim = 0, block_size = 0, cache_slots = 0, intermediate = 0;
   double norm_eps, qk_norm_eps, scale;
+  float embed_scale, logits_scale;  // res starts as embed_row * embed_scale; logits are divided by logits_scale
   const float *final_norm, *cos, *sin;  // cos, sin: [max_positions, rotary_dim]
   const float* embed = nullptr;  // a float32 table [vocab, hidden], or
   std::vector<TilePart> embed_parts;  // its low-bit tiles (a GGUF's quantized table, no float copy)
@@ -206,9 +223,10 @@ struct DecodeModel : torch::CustomClassHolder {
   // rotary_dim] (models/layers.py's Rotary).
   DecodeModel(std::vector<at::Tensor> embed_, int64_t vocab_, int64_t hidden_, at::Tensor final_norm_,
               std::vector<at::Tensor> head_, at::Tensor cos_, at::Tensor sin_, int64_t num_heads_, double norm_eps_,
-              double qk_norm_eps_, double scale_)
+              double qk_norm_eps_, double scale_, double embed_scale_, double logits_scale_)
       : hidden(hidden_), vocab(vocab_), num_heads(num_heads_), rotary_dim(cos_.size(-1)),
-        max_positions(cos_.size(0)), norm_eps(norm_eps_), qk_norm_eps(qk_norm_eps_), scale(scale_) {
+        max_positions(cos_.size(0)), norm_eps(norm_eps_), qk_norm_eps(qk_norm_eps_), scale(scale_),
+        embed_scale(static_cast<float>(embed_scale_)), logits_scale(static_cast<float>(logits_scale_)) {
     if (embed_.size() == 1) {
       TORCH_CHECK(embed_[0].device().is_cpu() && embed_[0].dim() == 2, "DecodeModel: embed must be [vocab, hidden] on CPU");
       check_vector(embed_[0], vocab * hidden, "embed");
@@ -233,23 +251,26 @@ struct DecodeModel : torch::CustomClassHolder {
     sin = sin_.const_data_ptr<float>();
   }
 
-  // Row `id` of the embedding table into dst.
+  // Row `id` of the embedding table, times embed_scale, into dst.
   void embed_row(int64_t id, float* dst) const {
     if (embed != nullptr) {
       std::copy_n(embed + id * hidden, hidden, dst);
     } else {
       matrix_row(embed_parts, id, hidden, dst);
     }
+    if (embed_scale != 1.0f)
+      for (int64_t j = 0; j < hidden; ++j) dst[j] *= embed_scale;
   }
 
   // The next layer: its weights (int8 tiles and scales, optional biases), its norms (qk_norm:
   // float32 [(num_heads + kv_heads) * dim] or none), its caches (float32 [blocks, block_size,
-  // kv_heads, dim], every layer's the same shape) and its sliding window (0: none).
+  // kv_heads, dim], every layer's the same shape), its sliding window (0: none), whether it
+  // rotates q and k, and the scale of its blocks' outputs.
   void add_layer(at::Tensor input_norm, std::vector<at::Tensor> qkv_w, std::optional<at::Tensor> qkv_bias,
                  std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> o_w, std::optional<at::Tensor> o_bias,
                  at::Tensor post_norm, std::vector<at::Tensor> gate_up_w, std::optional<at::Tensor> gate_up_bias,
                  std::vector<at::Tensor> down_w, std::optional<at::Tensor> down_bias, at::Tensor k_cache,
-                 at::Tensor v_cache, int64_t window) {
+                 at::Tensor v_cache, int64_t window, bool rope, double residual_scale) {
     TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                     v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu(),
@@ -285,6 +306,8 @@ struct DecodeModel : torch::CustomClassHolder {
     l.v_cache = v_cache.mutable_data_ptr<float>();
     l.plan = std::find(windows.begin(), windows.end(), window) - windows.begin();
     if (l.plan == windows.size()) windows.push_back(window);
+    l.rope = rope;
+    l.residual_scale = static_cast<float>(residual_scale);
     for (const auto& t : {input_norm, post_norm, k_cache, v_cache}) held.push_back(t);
     for (const auto* w : {&qkv_w, &o_w, &gate_up_w, &down_w}) held.insert(held.end(), w->begin(), w->end());
     for (const auto* t : {&qkv_bias, &qk_norm, &o_bias, &gate_up_bias, &down_bias})
@@ -307,8 +330,8 @@ struct StepScratch {
   std::vector<ThreadScratch> threads;
 };
 
-// QK-norm (where given) and RoPE of heads [h0, h1) of each row's q, k, v (q heads, then k, then
-// v), then their k and v into the caches at the rows' slots.
+// QK-norm (where given) and RoPE (in a layer that rotates) of heads [h0, h1) of each row's q, k, v
+// (q heads, then k, then v), then their k and v into the caches at the rows' slots.
 void finish_heads(const DecodeModel& m, const Layer& l, float* qkv, int64_t rows, const int64_t* positions,
                   const int64_t* slots, int64_t h0, int64_t h1) {
   const int64_t d = m.dim, half = m.rotary_dim / 2, kv_size = m.kv_heads * d;
@@ -320,7 +343,7 @@ void finish_heads(const DecodeModel& m, const Layer& l, float* qkv, int64_t rows
       float* v = row + head * d;
       if (head < rotated) {
         if (l.qk_norm != nullptr) rms_norm(v, l.qk_norm + head * d, m.qk_norm_eps, d, v);
-        for (int64_t j = 0; j < half; ++j) {
+        for (int64_t j = 0; l.rope && j < half; ++j) {
           const float x1 = v[j], x2 = v[j + half];
           v[j] = x1 * c[j] - x2 * s[j];
           v[j + half] = x2 * c[j] + x1 * s[j];
@@ -417,8 +440,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
     for (size_t i = 0; i < m.layers.size(); ++i) {
       const Layer& l = m.layers[i];
       DecodeWork<float>& attention = plans[l.plan];
-      if (i > 0)
-        for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      if (i > 0) add_scaled(res, out, m.layers[i - 1].residual_scale, rows * n);
       norm_rows(res, l.input_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
       matmul_tiles(l.qkv, mine.q, rows, w.qkv.data(), h0 * d / 16, h1 * d / 16);
       finish_heads(m, l, w.qkv.data(), rows, in.positions, in.slots, h0, h1);
@@ -449,7 +471,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
 #pragma omp barrier
       matmul_tiles(l.o, w.q_attn, rows, out, o0, o1);
 #pragma omp barrier
-      for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      add_scaled(res, out, l.residual_scale, rows * n);
       norm_rows(res, l.post_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
       matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), 2 * u0, 2 * u1);
       matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), gate_tiles + 2 * u0, gate_tiles + 2 * u1);
@@ -464,13 +486,16 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
       matmul_tiles(l.down, w.q_act, rows, out, o0, o1);
 #pragma omp barrier
     }
+    const float last_scale = m.layers.back().residual_scale;
     if (logits != nullptr) {
-      for (int64_t j = 0; j < rows * n; ++j) res[j] += out[j];
+      add_scaled(res, out, last_scale, rows * n);
       norm_rows(res, m.final_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
       const auto [t0, t1] = share((vocab + 15) / 16, tid, threads);
       matmul_tiles(*m.head, mine.q, rows, logits, t0, t1);
       const int64_t c0 = std::min(t0 * 16, vocab), c1 = std::min(t1 * 16, vocab);
       for (int64_t r = 0; r < rows; ++r) {
+        if (m.logits_scale != 1.0f)
+          for (int64_t c = c0; c < c1; ++c) logits[r * vocab + c] /= m.logits_scale;
         w.best_index[tid * rows + r] = -1;
         argmax_span(logits + r * vocab + c0, c1 - c0, c0, w.best[tid * rows + r], w.best_index[tid * rows + r]);
       }
@@ -491,7 +516,7 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
         }
       }
     } else if (tid == 0) {
-      for (int64_t j = 0; j < rows * n; ++j) hidden[j] = out[j] + res[j];
+      for (int64_t j = 0; j < rows * n; ++j) hidden[j] = (last_scale == 1.0f ? out[j] : out[j] * last_scale) + res[j];
     }
   }
 }
@@ -545,7 +570,7 @@ std::tuple<at::Tensor, at::Tensor> decode_model_logits(const c10::intrusive_ptr<
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.class_<DecodeModel>("DecodeModel")
       .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, at::Tensor, std::vector<at::Tensor>, at::Tensor,
-                       at::Tensor, int64_t, double, double, double>())
+                       at::Tensor, int64_t, double, double, double, double, double>())
       .def("add_layer", &DecodeModel::add_layer);
   m.def("decode_model_hidden(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "
         "Tensor slot_mapping, Tensor tables, Tensor context_lens) -> Tensor");

@@ -7,7 +7,8 @@ multipliers from the config, applied where transformers applies them:
   the residual stream;
 * ``logits_scaling``: the logits are divided by it.
 
-The one-call decode kernel knows none of these, so Granite decodes through ``forward``.
+``DecoderLayer.residual_multiplier`` and ``LlamaForCausalLM``'s ``embedding_multiplier`` and
+``logits_scaling`` carry them, so the one-call decode kernel runs Granite too.
 
 A GGUF file (llama.cpp's ``granite``) states them as ``granite.embedding_scale``,
 ``attention.scale``, ``residual_scale`` and ``logit_scale``; a missing one means what it means
@@ -18,10 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hyprefix.forward import ForwardBatch
-from hyprefix.models.fused import Kernels
 from hyprefix.models.gguf_config import GGUFMetadata, llama_like
-from hyprefix.models.layers import RopeTables
 from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -33,18 +31,6 @@ class GraniteDecoderLayer(DecoderLayer):
         super().__init__(cfg, layer_idx, dtype, device, **attn_kw)
         self.attn.scale = float(cfg.attention_multiplier)
         self.residual_multiplier = float(cfg.residual_multiplier)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, residual stream); their sum is the hidden state."""
-        h, residual = self.input_norm.add_forward(x, residual, kernels)
-        h = self.attn(h, batch, rope, kv_cache, kernels) * self.residual_multiplier
-        h, residual = self.post_norm.add_forward(h, residual, kernels)
-        return self.mlp(h) * self.residual_multiplier, residual
-
-    def fits_decode_kernel(self) -> bool:
-        return False  # the kernel has no residual multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -58,19 +44,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, dtype, device, max_positions)
         self.embedding_multiplier = float(hf_config.embedding_multiplier)
         self.logits_scaling = float(hf_config.logits_scaling)
-
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                states=None) -> torch.Tensor:
-        x, residual = self.embed(batch.input_ids) * self.embedding_multiplier, None
-        rope = self.rotary.tables(batch.positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, rope, kv, self.kernels)
-        return x + residual
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The Llama head's float32 logits divided by ``logits_scaling`` (every sampling path,
-        eager or compiled, reads logits from here)."""
-        return super().compute_logits(hidden) / self.logits_scaling
 
 
 def config_from_gguf(meta: GGUFMetadata):

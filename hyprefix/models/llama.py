@@ -69,6 +69,12 @@ def _layer_window(cfg, layer_idx: int) -> int | None:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention, then a gated MLP. A family that varies it (``layer_class``) says how
+    through the two attributes below, which ``DecodeModel`` reads too."""
+
+    uses_rope = True  # False: a NoPE layer (SmolLM3), attention without rotary embeddings
+    residual_multiplier = 1.0  # each block's output times this before the residual add (Granite)
+
     def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device, **attn_kw) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -82,9 +88,12 @@ class DecoderLayer(nn.Module):
                 kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream); their sum is the hidden state."""
         h, residual = self.input_norm.add_forward(x, residual, kernels)
-        h = self.attn(h, batch, rope, kv_cache, kernels)
+        h = self.attn(h, batch, rope if self.uses_rope else None, kv_cache, kernels)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         h, residual = self.post_norm.add_forward(h, residual, kernels)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
     def fits_decode_kernel(self) -> bool:
         """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 or low-bit tiles for
@@ -109,6 +118,10 @@ class LlamaForCausalLM(CausalLM):
     # The layer each index builds: families with Llama's layout and names but a different
     # layer (SmolLM3's NoPE layers, Granite's residual multiplier) subclass with their own.
     layer_class: type[DecoderLayer] = DecoderLayer
+    # The embeddings' scale before the first layer and the logits' divisor (Granite's
+    # ``embedding_multiplier`` and ``logits_scaling``); 1 where the family has none.
+    embedding_multiplier = 1.0
+    logits_scaling = 1.0
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
@@ -130,7 +143,8 @@ class LlamaForCausalLM(CausalLM):
         norms = [self.norm, *(n for layer in self.layers for n in (layer.input_norm, layer.post_norm))]
         self._decode_model = None  # built again, from the weights as they are now, on the next step
         if (self.layers and all(layer.fits_decode_kernel() for layer in self.layers)
-                and len({norm.eps for norm in norms}) == 1 and decode_layers.available()):
+                and len({norm.eps for norm in norms}) == 1 and len({layer.attn.scale for layer in self.layers}) == 1
+                and decode_layers.available()):
             self.decode_kernel = True
         return self.decode_kernel
 
@@ -145,10 +159,18 @@ class LlamaForCausalLM(CausalLM):
         if self.takes_decode_kernel(batch) and not torch.compiler.is_compiling():
             return torch.ops.hyprefix.decode_model_hidden(self._decode_model_for(kv_caches)[0], *_step_inputs(batch))
         x, residual = self.embed(batch.input_ids), None
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         rope = self.rotary.tables(batch.positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, batch, rope, kv, self.kernels)
         return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's float32 logits, divided by ``logits_scaling`` where the family has one (every
+        sampling path reads logits from here, but the one-call kernel's, which divides them itself)."""
+        logits = super().compute_logits(hidden)
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def decode_logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -212,13 +234,14 @@ def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Ten
     first = model.layers[0].attn
     out = torch.classes.hyprefix.DecodeModel(
         table, embed.num_embeddings, embed.embedding_dim, model.norm.weight, head, model.rotary.cos, model.rotary.sin,
-        first.num_heads, model.norm.eps, first.qk_norm_eps, first.scale)
+        first.num_heads, model.norm.eps, first.qk_norm_eps, first.scale, model.embedding_multiplier,
+        model.logits_scaling)
     for layer, (k, v) in zip(model.layers, kv_caches, strict=True):
         attn, mlp = layer.attn, layer.mlp
         out.add_layer(layer.input_norm.weight, _tensors(attn.qkv.forms), attn.qkv.bias, attn.qk_norm_weight,
                       _tensors(attn.o_proj.forms), attn.o_proj.bias, layer.post_norm.weight,
                       _tensors(mlp.gate_up.forms), mlp.gate_up.bias, _tensors(mlp.down.forms), mlp.down.bias, k, v,
-                      attn.window or 0)
+                      attn.window or 0, layer.uses_rope, layer.residual_multiplier)
     return out, bool(head)
 
 

@@ -2,8 +2,8 @@
 
 ``no_rope_layers[i]`` 0 marks a layer whose attention has no rotary embedding (transformers
 builds it, when absent, with a NoPE layer every ``no_rope_layer_interval``: every fourth by
-default). Those layers run attention with ``rope=None``; they also keep the model off the
-one-call decode kernel, which rotates every layer.
+default). Those layers run attention with ``rope=None`` (``DecoderLayer.uses_rope``, which the
+one-call decode kernel reads too).
 
 A GGUF file (llama.cpp's ``smollm3``) states no NoPE pattern: llama.cpp runs every fourth layer
 without RoPE, and ``config_from_gguf`` says the same.
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hyprefix.forward import ForwardBatch
-from hyprefix.models.fused import Kernels
 from hyprefix.models.gguf_config import GGUFMetadata, llama_like
-from hyprefix.models.layers import RopeTables
 from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
 
 LLAMA_CPP_NOPE_STEP = 4  # llama.cpp's ``n_no_rope_layer_step`` for smollm3 (src/models/smollm3.cpp)
@@ -27,15 +24,7 @@ class SmolLM3DecoderLayer(DecoderLayer):
 
     def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device, **attn_kw) -> None:
         super().__init__(cfg, layer_idx, dtype, device, **attn_kw)
-        self.use_rope = bool(cfg.no_rope_layers[layer_idx])
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().forward(x, residual, batch, rope if self.use_rope else None, kv_cache, kernels)
-
-    def fits_decode_kernel(self) -> bool:
-        return self.use_rope and super().fits_decode_kernel()
+        self.uses_rope = bool(cfg.no_rope_layers[layer_idx])
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

@@ -185,7 +185,7 @@ def test_smollm3_nope_layers_follow_the_config():
     config = SmolLM3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[0, 1, 1, 0])
     model = SmolLM3ForCausalLM(config, torch.float32, torch.device("meta"), 128)
-    assert [layer.use_rope for layer in model.layers] == [False, True, True, False]
+    assert [layer.uses_rope for layer in model.layers] == [False, True, True, False]
     assert not any(layer.fits_decode_kernel() for layer in model.layers)
 
 
@@ -244,18 +244,18 @@ def test_gguf_builders_refuse_what_they_do_not_rebuild():
 
 
 @pytest.mark.skipif(not decode_layers.available(), reason="the decode_layers kernel does not run here")
-def test_int8_decode_kernel_takes_phi3_only(families):
-    """int8 Phi-4-mini (fused q/k/v, partial rotary, LongRoPE tables, tied head) decodes in the
-    one-call kernel, equal to its layers op by op; SmolLM3 (NoPE layer) and Granite (multipliers)
-    keep their layers op by op."""
+@pytest.mark.parametrize("family", ["phi4", "smollm3", "granite"])
+def test_int8_decode_kernel_runs_every_llama_layout_family(families, family):
+    """int8 Phi-4-mini (fused q/k/v, partial rotary, LongRoPE tables, tied head), SmolLM3 (a NoPE
+    layer) and Granite (embedding, attention, residual and logits multipliers far from 1) decode in
+    the one-call kernel, each from its own layer description, equal to its layers op by op (hidden
+    states, logits, K/V written, greedy tokens)."""
     from tests.kernels.test_decode_layers import _assert_close, _both_paths
 
-    llm = LLM(str(families["phi4"][0]), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=True)
+    llm = LLM(str(families[family][0]), dtype="float32", num_kv_blocks=128, quantization="int8", enforce_eager=True)
+    assert llm.engine.runner.model.decode_kernel
     kernel, ops = _both_paths(llm, random_prompts((5, 17, 70), seed=11))
     _assert_close(kernel, ops)
-    for family in ("smollm3", "granite"):
-        model = _llm(families[family][0], quantization="int8").engine.runner.model
-        assert not model.decode_kernel, family
 
 
 def _file_floats(model, path: Path) -> dict[str, torch.Tensor]:
@@ -275,7 +275,7 @@ def _file_floats(model, path: Path) -> dict[str, torch.Tensor]:
 def test_q8_0_files_keep_their_blocks(families, family):
     """A Q8_0 file's matrices stay in their blocks (q/k/v and gate/up joined, Phi-3's as fused in
     the file), each equal, dequantized, to what the float path reads from the file (SmolLM3's q/k
-    rows in transformers' order); Phi-4-mini's then decode in the one-call kernel, and a repeated
+    rows in transformers' order); both then decode in the one-call kernel, and a repeated
     prompt hits the prefix cache and decodes the same."""
     q8 = families[family][1].with_name(f"{family}-q8_0.gguf")
     llm = _llm(q8, enforce_eager=True)
@@ -286,7 +286,7 @@ def test_q8_0_files_keep_their_blocks(families, family):
     for name, linear in linears.items():
         torch.testing.assert_close(linear.forms.quant.dequantize(torch.float32), floats[f"{name}.weight"],
                                    rtol=0, atol=1e-6, msg=name)
-    assert model.decode_kernel == (family == "phi4")
+    assert model.decode_kernel
     prompts = random_prompts((9, 70), seed=3)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     again = llm.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
