@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name
 from hyprefix.models.fused import Kernels
+from hyprefix.models.fused_moe import moe_experts
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention
@@ -30,8 +30,8 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 class SparseMoE(nn.Module):
-    """Top-k softmax router over ``num_experts`` gated SiLU experts plus a shared
-    expert scaled by sigmoid(shared_gate(x)). Expert weights are stacked: gate_up
+    """Top-k softmax router over ``num_experts`` gated SiLU experts (``fused_moe``'s op) plus a
+    shared expert scaled by sigmoid(shared_gate(x)). Expert weights are stacked: gate_up
     [E * 2I, hidden] (each expert's gate rows then up rows), down [E * hidden, I]."""
 
     def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
@@ -55,37 +55,9 @@ class SparseMoE(nn.Module):
         weights = weights.to(x.dtype)
         gate_up = self.experts_gate_up.view(self.num_experts, 2 * self.inter, -1)
         down = self.experts_down.view(self.num_experts, -1, self.inter)
-        if x.device.type == "cpu":
-            out = self._grouped_experts(x, chosen, weights, gate_up, down)
-        else:
-            out = self._looped_experts(x, chosen, weights, gate_up, down)
+        out = moe_experts(x, chosen, weights, gate_up, down)
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
-
-    def _grouped_experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                         gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Every (token, slot) pair sorted by expert, then each projection as one grouped
-        matmul over the experts' row runs (``torch._grouped_mm``; experts no token chose
-        are empty groups and read nothing): no Python loop over experts."""
-        flat = chosen.flatten()
-        order = flat.argsort(stable=True)
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        tokens = order // self.top_k
-        gate, up = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        h = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
-        return torch.zeros_like(x).index_add_(0, tokens, h * weights.flatten()[order, None])
-
-    def _looped_experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """One matmul pair per chosen expert: for devices whose grouped matmul takes
-        fewer dtypes than the models (CUDA's needs bf16 on recent GPUs)."""
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():
-            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-            gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, down[e]) * weights[rows, slot, None]
-            out.index_add_(0, rows, h)
         return out
 
 
@@ -140,12 +112,6 @@ class Qwen3NextForCausalLM(CausalLM):
         self.state_layout = StateLayout(tuple(dims.state_shape for _ in deltas)) if deltas else None
         self._q_shape = (attns[0].num_heads, attns[0].head_dim)  # to split q_proj into query and gate rows
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attns[0].head_dim)
-
-    @property
-    def decode_graph_capable(self) -> bool:
-        """Not with MoE layers: their routing (``SparseMoE._grouped_experts``) sizes its expert
-        groups from the data, which a compiled graph cannot hold."""
-        return super().decode_graph_capable and not any(isinstance(layer.mlp, SparseMoE) for layer in self.layers)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[RecurrentLayerState] | None = None) -> torch.Tensor:

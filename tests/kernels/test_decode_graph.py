@@ -121,17 +121,22 @@ def test_other_mamba2_models_decode_through_the_batch_1_graph(hybrid_models, arc
 
 
 @pytest.mark.hybrid_graphs
-def test_moe_hybrids_decode_eagerly(hybrid_models):
-    """A hybrid with MoE layers (Qwen3-Next: its routing sizes the experts' groups from the data,
-    which a graph cannot hold) gets no compiled decode graphs; its decode steps run eagerly, with
-    transformers' tokens."""
+@pytest.mark.batched_graphs
+def test_moe_hybrids_decode_through_the_graphs(hybrid_models):
+    """A hybrid with MoE layers (Qwen3-Next) decodes in the compiled graphs: the experts are one op
+    (``hyprefix::moe_experts``) that groups tokens by expert inside it, an extern call in the graph.
+    Batch 1 and a batch of three: transformers' greedy tokens, every decode step compiled."""
     path, hf = hybrid_models["qwen3_next"]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=16)
     runner = llm.engine.runner
-    assert not runner.model.decode_graph_capable and runner.decode_graphs is None
-    prompt = random_prompts((20,), seed=6)[0]
-    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
-    assert runner.decode_steps["graph"] == 0 and runner.decode_steps["eager"] == GREEDY.max_tokens - 1
+    assert runner.model.decode_graph_capable and runner.decode_graphs is not None
+    prompts = random_prompts((20, 7, 33), seed=6)
+    assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompts[0], 12)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens), f"len {len(prompt)}"
+    assert runner.decode_steps["eager"] == 0 and runner.decode_steps["graph"] > 0
+    assert runner.decode_graphs.compiled_sizes == ({1, BATCHED} if runner.decode_graphs.batched else {1})
 
 
 def _compiled_and_eager_logits(llm, prompts: list[list[int]], batch=None,

@@ -143,22 +143,17 @@ def test_qwen3_5_moe_matches_transformers(tmp_path):
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_grouped_experts_equal_one_matmul_pair_per_expert(rows):
     """The CPU path (one grouped matmul per projection over tokens sorted by expert,
-    experts nobody chose left empty) against the per-expert loop other devices run."""
-    from types import SimpleNamespace
+    experts nobody chose left empty) against the per-expert loop other devices run, and the
+    op ``hyprefix::moe_experts`` (which picks the CPU path here) against both."""
+    from hyprefix.models.fused_moe import grouped_experts, looped_experts, moe_experts
 
-    from hyprefix.models.qwen3_next import SparseMoE
-
-    cfg = SimpleNamespace(hidden_size=24, moe_intermediate_size=16, num_experts=9, num_experts_per_tok=3,
-                          shared_expert_intermediate_size=0)
-    moe = SparseMoE(cfg, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(rows)
-    for p in moe.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=gen) / 4)
+    gate_up, down = torch.randn(9, 32, 24, generator=gen) / 4, torch.randn(9, 24, 16, generator=gen) / 4
     x = torch.randn(rows, 24, generator=gen)
     chosen = torch.stack([torch.randperm(9, generator=gen)[:3] for _ in range(rows)])
     weights = torch.rand(rows, 3, generator=gen)
-    gate_up, down = moe.experts_gate_up.view(9, 32, 24), moe.experts_down.view(9, 24, 16)
-    grouped = moe._grouped_experts(x, chosen, weights, gate_up, down)
-    looped = moe._looped_experts(x, chosen, weights, gate_up, down)
+    grouped = grouped_experts(x, chosen, weights, gate_up, down)
+    looped = looped_experts(x, chosen, weights, gate_up, down)
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
     assert grouped.abs().max() > 0.1
+    torch.testing.assert_close(moe_experts(x, chosen, weights, gate_up, down), grouped, rtol=0, atol=0)

@@ -5,6 +5,7 @@ speed benchmarks (random weights decode at the speed of real ones).
 
     python tools/models/make_random_gguf.py --shape llama-3.2-1b --out /tmp/m \\
         --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp --types Q4_K_M Q8_0
+    python tools/models/make_random_gguf.py --shape smollm3-3b --out /tmp/m --llama-cpp ... --types Q4_K_M
 
 ``--llama-cpp`` is llama.cpp's source tree (from the llama-cpp-python sdist) with
 ``llama-quantize`` built in ``build/bin`` (``cmake --build build --target llama-quantize``).
@@ -18,10 +19,15 @@ from pathlib import Path
 
 from hyprefix import catalog
 
-SHAPES = {  # Llama-3.2-1B with SmolLM2's vocabulary (tied embeddings: no output.weight, as the real one)
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+# Real models' shapes with SmolLM2's vocabulary (tied embeddings: no output.weight, as the real
+# ones). ``arch``: the file's architecture (SmolLM3's has a NoPE layer every fourth, as llama.cpp runs it).
+SHAPES = {
+    "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                          max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smollm3-3b": dict(arch="smollm3", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=5000000.0,
+                       max_position_embeddings=65536, rms_norm_eps=1e-6),
 }
 
 
@@ -35,7 +41,7 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     source = gguf.GGUFReader(str(tokenizer_gguf))
     vocab = len(source.get_field("tokenizer.ggml.tokens").contents())
     path = out / f"{shape}-F16.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), cfg["arch"])
     w.add_name(f"random {shape}")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
