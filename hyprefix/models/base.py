@@ -382,7 +382,7 @@ class CausalLM(nn.Module):
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")
             module = modules[module_name]
-            forms = module.forms if leaf == "weight" and isinstance(module, Linear | Embedding) else None
+            forms = getattr(module, "forms", None) if leaf == "weight" else None  # Linear, Embedding, Experts
             shape = param.shape if forms is None else torch.Size((forms.rows, forms.cols))  # the plain may be emptied
             staged[name] = torch.empty(shape, dtype=param.dtype, device=param.device)
             targets.append((param, forms, staged[name]))

@@ -12,6 +12,10 @@ weights are read:
 - elsewhere one matmul pair per chosen expert (CUDA's grouped matmul takes fewer dtypes than the
   models use).
 
+A GGUF file's expert tensors stay in their blocks (``gguf_blocks``: each expert's rows are whole
+16-row tiles of the stack, ``Experts``): then ``hyprefix::moe_experts_quant`` multiplies each
+chosen expert's slice of the tiles with the quant kernel, one matmul pair per chosen expert.
+
 The routing itself (softmax or sigmoid, top-k, renormalising) is the family's: it varies by
 family, and it is a few small ops a graph compiles well.
 """
@@ -20,6 +24,41 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.models.weights import MatrixForms
+
+
+class Experts(nn.Module):
+    """One projection of every expert, stacked: ``weight`` [E * rows, cols] (expert e's rows
+    ``e * rows`` to ``(e + 1) * rows``), and its ``forms``, where a GGUF file's blocks replace the
+    plain tensor (``MatrixForms.use_quant``)."""
+
+    def __init__(self, num_experts: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_experts, self.rows, self.cols = num_experts, rows, cols
+        self.weight = nn.Parameter(torch.empty(num_experts * rows, cols, dtype=dtype, device=device))
+        self.forms = MatrixForms(num_experts * rows, cols)
+
+    @property
+    def tiles_split_by_expert(self) -> bool:
+        """Whether each expert's rows are whole 16-row tiles (so its blocks can be sliced out)."""
+        return self.rows % 16 == 0
+
+    def stacked(self) -> torch.Tensor:
+        """The plain weight as [E, rows, cols]."""
+        return self.weight.view(self.num_experts, self.rows, self.cols)
+
+
+def moe_forward(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: Experts,
+                down: Experts) -> torch.Tensor:
+    """The experts' sum for each token: the quant op where both projections hold blocks, else the
+    float op (a file whose expert tensors did not all stay in blocks loads them as floats)."""
+    quant_up, quant_down = gate_up.forms.quant, down.forms.quant
+    if quant_up is not None and quant_down is not None:
+        return moe_experts_quant(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows)
+    return moe_experts(x, chosen, weights, gate_up.stacked(), down.stacked())
 
 
 @torch.library.custom_op("hyprefix::moe_experts", mutates_args=())
@@ -36,6 +75,34 @@ def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, ga
 def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
       down: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("hyprefix::moe_experts_quant", mutates_args=())
+def moe_experts_quant(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
+                      gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+    """As ``moe_experts``, the stacks in ``QuantTiles`` parts ([data, scales, extra] each, tile-major:
+    expert e's tiles are ``e * rows / 16`` to ``(e + 1) * rows / 16`` of every part's tensors);
+    ``*_rows``: one expert's rows. One quant matmul pair per chosen expert."""
+    out = torch.zeros_like(x)
+    for e in chosen.unique().tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        gate, up = quant_kernel.quant_linear(x[rows], expert_tiles(gate_up, e, gate_up_rows),
+                                             gate_up_rows).chunk(2, dim=-1)
+        h = quant_kernel.quant_linear(F.silu(gate) * up, expert_tiles(down, e, down_rows), down_rows)
+        out.index_add_(0, rows, h * weights[rows, slot, None])
+    return out
+
+
+@moe_experts_quant.register_fake
+def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
+      gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def expert_tiles(parts: list[torch.Tensor], expert: int, rows: int) -> list[torch.Tensor]:
+    """Expert ``expert``'s slice of a stack's single part (views; an empty tensor stays empty)."""
+    tiles = rows // 16
+    return [t[expert * tiles:(expert + 1) * tiles] if t.numel() else t for t in parts]
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

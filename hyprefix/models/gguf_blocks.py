@@ -47,6 +47,7 @@ class BlockMatrix:
     cols: int
     read: Callable[[], torch.Tensor]
     column_order: torch.Tensor | None = None
+    experts: int = 1  # transformers' tensor is [experts, rows / experts, cols] (stacked experts)
 
 
 @dataclass
@@ -89,6 +90,7 @@ def tagged_rows(result: object, total: int) -> torch.Tensor | None:
 
 def plan_blocks(net: torch.nn.Module, matrices: Iterable[BlockMatrix]) -> BlockPlan:
     """The parameters of ``net`` (a ``CausalLM``) that load from ``matrices`` (module doc)."""
+    from hyprefix.models.fused_moe import Experts
     from hyprefix.models.layers import Embedding, Linear
 
     modules = dict(net.named_modules())
@@ -99,7 +101,8 @@ def plan_blocks(net: torch.nn.Module, matrices: Iterable[BlockMatrix]) -> BlockP
     for matrix in matrices:
         for _, ids, param, shard, sizes in _routes(net, matrix):
             module = modules.get(param.rsplit(".", 1)[0])
-            if ids is None or not param.endswith(".weight") or not isinstance(module, Linear | Embedding):
+            if (ids is None or not param.endswith(".weight") or not isinstance(module, Linear | Embedding | Experts)
+                    or (isinstance(module, Experts) and not module.tiles_split_by_expert)):
                 uses.setdefault(matrix.name, set()).add("")  # a use the blocks cannot serve
                 continue
             found.setdefault(param, {})[shard] = _Shard(matrix, ids)
@@ -123,6 +126,8 @@ def _routes(net, matrix: BlockMatrix) -> Iterator[tuple[str, torch.Tensor | None
     """(converted name, rows taken, parameter, shard, shard sizes) for each tensor the model's
     ``converted`` makes of ``matrix``."""
     [tag] = row_tags([matrix.rows])
+    if matrix.experts > 1:
+        tag = tag.view(matrix.experts, -1, 1)
     for name, result in net.converted([(matrix.name, tag)]):
         target = net.map_name(name)
         if target is not None:

@@ -184,12 +184,20 @@ class HybridGGUF:
         for spec in self.specs:
             tensors = [self.file.tensors[name] for name in spec.sources]
             kinds = {t.tensor_type.name for t in tensors}
-            if len(kinds) != 1 or not kinds <= set(KEPT_TYPES) or any(t.data.ndim != 2 for t in tensors) \
-                    or len({t.data.shape[1] for t in tensors}) != 1:
+            dims = {t.data.ndim for t in tensors}
+            if len(kinds) != 1 or not kinds <= set(KEPT_TYPES) or len(dims) != 1 or not dims <= {2, 3} \
+                    or len({t.data.shape[-1] for t in tensors}) != 1:
                 continue
-            counts = [int(t.data.shape[0]) for t in tensors]
+            # Stacked experts [E, rows, bytes] are matrices of E * rows rows; the build sees [E, rows, 1] tags.
+            experts = {int(t.data.shape[0]) for t in tensors} if dims == {3} else {1}
+            if len(experts) != 1:
+                continue
+            stack = experts.pop()
+            counts = [int(t.data.shape[0]) * (int(t.data.shape[1]) if stack > 1 else 1) for t in tensors]
+            tags = [t.view(stack, -1, 1) if stack > 1 else t for t in row_tags(counts)]
             try:
-                rows = tagged_rows(spec.build(*row_tags(counts)), sum(counts))
+                built = spec.build(*tags)
+                rows = tagged_rows(built.reshape(-1, 1) if stack > 1 else built, sum(counts))
             except (RuntimeError, ValueError):  # a build that needs the real columns
                 rows = None
             if rows is None:
@@ -197,13 +205,15 @@ class HybridGGUF:
             cols = int(tensors[0].shape[0])  # gguf lists dimensions innermost first
             order = None if spec.columns is None else spec.columns(torch.arange(cols).reshape(1, cols))[0]
             out.append(BlockMatrix(spec.name, kinds.pop(), len(rows), cols,
-                                   lambda ts=tensors, r=rows: torch.cat([_raw(t) for t in ts])[r], order))
+                                   lambda ts=tensors, r=rows: torch.cat([_raw(t) for t in ts])[r], order, stack))
         return out
 
 
 def _raw(tensor) -> torch.Tensor:
-    """A quantized tensor's blocks as uint8 [rows, bytes a row] (a copy of the mapped bytes)."""
-    return torch.from_numpy(np.array(tensor.data, copy=True))
+    """A quantized tensor's blocks as uint8 [rows, bytes a row] (a copy of the mapped bytes;
+    stacked experts' rows one expert after another)."""
+    data = np.array(tensor.data, copy=True)
+    return torch.from_numpy(data.reshape(-1, data.shape[-1]))
 
 
 def iter_tensors(path: str | Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:

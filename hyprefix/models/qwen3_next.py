@@ -20,7 +20,7 @@ from torch import nn
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name
 from hyprefix.models.fused import Kernels
-from hyprefix.models.fused_moe import moe_experts
+from hyprefix.models.fused_moe import Experts, moe_forward
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention
@@ -40,9 +40,8 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.inter = cfg.num_experts, cfg.num_experts_per_tok, inter
         self.norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
         self.router = Linear(hidden, self.num_experts, bias=False, dtype=dtype, device=device)
-        self.experts_gate_up = nn.Parameter(torch.empty(self.num_experts * 2 * inter, hidden, dtype=dtype,
-                                                        device=device))
-        self.experts_down = nn.Parameter(torch.empty(self.num_experts * hidden, inter, dtype=dtype, device=device))
+        self.experts_gate_up = Experts(self.num_experts, 2 * inter, hidden, dtype, device)
+        self.experts_down = Experts(self.num_experts, hidden, inter, dtype, device)
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
         self.shared = GatedMLP(hidden, shared, False, dtype, device) if shared else None
         self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared else None
@@ -53,9 +52,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        gate_up = self.experts_gate_up.view(self.num_experts, 2 * self.inter, -1)
-        down = self.experts_down.view(self.num_experts, -1, self.inter)
-        out = moe_experts(x, chosen, weights, gate_up, down)
+        out = moe_forward(x, chosen, weights, self.experts_gate_up, self.experts_down)
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
@@ -200,14 +197,14 @@ class Qwen3NextForCausalLM(CausalLM):
         if rest.startswith("shared_expert.") and mlp.shared is not None:
             return _map_gated_mlp(f"{prefix}.mlp.shared", mlp.shared, rest.split(".", 1)[1])
         if rest == "experts.gate_up_proj":
-            return f"{prefix}.mlp.experts_gate_up", None, None
+            return f"{prefix}.mlp.experts_gate_up.weight", None, None
         if rest == "experts.down_proj":
-            return f"{prefix}.mlp.experts_down", None, None
+            return f"{prefix}.mlp.experts_down.weight", None, None
         _, e, proj, _ = rest.split(".")  # experts.{e}.{gate,up,down}_proj.weight
         e, n = int(e), mlp.num_experts
         if proj == "down_proj":
-            return f"{prefix}.mlp.experts_down", e, [self.config.hidden_size] * n
-        return f"{prefix}.mlp.experts_gate_up", 2 * e + (proj == "up_proj"), [mlp.inter] * (2 * n)
+            return f"{prefix}.mlp.experts_down.weight", e, [self.config.hidden_size] * n
+        return f"{prefix}.mlp.experts_gate_up.weight", 2 * e + (proj == "up_proj"), [mlp.inter] * (2 * n)
 
 
 def _map_gated_mlp(prefix: str, mlp: GatedMLP, rest: str) -> Target:

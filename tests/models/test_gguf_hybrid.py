@@ -175,9 +175,11 @@ def q8_ggufs(llama_converter, checkpoints, tmp_path_factory) -> dict[str, Path]:
 
 
 def _linears(model) -> dict[str, torch.nn.Module]:
+    """The matrices that can hold blocks: linears and stacked experts."""
+    from hyprefix.models.fused_moe import Experts
     from hyprefix.models.layers import Linear
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear | Experts)}
 
 
 def _float_parameters(model, path: Path) -> dict[str, torch.Tensor]:
@@ -201,8 +203,8 @@ def test_quantized_hybrid_files_keep_their_blocks(q8_ggufs, case):
     """Every projection of the recurrent and attention layers stays in the file's Q8_0 blocks,
     each equal, dequantized, to the matrix the float path reads from the same file (rows moved
     back as the converter moved them; Qwen3.5's ``out_proj`` keeps the file's column order and
-    gathers its inputs instead); the weights take a third of the float32 bytes or less (but
-    Qwen3-Next's, whose experts stay float)."""
+    gathers its inputs instead; Qwen3-Next's stacked experts, gate and up joined per expert); the
+    weights take a third of the float32 bytes or less."""
     from hyprefix.kernels import quant_linear
 
     if not quant_linear.available():
@@ -211,7 +213,9 @@ def test_quantized_hybrid_files_keep_their_blocks(q8_ggufs, case):
     kept = LLM(str(path), dtype="float32", num_kv_blocks=32, log_stats_interval=0).engine.runner.model
     plain = _float_parameters(kept, path)
     held = {name: lin for name, lin in _linears(kept).items() if lin.forms.quant is not None}
-    mixers = {n for n in _linears(kept) if n.endswith(("in_proj", "out_proj", "qkv", "o_proj"))}
+    mixers = {n for n in _linears(kept) if n.endswith(("in_proj", "out_proj", "qkv", "o_proj", "experts_gate_up",
+                                                       "experts_down"))}
+    assert case != "qwen3_next" or any(n.endswith("experts_gate_up") for n in mixers)
     assert mixers and mixers <= set(held), sorted(mixers - set(held))
     if case == "qwen3_5":  # value heads tiled by the converter: the columns stay in the file's order
         assert all(held[n].forms.input_index is not None for n in held if n.endswith("out_proj"))
@@ -220,11 +224,10 @@ def test_quantized_hybrid_files_keep_their_blocks(q8_ggufs, case):
         if lin.forms.input_index is not None:
             values = values[:, torch.argsort(lin.forms.input_index)]
         torch.testing.assert_close(values, plain[f"{name}.weight"], rtol=0, atol=1e-6)
-    if case != "qwen3_next":  # its experts load as floats (a fused-MoE method is the MoE work's)
-        assert kept.weight_memory_bytes() * 3 < sum(t.nbytes for t in plain.values())
+    assert kept.weight_memory_bytes() * 3 < sum(t.nbytes for t in plain.values())
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "nemotron_h_dense"])
+@pytest.mark.parametrize("case", ["qwen3_5", "nemotron_h_dense", "qwen3_next"])
 def test_quantized_hybrid_files_hit_the_prefix_cache(q8_ggufs, case):
     """On the kept blocks, greedy tokens are the same with prefix hits and without the cache."""
     path = q8_ggufs[case]
@@ -270,3 +273,61 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_allocating(ggufs, tmp_path,
                                          rf"blk\.3\.ffn_down\.weight\) has shape \({cols}, {rows}\), the model "
                                          rf"expects \({rows}, {cols}\)"):
         LLM(str(path), dtype="float32", num_kv_blocks=16, log_stats_interval=0)
+
+
+def test_quantized_experts_multiply_their_own_blocks(q8_ggufs):
+    """``hyprefix::moe_experts_quant`` on a Q8_0 file's stacked experts: each chosen expert's slice
+    of the tiles, equal to the dequantized expert times the activations as the kernel rounds them
+    (per 32); experts nobody chose are not read (a poisoned one changes nothing)."""
+    import torch.nn.functional as F
+
+    from hyprefix.kernels import quant_linear
+    from hyprefix.models.fused_moe import moe_forward
+    from hyprefix.models.quant import quantize_activations
+
+    if not quant_linear.available():
+        pytest.skip("the quant kernels do not run on this CPU")
+    model = LLM(str(q8_ggufs["qwen3_next"]), dtype="float32", num_kv_blocks=16,
+                log_stats_interval=0).engine.runner.model
+    moe = model.layers[0].mlp
+    gate_up, down = moe.experts_gate_up, moe.experts_down
+    assert gate_up.forms.quant is not None and down.forms.quant is not None
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, gate_up.cols, generator=gen)
+    chosen = torch.tensor([[0, 3], [3, 5], [5, 0], [1, 3], [0, 1]])
+    weights = torch.rand(5, 2, generator=gen)
+    got = moe_forward(x, chosen, weights, gate_up, down)
+    deq_up = gate_up.forms.quant.dequantize(torch.float32).view(gate_up.num_experts, gate_up.rows, -1)
+    deq_down = down.forms.quant.dequantize(torch.float32).view(down.num_experts, down.rows, -1)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for slot in range(2):
+            e = int(chosen[t, slot])
+            gate, up = F.linear(quantize_activations(x[t:t + 1]), deq_up[e]).chunk(2, dim=-1)
+            h = F.linear(quantize_activations(F.silu(gate) * up), deq_down[e])
+            want[t] += weights[t, slot] * h[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.abs().max() > 0.01
+    unused = 7  # no token chose it: poison its tiles
+    tiles = gate_up.rows // 16
+    gate_up.forms.quant.tensors[1][unused * tiles:(unused + 1) * tiles] = float("nan")
+    assert torch.equal(moe_forward(x, chosen, weights, gate_up, down), got)
+
+
+@pytest.mark.hybrid_graphs
+def test_quantized_moe_hybrid_decodes_through_the_graph(q8_ggufs):
+    """The Q8_0 Qwen3-Next (experts in their blocks) decodes through the compiled graph as the
+    eager decode does: the same greedy tokens, every decode step compiled."""
+    from hyprefix.kernels import quant_linear
+
+    if not quant_linear.available():
+        pytest.skip("the quant kernels do not run on this CPU")
+    path = q8_ggufs["qwen3_next"]
+    prompts = random_prompts((3, 40), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    graph = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    eager = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, enforce_eager=True)
+    compiled = [graph.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert compiled == [eager.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    steps = graph.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] == len(prompts) * (params.max_tokens - 1)
