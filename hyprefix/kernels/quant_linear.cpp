@@ -13,6 +13,8 @@
 //     stay within Q5_K's).
 //   quant_rows(parts, n, k, ids): rows ids of the matrix dequantized to float32 [len(ids), K]
 //     (embedding lookups; tests).
+//   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows): a MoE block's experts on
+//     their stacked tiles (models/fused_moe.py), only the chosen experts' tiles read.
 // Packing and unpacking run over ATen's threads, a tile per task.
 #include "quant_tiles.h"
 
@@ -20,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <map>
 
 namespace {
 
@@ -336,10 +339,83 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat
   });
 }
 
+// One projection of stacked experts (a single part, each expert's rows whole tiles): expert e's tiles.
+std::vector<TilePart> expert_part(const std::vector<at::Tensor>& stack, int64_t e, int64_t rows, int64_t k) {
+  const int64_t tiles = rows / 16;
+  std::vector<at::Tensor> slice;
+  for (const at::Tensor& t : stack) slice.push_back(t.numel() ? t.narrow(0, e * tiles, tiles) : t);
+  return parts_of(slice, rows, k, "quant_moe");
+}
+
+// Every used expert's rows of one projection: out_e [n_e, n] = in_e [n_e, k] @ expert_e^T, the
+// activations quantized per expert, all experts' tiles as the tasks of one parallel loop.
+void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, const std::vector<int64_t>& experts,
+                    const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs) {
+  std::vector<std::vector<TilePart>> parts;
+  std::vector<GroupedActivations> q;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    parts.push_back(expert_part(stack, experts[i], n, k));
+    q.push_back(quantize_groups(inputs[i].const_data_ptr<float>(), inputs[i].size(0), k));
+    outputs.push_back(at::empty({inputs[i].size(0), n}, inputs[i].options()));
+  }
+  const int64_t tiles = n / 16, tasks = static_cast<int64_t>(experts.size()) * tiles;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / (8 * k)), [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b;) {  // a run of one expert's tiles
+      const int64_t i = task / tiles, t0 = task % tiles, t1 = std::min(tiles, t0 + (b - task));
+      parts_span(parts[i], q[i], inputs[i].size(0), n, k, outputs[i].mutable_data_ptr<float>(), t0, t1);
+      task += t1 - t0;
+    }
+  });
+}
+
+// quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows): the experts of a MoE block
+// on their tiles (fused_moe.py). Pairs grouped by expert (experts in increasing order, each
+// expert's tokens in order); per expert gate_up, silu(gate) * up, down; each token's sum taken
+// over its pairs in expert order, so a row's result does not depend on the others.
+at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
+                     const std::vector<at::Tensor>& gate_up, int64_t gate_up_rows, const std::vector<at::Tensor>& down,
+                     int64_t down_rows) {
+  TORCH_CHECK(x.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == x.size(0) && weights.sizes() == chosen.sizes() &&
+                  chosen.scalar_type() == at::kLong && x.device().is_cpu(),
+              "quant_moe: x [T, H], chosen and weights [T, k] (int64 ids) on the CPU");
+  TORCH_CHECK(gate_up_rows % 32 == 0 && down_rows % 16 == 0 && gate_up.size() == 3 && down.size() == 3 && down_rows == x.size(1),
+              "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
+  const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gate_up_rows / 2;
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), ids = chosen.contiguous();
+  const at::Tensor wf = weights.to(at::kFloat).contiguous();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  std::map<int64_t, std::vector<int64_t>> pairs;  // expert -> its pairs (token * top + slot), in order
+  for (int64_t p = 0; p < tokens * top; ++p) pairs[id[p]].push_back(p);
+  std::vector<int64_t> experts;
+  std::vector<at::Tensor> rows_in, gate_up_out, act, down_out;
+  for (const auto& [e, list] : pairs) {
+    experts.push_back(e);
+    std::vector<int64_t> token_ids;
+    for (const int64_t p : list) token_ids.push_back(p / top);
+    rows_in.push_back(xf.index_select(0, at::tensor(token_ids, ids.options())));
+  }
+  experts_matmul(gate_up, gate_up_rows, hidden, experts, rows_in, gate_up_out);
+  for (const at::Tensor& gu : gate_up_out)
+    act.push_back((at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous());
+  experts_matmul(down, down_rows, inter, experts, act, down_out);
+  at::Tensor out = at::zeros({tokens, hidden}, xf.options());
+  float* o = out.mutable_data_ptr<float>();
+  const float* w = wf.const_data_ptr<float>();
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const float* d = down_out[i].const_data_ptr<float>();
+    const std::vector<int64_t>& list = pairs[experts[i]];
+    for (size_t r = 0; r < list.size(); ++r)
+      for (int64_t j = 0; j < hidden; ++j) o[list[r] / top * hidden + j] += w[list[r]] * d[r * hidden + j];
+  }
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("quant_linear(Tensor x, Tensor[] parts, int n) -> Tensor");
+  m.def("quant_moe(Tensor x, Tensor chosen, Tensor weights, Tensor[] gate_up, int gate_up_rows, Tensor[] down, "
+        "int down_rows) -> Tensor");
   m.def("quant_pack(Tensor q, Tensor scales, Tensor extra) -> (Tensor, Tensor, Tensor)");
   m.def("quant_pack_gguf(Tensor raw, int type, int k, Tensor rows) -> (Tensor, Tensor, Tensor)");
   m.def("quant_rows(Tensor[] parts, int n, int k, Tensor ids) -> Tensor");
@@ -347,6 +423,7 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_moe", &quant_moe);
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_pack_gguf", &quant_pack_gguf);
   m.impl("quant_rows", &quant_rows);

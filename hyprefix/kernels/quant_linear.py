@@ -41,6 +41,7 @@ def _build(isa: str) -> bool:
         return False
     torch.library.register_fake("hyprefix::quant_linear")(_fake_linear)
     torch.library.register_fake("hyprefix::quant_rows")(_fake_rows)  # embedding lookups inside a compiled step
+    torch.library.register_fake("hyprefix::quant_moe")(_fake_moe)
     return True
 
 
@@ -48,6 +49,14 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Te
     """x [..., K] (float32 / bfloat16) times the ``n``-row matrix of ``parts`` ([data, scales,
     extra] per part, as ``pack`` / ``pack_gguf`` return them), in x's dtype."""
     return torch.ops.hyprefix.quant_linear(x, parts, n)
+
+
+def quant_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+    """A MoE block's experts on stacked tiles (one part each, every expert's rows whole tiles):
+    x [T, H]; chosen, weights [T, k]; ``*_rows``: one expert's rows of each projection. The sum
+    over each token's chosen experts of weight * down(silu(gate) * up), in x's dtype."""
+    return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -76,3 +85,8 @@ def _fake_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Te
 
 def _fake_rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     return ids.new_empty((*ids.shape, k), dtype=torch.float32)
+
+
+def _fake_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -13,8 +13,9 @@ weights are read:
   models use).
 
 A GGUF file's expert tensors stay in their blocks (``gguf_blocks``: each expert's rows are whole
-16-row tiles of the stack, ``Experts``): then ``hyprefix::moe_experts_quant`` multiplies each
-chosen expert's slice of the tiles with the quant kernel, one matmul pair per chosen expert.
+16-row tiles of the stack, ``Experts``): then ``hyprefix::quant_moe`` (``kernels/quant_linear.cpp``)
+multiplies each chosen expert's slice of the tiles, every expert's tiles the tasks of one parallel
+loop per projection.
 
 The routing itself (softmax or sigmoid, top-k, renormalising) is the family's: it varies by
 family, and it is a few small ops a graph compiles well.
@@ -57,7 +58,7 @@ def moe_forward(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, ga
     float op (a file whose expert tensors did not all stay in blocks loads them as floats)."""
     quant_up, quant_down = gate_up.forms.quant, down.forms.quant
     if quant_up is not None and quant_down is not None:
-        return moe_experts_quant(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows)
+        return quant_kernel.quant_moe(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows)
     return moe_experts(x, chosen, weights, gate_up.stacked(), down.stacked())
 
 
@@ -75,34 +76,6 @@ def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, ga
 def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
       down: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
-
-
-@torch.library.custom_op("hyprefix::moe_experts_quant", mutates_args=())
-def moe_experts_quant(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-                      gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
-    """As ``moe_experts``, the stacks in ``QuantTiles`` parts ([data, scales, extra] each, tile-major:
-    expert e's tiles are ``e * rows / 16`` to ``(e + 1) * rows / 16`` of every part's tensors);
-    ``*_rows``: one expert's rows. One quant matmul pair per chosen expert."""
-    out = torch.zeros_like(x)
-    for e in chosen.unique().tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        gate, up = quant_kernel.quant_linear(x[rows], expert_tiles(gate_up, e, gate_up_rows),
-                                             gate_up_rows).chunk(2, dim=-1)
-        h = quant_kernel.quant_linear(F.silu(gate) * up, expert_tiles(down, e, down_rows), down_rows)
-        out.index_add_(0, rows, h * weights[rows, slot, None])
-    return out
-
-
-@moe_experts_quant.register_fake
-def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-      gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def expert_tiles(parts: list[torch.Tensor], expert: int, rows: int) -> list[torch.Tensor]:
-    """Expert ``expert``'s slice of a stack's single part (views; an empty tensor stays empty)."""
-    tiles = rows // 16
-    return [t[expert * tiles:(expert + 1) * tiles] if t.numel() else t for t in parts]
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -109,7 +109,11 @@ def plan_blocks(net: torch.nn.Module, matrices: Iterable[BlockMatrix]) -> BlockP
             expected[param] = sizes
             sources.setdefault(param, set()).add(matrix.name)
             uses.setdefault(matrix.name, set()).add(param)
-    kept = {param for param, shards in found.items() if _whole(shards, expected[param])}
+    def one_part(param: str) -> bool:  # stacked experts are sliced per expert out of one part
+        stacked = isinstance(modules[param.rsplit(".", 1)[0]], Experts)
+        return not stacked or len({s.matrix.kind for s in found[param].values()}) == 1
+
+    kept = {param for param, shards in found.items() if _whole(shards, expected[param]) and one_part(param)}
     while True:  # a matrix feeding a parameter that is not kept is read as floats: so are its others
         dropped = {p for p in kept if any(not uses[m] <= kept for m in sources[p])}
         if not dropped:

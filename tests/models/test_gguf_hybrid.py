@@ -276,7 +276,7 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_allocating(ggufs, tmp_path,
 
 
 def test_quantized_experts_multiply_their_own_blocks(q8_ggufs):
-    """``hyprefix::moe_experts_quant`` on a Q8_0 file's stacked experts: each chosen expert's slice
+    """``hyprefix::quant_moe`` on a Q8_0 file's stacked experts: each chosen expert's slice
     of the tiles, equal to the dequantized expert times the activations as the kernel rounds them
     (per 32); experts nobody chose are not read (a poisoned one changes nothing)."""
     import torch.nn.functional as F

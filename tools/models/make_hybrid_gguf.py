@@ -57,20 +57,22 @@ def convert(checkpoint: Path, llama_cpp: Path, out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="demo-qwen3.5-0.8b", help="a demo alias of a hybrid model")
+    parser.add_argument("--model", default="demo-qwen3.5-0.8b",
+                        help="a demo alias of a hybrid model, or a hybrid HF checkpoint directory")
     parser.add_argument("--out", type=Path, required=True, help="directory for the GGUF files")
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree, llama-quantize built")
     parser.add_argument("--types", nargs="+", default=["Q4_K_M"], help="llama-quantize types to write")
     args = parser.parse_args()
-    checkpoint = resolve_demo_alias(args.model)
+    checkpoint = resolve_demo_alias(args.model) or (args.model if Path(args.model).is_dir() else None)
     if checkpoint is None:
-        parser.error(f"{args.model!r} is not a demo alias")
+        parser.error(f"{args.model!r} is neither a demo alias nor a checkpoint directory")
     args.out.mkdir(parents=True, exist_ok=True)
-    bf16 = args.out / f"{args.model}-BF16.gguf"
+    name = Path(args.model).name
+    bf16 = args.out / f"{name}-BF16.gguf"
     if not bf16.exists():
         convert(Path(checkpoint), args.llama_cpp, bf16)
     for kind in args.types:
-        target = args.out / f"{args.model}-{kind}.gguf"
+        target = args.out / f"{name}-{kind}.gguf"
         subprocess.run([str(args.llama_cpp / "build" / "bin" / "llama-quantize"), str(bf16), str(target), kind],
                        check=True)
         print(f"{target}: {target.stat().st_size / 2**20:.0f} MiB")
