@@ -47,19 +47,23 @@ class Experts(nn.Module):
         """Whether each expert's rows are whole 16-row tiles (so its blocks can be sliced out)."""
         return self.rows % 16 == 0
 
-    def stacked(self) -> torch.Tensor:
-        """The plain weight as [E, rows, cols]."""
-        return self.weight.view(self.num_experts, self.rows, self.cols)
+    def stacked(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as [E, rows, cols]: the plain tensor, or the blocks dequantized where only this
+        projection of a block kept them (a file whose other projection is of a type the kernels do not
+        take; rare, and slow: every call dequantizes)."""
+        quant = self.forms.quant
+        plain = self.weight if quant is None else quant.dequantize(dtype)
+        return plain.view(self.num_experts, self.rows, self.cols)
 
 
 def moe_forward(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: Experts,
                 down: Experts) -> torch.Tensor:
     """The experts' sum for each token: the quant op where both projections hold blocks, else the
-    float op (a file whose expert tensors did not all stay in blocks loads them as floats)."""
+    float op (over the blocks dequantized where only one projection kept them)."""
     quant_up, quant_down = gate_up.forms.quant, down.forms.quant
     if quant_up is not None and quant_down is not None:
         return quant_kernel.quant_moe(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows)
-    return moe_experts(x, chosen, weights, gate_up.stacked(), down.stacked())
+    return moe_experts(x, chosen, weights, gate_up.stacked(x.dtype), down.stacked(x.dtype))
 
 
 @torch.library.custom_op("hyprefix::moe_experts", mutates_args=())

@@ -157,3 +157,29 @@ def test_grouped_experts_equal_one_matmul_pair_per_expert(rows):
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
     assert grouped.abs().max() > 0.1
     torch.testing.assert_close(moe_experts(x, chosen, weights, gate_up, down), grouped, rtol=0, atol=0)
+
+
+def test_experts_with_one_projection_in_blocks_multiply_it_dequantized():
+    """Where only one projection of a MoE block holds low-bit tiles (its plain tensor gone), the
+    experts run the float op over those tiles dequantized: equal to the float op on the
+    dequantized stack."""
+    from hyprefix.kernels import quant_linear
+    from hyprefix.models.fused_moe import Experts, moe_experts, moe_forward
+    from hyprefix.models.layers import drop_plain
+    from hyprefix.models.quant import quantize_low_bit
+
+    if not quant_linear.available():
+        pytest.skip("the quant kernels do not run on this CPU")
+    gen = torch.Generator().manual_seed(4)
+    gate_up, down = Experts(4, 64, 64, torch.float32, torch.device("cpu")), Experts(4, 64, 32, torch.float32,
+                                                                                   torch.device("cpu"))
+    for experts in (gate_up, down):
+        experts.weight.data.copy_(torch.randn(experts.weight.shape, generator=gen) / 4)
+    gate_up.forms.use_quant(quantize_low_bit(gate_up.weight.detach()))
+    drop_plain(gate_up.weight)
+    x = torch.randn(3, 64, generator=gen)
+    chosen, weights = torch.tensor([[0, 2], [2, 3], [1, 0]]), torch.rand(3, 2, generator=gen)
+    got = moe_forward(x, chosen, weights, gate_up, down)
+    deq = gate_up.forms.quant.dequantize(torch.float32).view(4, 64, 64)
+    torch.testing.assert_close(got, moe_experts(x, chosen, weights, deq, down.stacked(torch.float32)), rtol=0, atol=0)
+    assert got.abs().max() > 0.01
