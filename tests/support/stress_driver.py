@@ -34,10 +34,12 @@ class StressRun:
 def drive(llm: LLM, rng: random.Random, todo: list[tuple[str, dict, SamplingParams]], *, block_size: int,
           max_prompt: int, abort_p: float, reset_step: int, follow_p: float, follow_max_tokens: int,
           max_steps: int, check: Callable[[], None] = lambda: None,
-          arrivals: tuple[int, ...] = (0, 0, 0, 1, 1, 2)) -> StressRun:
+          arrivals: tuple[int, ...] = (0, 0, 0, 1, 1, 2),
+          events: dict[int, Callable[[], None]] | None = None) -> StressRun:
     """``arrivals``: how many requests may arrive in a step (one is drawn per step);
-    ``reset_step`` -1 never resets the cache, ``follow_p`` 0 never follows up. A request
-    the engine rejects (``RequestError``) is recorded in ``rejected``, not added."""
+    ``reset_step`` -1 never resets the cache, ``follow_p`` 0 never follows up; ``events``: step
+    number -> something done before that step (a weight update), the invariants checked after it.
+    A request the engine rejects (``RequestError``) is recorded in ``rejected``, not added."""
     engine = llm.engine
     run = StressRun()
     followed: set[str] = set()
@@ -67,6 +69,9 @@ def drive(llm: LLM, rng: random.Random, todo: list[tuple[str, dict, SamplingPara
             assert engine.abort(rid) is was_live
             if was_live:
                 run.aborted.add(rid)
+            check_all()
+        if events and step_no in events:
+            events[step_no]()
             check_all()
         if not run.reset_done and step_no == reset_step:
             cached = engine.get_stats()["kv_blocks_cached"]
