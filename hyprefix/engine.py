@@ -17,9 +17,9 @@ from hyprefix.cache.events import EventLog
 from hyprefix.cache.plan import build_cache, plan_pools
 from hyprefix.catalog import DEFAULT_MODEL, default_quantization
 from hyprefix.config import EngineArgs
-from hyprefix.detokenizer import IncrementalDetokenizer, text_decoder
 from hyprefix.disk_cache import DiskCache
 from hyprefix.errors import RequestError
+from hyprefix.input_processor import InputProcessor, Prepared, PromptInput
 from hyprefix.kv_events import KVEventsConfig, ZmqEventPublisher
 from hyprefix.models.llama import Attention
 from hyprefix.models.loader import (
@@ -31,7 +31,8 @@ from hyprefix.models.loader import (
     load_tokenizer,
 )
 from hyprefix.openmp import release_workers
-from hyprefix.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from hyprefix.output_processor import OutputProcessor
+from hyprefix.outputs import RequestOutput
 from hyprefix.request import Request
 from hyprefix.runner.block_io import BlockIO
 from hyprefix.runner.cascade import CascadeThresholds
@@ -40,7 +41,7 @@ from hyprefix.sampling import SamplingParams
 from hyprefix.scheduler import Scheduler, SchedulerConfig
 from hyprefix.speculative import SpeculativeConfig
 from hyprefix.structured.grammar import GrammarCompiler
-from hyprefix.text import ChatPrompt, chat_token_ids, check_text
+from hyprefix.text import ChatPrompt
 
 log = logging.getLogger("hyprefix")
 
@@ -50,9 +51,6 @@ SPEC_SCRATCH_BYTES = 1 << 30
 
 # A step with nothing to run while disk reads are under way waits this long for one.
 DISK_LOAD_POLL_S = 0.05
-
-PromptInput = str | list[int] | dict
-
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -71,29 +69,6 @@ class ModelFacts:
     quantization: str | None = None
 
 
-@dataclass
-class _Sample:
-    request: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs] | None = None  # one per output token, where asked
-
-
-@dataclass
-class _Parent:
-    """A user request: ``n`` sequences sharing one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    arrival_time: float
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # where asked: None first
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
-
-
 class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -107,12 +82,6 @@ class Engine:
                                 quantization=self.quantization, compiled_decode=not args.enforce_eager,
                                 lm_head_fp32=args.lm_head_fp32, batch_invariant=args.batch_invariant)
             self.tokenizer = load_tokenizer(args.tokenizer or loaded.path)
-        self._text_decoders = {(True, True): text_decoder(self.tokenizer)}
-        self._token_texts: list[str] = []  # logprobs' token texts by id
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        self._token_decoder = (lambda ids: backend.decode_batch([[t] for t in ids], skip_special_tokens=False)) \
-            if backend is not None and hasattr(backend, "decode_batch") else \
-            (lambda ids: [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids])
         self.model_path = loaded.path
         self.model_identity = loaded.identity  # of the weights loaded now: ``update_weights`` changes it
         self._loaded_identity = loaded.identity
@@ -188,9 +157,9 @@ class Engine:
                  num_live, state_bytes / mib, self.memory_bytes["live_states"] / mib, num_ckpts, state_bytes / mib,
                  self.memory_bytes["checkpoint_pool"] / mib)
         self.event_publisher = ZmqEventPublisher(events_config) if events_config is not None else None
-        self._parents: dict[str, _Parent] = {}
-        self._samples: dict[str, tuple[_Parent, _Sample]] = {}
-        self._pending_outputs: list[RequestOutput] = []
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_logprobs,
+                                     self.grammars, lambda: (self.cache.kv.num_blocks, self.max_pool_tokens))
+        self.outputs = OutputProcessor(self.tokenizer, self.vocab_size, self.scheduler)
         self._last_log = time.monotonic()
         self._logged_tokens = (0, 0)
         freeze_startup_heap()
@@ -292,39 +261,15 @@ class Engine:
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache salt) of one prompt; raises RequestError on bad input."""
-        salt = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise RequestError(f"unknown prompt keys {sorted(unknown)}", param="prompt")
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise RequestError("cache_salt must be a string", param="cache_salt")
-            if salt is not None:
-                check_text(salt, "cache_salt", param="cache_salt")
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty", param="prompt")
-            check_text(prompt, "the prompt", param="prompt")
-            return prompt, list(self.tokenizer.encode(prompt)), salt
-        if isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise RequestError("prompt token ids must be integers", param="prompt")
-            return None, ids, salt
-        raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
-                           param="prompt")
+        return self.inputs.tokenize_prompt(prompt)
 
     def encode_chat(self, messages: list[dict] | ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation (or a ``ChatPrompt``) under the tokenizer's chat template;
-        bad input raises RequestError (``text.chat_token_ids``)."""
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+        """Token ids of a conversation (or a ``ChatPrompt``) under the tokenizer's chat template."""
+        return self.inputs.encode_chat(messages, add_generation_prompt)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` unless the prompt ``ids`` with ``params`` can ever run here."""
+        self.inputs.validate(ids, params)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None, group: str | None = None) -> None:
@@ -347,102 +292,41 @@ class Engine:
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
             child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-            if request_id in self._parents or request_id in taken:
+            if self.outputs.knows(request_id) or request_id in taken:
                 raise RequestError(f"request id {request_id!r} is already in use")
             for child_id in child_ids:  # e.g. "a#1" given by the user, then "a" with n=2
-                if child_id in self._samples or child_id in self.scheduler.requests or child_id in taken:
+                if self.outputs.knows(child_id) or child_id in self.scheduler.requests or child_id in taken:
                     raise RequestError(f"request id {request_id!r} clashes with request {child_id!r} in use")
             taken.update([request_id, *child_ids])
-            text, ids, salt = self.tokenize_prompt(prompt)
-            if params.truncate_prompt_tokens is not None:  # vLLM's: keep the last k tokens
-                keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-                ids = ids[-keep:]
-            self.validate(ids, params)
-            if params.bad_words:
-                params = params.with_bad_words_ids(self._bad_words_ids(params.bad_words))
-            if params.structured_outputs is not None:
-                self.grammars.compile(params.structured_outputs)  # a bad one raises before anything is queued
-            checked.append((request_id, child_ids, params, text, ids, salt))
-        total = sum(params.n * (len(ids) + params.max_tokens) for _, _, params, _, ids, _ in checked)
+            checked.append((request_id, child_ids, self.inputs.prepare(prompt, params)))
+        total = sum(p.params.n * (len(p.ids) + p.params.max_tokens) for _, _, p in checked)
         if max_total_tokens is not None and total > max_total_tokens:
             raise RequestError(f"this request asks for up to {total} tokens (n x (prompt tokens + max_tokens) over "
                                f"its prompts), more than the limit of {max_total_tokens} per request: lower n or "
                                "max_tokens", param="max_tokens", code="request_too_large")
         arrival = time.time() if arrival_time is None else arrival_time
-        # processed logprobs of a grammar row read its mask: such rows mask first (``runner/sampler.py``)
-        processed_logprobs = self.args.logprobs_mode.startswith("processed")
-        for request_id, child_ids, params, text, ids, salt in checked:
-            samples = []
-            for i, child_id in enumerate(child_ids):
-                request = Request(child_id, ids, params.for_sample(i) if params.n > 1 else params,
-                                  eos_token_ids=self.eos_token_ids, cache_salt=salt, arrival_time=arrival,
-                                  group=group or request_id)
-                if params.structured_outputs is not None:
-                    request.grammar = self.grammars.grammar(
-                        params.structured_outputs,
-                        masks_first=params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0
-                        or (processed_logprobs and params.logprobs is not None))
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, self._decoder(params),
-                                               include_stop=params.include_stop_str_in_output)
-                samples.append(_Sample(request, detok, [] if params.logprobs is not None else None))
-            parent = _Parent(request_id, text, ids, samples, arrival,
-                             [None] * len(ids) if params.prompt_logprobs is not None else None)
-            self._parents[request_id] = parent
-            for sample in samples:
-                self._samples[sample.request.request_id] = (parent, sample)
-                self.scheduler.add_request(sample.request)
-        return [(text, ids) for _, _, _, text, ids, _ in checked]
+        for request_id, child_ids, prepared in checked:
+            samples = [self._sequence(child_id, i, prepared, arrival, group or request_id)
+                       for i, child_id in enumerate(child_ids)]
+            self.outputs.add(request_id, prepared.text, prepared.ids, prepared.params, samples, arrival)
+            for request in samples:
+                self.scheduler.add_request(request)
+        return [(p.text, p.ids) for _, _, p in checked]
 
-    def _decoder(self, params: SamplingParams):
-        key = (params.skip_special_tokens, params.spaces_between_special_tokens)
-        decoder = self._text_decoders.get(key)
-        if decoder is None:
-            decoder = self._text_decoders[key] = text_decoder(self.tokenizer, *key)
-        return decoder
-
-    def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token ids, as vLLM: the word alone and after a space (the form it
-        takes inside a text), each distinct sequence once."""
-        out: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    out[ids] = None
-        return tuple(out)
-
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
-        """Raise ``RequestError`` unless the prompt ``ids`` with ``params`` can ever run here."""
-        if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt")
-        for param, token_ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids",
-                                                                           params.allowed_token_ids or ())):
-            outside = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if outside:
-                raise RequestError(f"{param}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                   param=param)
-        limit = self.args.max_logprobs
-        for param in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, param)
-            if asked is not None and limit != -1 and (asked == -1 or asked > limit):
-                raise RequestError(f"{param}={asked} is more than this server's limit of {limit} (--max-logprobs)",
-                                   param=param)
-        too_long = "context_length_exceeded"
-        if len(ids) > self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}",
-                               param="prompt", code=too_long)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                               f"max_model_len={self.max_model_len}", param="prompt", code=too_long)
-        if total > self.max_pool_tokens:
-            raise RequestError(f"prompt + max_tokens = {total} tokens can never fit in the KV pool "
-                               f"({self.cache.kv.num_blocks} blocks = {self.max_pool_tokens} tokens)",
-                               param="prompt", code=too_long)
+    def _sequence(self, request_id: str, index: int, prepared: Prepared, arrival: float, group: str) -> Request:
+        """Sample ``index`` of a prepared request as a scheduler ``Request``, with its grammar
+        (processed logprobs of a grammar row read its mask: such rows mask first, ``runner/sampler.py``)."""
+        params = prepared.params
+        request = Request(request_id, prepared.ids, params.for_sample(index) if params.n > 1 else params,
+                          eos_token_ids=self.eos_token_ids, cache_salt=prepared.salt, arrival_time=arrival,
+                          group=group)
+        if params.structured_outputs is not None:
+            processed_logprobs = self.args.logprobs_mode.startswith("processed")
+            request.grammar = self.grammars.grammar(
+                params.structured_outputs,
+                masks_first=params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0
+                or (processed_logprobs and params.logprobs is not None))
+        return request
 
     @property
     def max_pool_tokens(self) -> int:
@@ -452,36 +336,22 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its samples); its blocks are freed at once. Returns
         whether it was known and unfinished."""
-        parent = self._parents.get(request_id)
-        if parent is None:
-            return False
-        for sample in parent.samples:
-            if not sample.request.is_finished:
-                self.scheduler.finish(sample.request.request_id, "abort")
-        self._pending_outputs.append(self._output(parent))
-        self._forget(parent)
-        return True
-
-    def _forget(self, parent: _Parent) -> None:
-        del self._parents[parent.request_id]
-        for sample in parent.samples:
-            self._samples.pop(sample.request.request_id, None)
+        return self.outputs.abort(request_id)
 
     # -------------------------------------------------------------------- step
     def take_outputs(self) -> list[RequestOutput]:
         """The outputs made between steps (aborted requests') that ``step`` would return
         first: for a caller that does not step now (a paused server)."""
-        outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
+        return self.outputs.take_pending()
 
     @property
     def request_ids(self) -> list[str]:
         """Every user request not finished (or whose last output is still to be returned)."""
-        return list(self._parents)
+        return self.outputs.request_ids
 
     def has_unfinished(self) -> bool:
         """Requests not finished, or outputs not yet returned by ``step``."""
-        return bool(self._parents) or bool(self._pending_outputs)
+        return self.outputs.has_unfinished()
 
     def has_unfinished_sequences(self) -> bool:
         """Sequences waiting or running: whether another ``step`` can make progress."""
@@ -489,7 +359,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs = self.outputs.take_pending()
         disk = self.disk
         if disk is not None:
             disk.import_ready(self.scheduler.requests)
@@ -504,94 +374,10 @@ class Engine:
         advanced = self.scheduler.update(sched, result.sampled)
         if disk is not None and disk.tier.write_through:
             disk.save_noted()  # what the step published
-        for request_id, (first, entries) in result.prompt_logprobs.items():
-            if request_id in self._samples:
-                parent = self._samples[request_id][0]
-                parent.prompt_logprobs[first:first + len(entries)] = [self._decoded(e) for e in entries]
         self._publish_cache_events()
-        touched: dict[str, _Parent] = {}
-        for request in advanced:
-            if request.request_id not in self._samples:
-                continue
-            parent, sample = self._samples[request.request_id]
-            self._take_new_tokens(request, sample, result.logprobs.get(request.request_id))
-            touched[parent.request_id] = parent
-        for parent in touched.values():
-            outputs.append(self._output(parent))
-            if parent.finished:
-                self._forget(parent)
+        outputs += self.outputs.process(advanced, result.logprobs, result.prompt_logprobs)
         self._maybe_log()
         return outputs
-
-    def _take_new_tokens(self, request: Request, sample: _Sample, logprobs: list[PositionLogprobs] | None) -> None:
-        """Detokenize the tokens the step appended (one, or several after accepted drafts) and
-        apply the stops the scheduler does not see: stop strings and a complete structured output.
-        A stop string ends the output at the token that completed it, as if no later token had
-        been sampled (the tokens after it, accepted drafts, are dropped)."""
-        params = request.params
-        out = request.output_token_ids
-        first = len(out) - request.num_new_tokens
-        for i in range(first, len(out)):
-            if sample.logprobs is not None:
-                sample.logprobs.append(self._decoded(logprobs[i - first]))
-            # The token that stopped the request (EOS or one of stop_token_ids) stays in token_ids.
-            # Its text joins the text with include_stop_str_in_output (vLLM's rule) or with
-            # skip_special_tokens false (ours, not vLLM's: the text then decodes every id of
-            # token_ids, which RL clients rely on); otherwise it is left out, as in vLLM.
-            stopped_by_token = i == len(out) - 1 and request.is_finished and request.finish_reason == "stop"
-            matched = None
-            if not stopped_by_token:
-                matched = sample.detok.append(out[i], check_stop=i + 1 > params.min_tokens)
-            elif params.include_stop_str_in_output or not params.skip_special_tokens:
-                sample.detok.append(out[i], check_stop=False)
-            if matched is None and not request.is_finished and request.grammar is not None \
-                    and request.grammar.is_stopped():  # the structured output is complete
-                if request.grammar.is_error():
-                    log.warning("request %s left its grammar: %s", request.request_id, request.grammar.error())
-                self.scheduler.finish(request.request_id, "stop")
-                request.finish_reason, request.stop_reason = "stop", None
-            if matched is not None:
-                if not request.is_finished:
-                    self.scheduler.finish(request.request_id, "stop")
-                request.finish_reason, request.stop_reason = "stop", matched
-                del out[i + 1:]
-                return
-
-    def _output(self, parent: _Parent) -> RequestOutput:
-        completions = []
-        for i, sample in enumerate(parent.samples):
-            request = sample.request
-            finished = request.is_finished
-            completions.append(CompletionOutput(
-                index=i, text=sample.detok.visible_text(finished),
-                token_ids=list(request.output_token_ids),
-                finish_reason=request.finish_reason if finished else None,
-                stop_reason=request.stop_reason if finished else None,
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
-        reqs = [s.request for s in parent.samples]
-        drafting = [r.drafting.counts for r in reqs if r.drafting is not None]
-        metrics = RequestMetrics(
-            arrival_time=parent.arrival_time,
-            first_scheduled_time=_min_time(r.first_scheduled_time for r in reqs),
-            first_token_time=_min_time(r.first_token_time for r in reqs),
-            finished_time=max((r.finished_time or 0.0) for r in reqs) if parent.finished else None,
-            spec_num_drafts=sum(d.num_drafts for d in drafting),
-            spec_num_draft_tokens=sum(d.num_draft_tokens for d in drafting),
-            spec_num_accepted_tokens=sum(d.num_accepted_tokens for d in drafting),
-        )
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-            finished=parent.finished, num_cached_tokens=min(r.num_cached_tokens for r in reqs),
-            metrics=metrics,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
-
-    def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
-        """``entry`` with each token's text (``decode([id])``, special tokens kept), cached by id."""
-        texts = self._token_texts
-        if not texts:  # every token's text at once, on the first request that asks
-            texts.extend(self._token_decoder(list(range(self.vocab_size))))
-        return {t: Logprob(lp.logprob, lp.rank, texts[t]) for t, lp in entry.items()}
 
     # ------------------------------------------------------------------- stats
     def get_stats(self) -> dict[str, int | float]:
@@ -680,7 +466,3 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
 
-
-def _min_time(values) -> float | None:
-    present = [v for v in values if v is not None]
-    return min(present) if present else None
