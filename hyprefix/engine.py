@@ -121,26 +121,9 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                                    speculative=self.speculative, max_draft_rows=draft_rows,
                                                    drafts_within_block=bool(state_bytes)), self.cache)
-        self.runner = ModelRunner(loaded.model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
-                                  compile_enabled=not args.enforce_eager,
-                                  num_live_slots=args.max_num_seqs if state_bytes else 0,
-                                  num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
-                                  cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
-                                                                       args.cascade_min_solo_run_tokens,
-                                                                       args.cascade_min_traffic_ratio),
-                                  eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
-                                  batch_invariant=args.batch_invariant, state_dtype=state_dtype,
-                                  num_speculative_tokens=k, num_draft_rows=draft_rows or 0)
-        self.disk: DiskCache | None = None
-        if args.disk_cache_dir is not None:
-            in_window_pool = [bool(num_window_blocks) and layout.window(i) is not None
-                              for i in range(layout.num_layers)]
-            io = BlockIO(self.runner.kv_caches, [i for i, w in enumerate(in_window_pool) if not w],
-                         self.runner.recurrent_states, args.block_size,
-                         window_pool_layers=[i for i, w in enumerate(in_window_pool) if w])
-            self.disk = DiskCache(args.disk_cache_dir, args.disk_cache_gb, args.disk_cache_write_through,
-                                  loaded.identity, self.cache, io)
-        mib = 2**20
+        self.runner = self._make_runner(loaded.model, num_blocks, num_ckpts, num_window_blocks, state_dtype, k,
+                                        draft_rows or 0, live_slots=args.max_num_seqs if state_bytes else 0)
+        self.disk = self._make_disk(layout, num_window_blocks, loaded.identity) if args.disk_cache_dir else None
         num_live = args.max_num_seqs if state_bytes else 0
         self.memory_bytes = {"weights": loaded.weight_bytes, "kv_pool": num_blocks * plan.bytes_per_block,
                              "swa_pool": num_window_blocks * plan.bytes_per_window_block,
@@ -148,14 +131,7 @@ class Engine:
                              "draft_scratch_states": (draft_rows or 0) * k * state_bytes}
         log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(loaded.model).__name__,
                  str(self.dtype).replace("torch.", ""), time.perf_counter() - t0)
-        if window is not None:
-            log.info("sliding-window layers (window %d) keep their K/V in a pool of their own: %d blocks = %.1f MiB",
-                     window, num_window_blocks, self.memory_bytes["swa_pool"] / mib)
-        log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live recurrent states "
-                 "%d x %.2f MiB = %.1f MiB | state checkpoints %d x %.2f MiB = %.1f MiB",
-                 loaded.weight_bytes / mib, num_blocks, args.block_size, self.memory_bytes["kv_pool"] / mib,
-                 num_live, state_bytes / mib, self.memory_bytes["live_states"] / mib, num_ckpts, state_bytes / mib,
-                 self.memory_bytes["checkpoint_pool"] / mib)
+        self._log_memory(window, num_blocks, num_window_blocks, num_live, num_ckpts)
         self.event_publisher = ZmqEventPublisher(events_config) if events_config is not None else None
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_logprobs,
                                      self.grammars, lambda: (self.cache.kv.num_blocks, self.max_pool_tokens))
@@ -166,6 +142,41 @@ class Engine:
         # Loading ran parallel work on this thread; the thread that steps the engine may be
         # another, and two OpenMP pools would slow every step (``openmp.py``).
         release_workers()
+
+    def _make_runner(self, model, num_blocks: int, num_ckpts: int, num_window_blocks: int, state_dtype: torch.dtype,
+                     k: int, draft_rows: int, live_slots: int) -> ModelRunner:
+        args = self.args
+        return ModelRunner(model, self.dtype, self.device, num_blocks, args.block_size, args.seed,
+                           compile_enabled=not args.enforce_eager, num_live_slots=live_slots,
+                           num_checkpoint_slots=num_ckpts, num_window_blocks=num_window_blocks,
+                           cascade_thresholds=CascadeThresholds(args.cascade_min_saved_tokens,
+                                                                args.cascade_min_solo_run_tokens,
+                                                                args.cascade_min_traffic_ratio),
+                           eos_token_ids=self.eos_token_ids, logprobs_mode=args.logprobs_mode,
+                           batch_invariant=args.batch_invariant, state_dtype=state_dtype,
+                           num_speculative_tokens=k, num_draft_rows=draft_rows)
+
+    def _make_disk(self, layout, num_window_blocks: int, identity: str) -> DiskCache:
+        """The disk tier over the runner's K/V and state tensors (``--disk-cache-dir``)."""
+        args = self.args
+        in_window_pool = [bool(num_window_blocks) and layout.window(i) is not None for i in range(layout.num_layers)]
+        io = BlockIO(self.runner.kv_caches, [i for i, w in enumerate(in_window_pool) if not w],
+                     self.runner.recurrent_states, args.block_size,
+                     window_pool_layers=[i for i, w in enumerate(in_window_pool) if w])
+        return DiskCache(args.disk_cache_dir, args.disk_cache_gb, args.disk_cache_write_through, identity,
+                         self.cache, io)
+
+    def _log_memory(self, window: int | None, num_blocks: int, num_window_blocks: int, num_live: int,
+                    num_ckpts: int) -> None:
+        mib, memory, state_bytes = 2**20, self.memory_bytes, self.state_bytes_per_slot
+        if window is not None:
+            log.info("sliding-window layers (window %d) keep their K/V in a pool of their own: %d blocks = %.1f MiB",
+                     window, num_window_blocks, memory["swa_pool"] / mib)
+        log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live recurrent states "
+                 "%d x %.2f MiB = %.1f MiB | state checkpoints %d x %.2f MiB = %.1f MiB",
+                 memory["weights"] / mib, num_blocks, self.args.block_size, memory["kv_pool"] / mib,
+                 num_live, state_bytes / mib, memory["live_states"] / mib, num_ckpts, state_bytes / mib,
+                 memory["checkpoint_pool"] / mib)
 
     @property
     def model_facts(self) -> ModelFacts:

@@ -217,20 +217,9 @@ def run_bench(ns: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, EngineArm, check_arm_names, load_arm, run_arms
-    from hyprefix.bench.env import (
-        CpuMeter,
-        environment,
-        load_average,
-        measure_matmul_peak,
-        measure_read_rates,
-        read_bandwidth,
-        read_rate_now,
-        usable_cores,
-    )
-    from hyprefix.bench.report import format_result, write_json
+    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, EngineArm, check_arm_names
+    from hyprefix.bench.env import CpuMeter, environment, load_average, usable_cores
     from hyprefix.bench.summary import summarise
-    from hyprefix.hardware import DTYPES as TORCH_DTYPES
 
     workload = build_workload(ns)
     throughput = workload.name == "throughput"
@@ -246,45 +235,23 @@ def run_bench(ns: argparse.Namespace) -> int:
     meter = CpuMeter()
     meter.start()
 
-    servers: dict[str, Any] = {}
-    if ns.url:
-        from hyprefix.bench.online import ServerArm, tokenizer_vocab_size
-
-        vocab = ns.vocab_size or (tokenizer_vocab_size(ns.tokenizer) if ns.tokenizer else None)
-        for name, (_, url) in zip(server_names, ns.url, strict=True):
-            if name in names:
-                servers[name] = ServerArm(url, ns.served_model, vocab_size=vocab, name=name,
-                                          needs_answers=workload.num_rounds > 1, max_concurrency=ns.max_concurrency,
-                                          request_rate=ns.request_rate, seed=ns.seed)
+    servers = _server_arms(ns, names, server_names, workload)
     if ns.model is None and servers:
-        first = next(iter(servers.values()))
-        model, label = first.model, ", ".join(f"{s.model} at {s.url}" for s in servers.values())
+        model, label = next(iter(servers.values())).model, ", ".join(f"{s.model} at {s.url}" for s in servers.values())
     else:
         model, label = resolve_model(ns.model)
     compare = resolve_model(ns.compare_model) if ns.compare_model else None
     names = [*names, *([COMPARE_ARM] if compare else [])]
     models = {name: compare[1] if compare and name == COMPARE_ARM else label for name in names}
-    num_cases = len(workload.cases())
-    total = len(names) * (1 + num_cases * (1 + ns.repeats)) + throughput
+    total = len(names) * (1 + len(workload.cases()) * (1 + ns.repeats)) + throughput
     with logging_redirect_tqdm(), tqdm(total=total, desc=f"bench {ns.workload}", unit="run") as bar:
 
         def progress(what: str) -> None:  # ``what`` starts now, so whatever ran before is done
             bar.update(1 if getattr(bar, "postfix", None) else 0)
             bar.set_postfix_str(what)
 
-        arms: dict[str, Any] = {}
-        skipped: dict[str, str] = {}
-        for name in names:
-            progress(f"load {name}")
-            path = compare[0] if compare and name == COMPARE_ARM else model
-            try:
-                arms[name] = servers.get(name) or load_arm(name, path, workload, dtype=ns.dtype or "auto",
-                                                           seed=ns.seed, engine_kwargs=engine_kwargs)
-            except Exception as exc:  # transformers may not support the architecture, llama_cpp may be missing
-                if not name.startswith(("transformers", "llama.cpp")):
-                    raise
-                log.warning("skipping the %s arm: loading %s failed: %s", name, path, exc)
-                skipped[name] = f"loading failed: {type(exc).__name__}: {exc}"
+        arms, skipped = _load_arms(names, servers, lambda name: compare[0] if compare and name == COMPARE_ARM
+                                   else model, workload, ns, engine_kwargs, progress)
         if not arms:
             raise ValueError(f"no arm could run: {skipped}")
         vocab = min((arm.vocab_size for arm in arms.values() if arm.vocab_size), default=workload.vocab_size)
@@ -293,16 +260,7 @@ def run_bench(ns: argparse.Namespace) -> int:
         plain = next((n for n in local if "@" not in n), local[0] if local else None)  # an arm at --dtype, if any
         dtype = arms[plain].info()["dtype"] if plain is not None else None
         facts = next((arm.facts for arm in arms.values() if isinstance(arm, EngineArm)), None)
-        peak = bandwidth = None
-        if throughput:
-            if dtype is not None:  # the servers' dtype is theirs to know
-                progress(f"{dtype} matmul peak")
-                peak = measure_matmul_peak(TORCH_DTYPES[dtype])
-            rates = measure_read_rates()
-        runs, failed = run_arms(arms, workload, ns.repeats, progress=progress,
-                                read_rate=read_rate_now if throughput else None)
-        if throughput:  # read rates before and after the arms
-            bandwidth = read_bandwidth(rates + measure_read_rates())
+        runs, failed, peak, bandwidth = _measure(arms, workload, ns.repeats, dtype, progress)
         skipped.update(failed)
         bar.update(bar.total - bar.n)
         bar.set_postfix_str("done")
@@ -330,6 +288,72 @@ def run_bench(ns: argparse.Namespace) -> int:
                                   if isinstance(getattr(arm, "decode_weight_bytes", None), int)},
                     servers=[n for n in names if n in servers]),
     }
+    _report(result, ns)
+    return 0
+
+
+def _measure(arms: dict[str, Any], workload, repeats: int, dtype: str | None, progress):
+    """Run the arms (``run_arms``); for the throughput workload also the machine's matmul peak in
+    the arms' dtype (a server's dtype is its own: none then) and its read bandwidth, measured
+    before and after the arms. Returns (runs, failed arms, peak, bandwidth)."""
+    from hyprefix.bench.arms import run_arms
+    from hyprefix.bench.env import measure_matmul_peak, measure_read_rates, read_bandwidth, read_rate_now
+    from hyprefix.hardware import DTYPES as TORCH_DTYPES
+
+    throughput = workload.name == "throughput"
+    peak = bandwidth = None
+    if throughput:
+        if dtype is not None:
+            progress(f"{dtype} matmul peak")
+            peak = measure_matmul_peak(TORCH_DTYPES[dtype])
+        rates = measure_read_rates()
+    runs, failed = run_arms(arms, workload, repeats, progress=progress, read_rate=read_rate_now if throughput else None)
+    if throughput:
+        bandwidth = read_bandwidth(rates + measure_read_rates())
+    return runs, failed, peak, bandwidth
+
+
+def _server_arms(ns: argparse.Namespace, names: list[str], server_names: list[str], workload) -> dict[str, Any]:
+    """The ``--url`` arms that ``names`` runs, by name."""
+    servers: dict[str, Any] = {}
+    if ns.url:
+        from hyprefix.bench.online import ServerArm, tokenizer_vocab_size
+
+        vocab = ns.vocab_size or (tokenizer_vocab_size(ns.tokenizer) if ns.tokenizer else None)
+        for name, (_, url) in zip(server_names, ns.url, strict=True):
+            if name in names:
+                servers[name] = ServerArm(url, ns.served_model, vocab_size=vocab, name=name,
+                                          needs_answers=workload.num_rounds > 1, max_concurrency=ns.max_concurrency,
+                                          request_rate=ns.request_rate, seed=ns.seed)
+    return servers
+
+
+def _load_arms(names: list[str], servers: dict[str, Any], path_of, workload, ns: argparse.Namespace,
+               engine_kwargs: dict, progress) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every arm loaded (a server arm as it is), and the reason of each in-process baseline that
+    could not load (transformers may not support the architecture, llama_cpp may be missing)."""
+    from hyprefix.bench.arms import load_arm
+
+    arms: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        progress(f"load {name}")
+        path = path_of(name)
+        try:
+            arms[name] = servers.get(name) or load_arm(name, path, workload, dtype=ns.dtype or "auto",
+                                                       seed=ns.seed, engine_kwargs=engine_kwargs)
+        except Exception as exc:
+            if not name.startswith(("transformers", "llama.cpp")):
+                raise
+            log.warning("skipping the %s arm: loading %s failed: %s", name, path, exc)
+            skipped[name] = f"loading failed: {type(exc).__name__}: {exc}"
+    return arms, skipped
+
+
+def _report(result: dict, ns: argparse.Namespace) -> None:
+    """Print the result; write its JSON (``--out``) and plots (``--plot``)."""
+    from hyprefix.bench.report import format_result, write_json
+
     print(format_result(result))
     if ns.out:
         log.info("wrote %s", write_json(result, ns.out))
@@ -338,4 +362,3 @@ def run_bench(ns: argparse.Namespace) -> int:
 
         for path in plot(result, ns.plot):
             log.info("wrote %s", path)
-    return 0

@@ -13,19 +13,7 @@ Layout::
 A store only ever lists its own identity directory, so another model, payload layout or file
 format version never sees (or evicts) these files.
 
-File format (little-endian), a header then the payload::
-
-    magic b"HYPXBLK1" | version u16 (= 1) | header length u32 | payload length u64 |
-    payload CRC32 u32 | block hash 32 B | kind 16 B (NUL-padded ASCII) |
-    model length u32 | model utf-8 | layout length u32 | layout utf-8 | header CRC32 u32
-
-(the header CRC covers every header byte before it). Every read checks all of it, each failure
-under its own reason: ``magic``, ``version``, ``length`` (file size != header + payload, i.e.
-truncated or extended, or too short for the fixed fields), ``header_crc``, ``key`` (hash or kind
-differ from the file name: renamed or copied), ``identity`` (model or layout differ),
-``payload_crc``, and ``io`` (an OSError other than a missing file). A file that fails is
-*refused*: deleted, counted under its reason, dropped from the index, returned as a miss. A bad
-file never raises.
+The file format and its checks are ``disk_format.py``'s.
 
 Invariants:
 - a final-named file is only ever created by ``os.replace`` of a completely written temp file
@@ -57,10 +45,7 @@ validation and is refused; ``fsync=True`` only narrows what such a loss takes aw
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
-import struct
 import threading
 import time
 import zlib
@@ -68,44 +53,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
-MAGIC = b"HYPXBLK1"
-FORMAT_VERSION = 1
-HASH_SIZE = 32
-KIND_SIZE = 16
+from hyprefix.cache.disk_format import (
+    FIXED_HEADER,
+    U32,
+    DiskIdentity,
+    Key,
+    Refused,
+    check_key,
+    encode_header,
+    encode_identity,
+    parse_name,
+    read_payload,
+)
+
 STALE_TMP_SECONDS = 60.0  # a temp file this old has no live writer left
 TMP_PREFIX = ".tmp-"
-
-# magic, format version, header length, payload length, payload CRC32, block hash, kind (NUL-padded);
-# then model and layout (each a uint32 length + utf-8), then the CRC32 of all header bytes before it.
-_FIXED = struct.Struct(f"<8sHIQI{HASH_SIZE}s{KIND_SIZE}s")
-_U32 = struct.Struct("<I")
-_MIN_HEADER = _FIXED.size + 3 * _U32.size  # two empty strings and the header CRC
-_KIND_RE = re.compile(rf"[a-z0-9_]{{1,{KIND_SIZE}}}")
-# a block file's name: the hash in lowercase hex, a dot, the kind (temp files never match)
-_NAME_RE = re.compile(rf"([0-9a-f]{{{2 * HASH_SIZE}}})\.([a-z0-9_]{{1,{KIND_SIZE}}})")
-
-Key = tuple[str, bytes]
-
-
-@dataclass(frozen=True)
-class DiskIdentity:
-    """What the files of a store are only valid for. ``model`` names the model (and its weights);
-    ``layout`` is the caller's free-form description of the payload layout (dtype, block size,
-    tensor shapes): a change to either means the old bytes are not interchangeable with the new."""
-
-    model: str
-    layout: str
-
-    def __post_init__(self) -> None:
-        if "\0" in self.model:  # the directory name hashes model "\0" layout: keep it unambiguous
-            raise ValueError("the model identity must not contain NUL")
-
-    @property
-    def dirname(self) -> str:
-        digest = hashlib.blake2b(f"v{FORMAT_VERSION}\0{self.model}\0{self.layout}".encode(), digest_size=8)
-        return digest.hexdigest()
 
 
 @dataclass
@@ -138,43 +101,6 @@ class _Pending:
     cancelled: bool = False  # a remove() or clear() ran while it was written: delete it after
 
 
-class _Refused(Exception):
-    """A file that fails validation; ``inode`` names the file judged, where it was opened."""
-
-    def __init__(self, reason: str, inode: tuple[int, int] | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.inode = inode
-
-
-def _encode_header(identity_tail: bytes, kind: str, block_hash: bytes, payload_len: int,
-                   payload_crc: int) -> bytes:
-    """``identity_tail``: the encoded model and layout strings (``_encode_identity``)."""
-    header_len = _FIXED.size + len(identity_tail) + _U32.size
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, header_len, payload_len, payload_crc, block_hash,
-                       kind.encode("ascii")) + identity_tail
-    return head + _U32.pack(zlib.crc32(head))
-
-
-def _encode_identity(identity: DiskIdentity) -> bytes:
-    model, layout = identity.model.encode(), identity.layout.encode()
-    return _U32.pack(len(model)) + model + _U32.pack(len(layout)) + layout
-
-
-def _check_key(kind: str, block_hash: bytes) -> Key:
-    if not isinstance(kind, str) or _KIND_RE.fullmatch(kind) is None:
-        raise ValueError(f"kind must match [a-z0-9_]{{1,16}}, got {kind!r}")
-    if not isinstance(block_hash, bytes) or len(block_hash) != HASH_SIZE:
-        raise ValueError(f"block_hash must be {HASH_SIZE} bytes, got {block_hash!r}")
-    return kind, block_hash
-
-
-def _parse_name(name: str) -> Key | None:
-    """``<64 lowercase hex>.<kind>`` -> key, or None for anything else (temp files included)."""
-    match = _NAME_RE.fullmatch(name)
-    return None if match is None else (match[2], bytes.fromhex(match[1]))
-
-
 def _unlink(path: str) -> None:
     """Delete a file; one already gone, or that cannot be deleted, is left to be (it stays unindexed)."""
     with contextlib.suppress(OSError):
@@ -198,8 +124,8 @@ class DiskBlockStore:
         self.touch_on_hit = touch_on_hit
         self.path = Path(directory) / identity.dirname
         self._root = str(self.path)
-        self._identity_tail = _encode_identity(identity)
-        self._header_size = _FIXED.size + len(self._identity_tail) + _U32.size
+        self._identity_tail = encode_identity(identity)
+        self._header_size = FIXED_HEADER.size + len(self._identity_tail) + U32.size
         self._lock = threading.Lock()
         self._index: OrderedDict[Key, _Entry] = OrderedDict()  # first key is evicted next
         self._pending: dict[Key, _Pending] = {}  # puts between reservation and rename
@@ -225,17 +151,17 @@ class DiskBlockStore:
 
     def path_for(self, kind: str, block_hash: bytes) -> Path:
         """Where the file of a key lives (whether or not it exists)."""
-        return Path(self._path(_check_key(kind, block_hash)))
+        return Path(self._path(check_key(kind, block_hash)))
 
     def contains(self, kind: str, block_hash: bytes) -> bool:
         """Whether the key is indexed (no I/O: the file may since have gone, see ``get``)."""
-        key = _check_key(kind, block_hash)
+        key = check_key(kind, block_hash)
         with self._lock:
             return key in self._index
 
     def prefix_run(self, kind: str, hashes: Sequence[bytes]) -> int:
         """How many leading ``hashes`` are indexed under ``kind`` (no I/O)."""
-        keys = [_check_key(kind, h) for h in hashes]
+        keys = [check_key(kind, h) for h in hashes]
         with self._lock:
             for i, key in enumerate(keys):
                 if key not in self._index:
@@ -246,7 +172,7 @@ class DiskBlockStore:
         """The payload stored under the key, or None: not indexed, deleted by another process
         (the key is dropped), or refused (the file is deleted and counted by reason). A hit moves
         the key to the most recently used end."""
-        key = _check_key(kind, block_hash)
+        key = check_key(kind, block_hash)
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -260,7 +186,7 @@ class DiskBlockStore:
                 self._drop_locked(key, entry)
                 self._misses += 1
             return None
-        except _Refused as refusal:
+        except Refused as refusal:
             self._refuse(key, entry, path, refusal.reason, refusal.inode)
             return None
         with self._lock:
@@ -281,7 +207,7 @@ class DiskBlockStore:
         ``capacity_bytes`` is not stored. False also for a write that failed on an OSError
         (counted in ``write_errors``) and for a key being removed or cleared meanwhile.
         ``payload`` must be a C-contiguous buffer; the caller may reuse it once this returns."""
-        key = _check_key(kind, block_hash)
+        key = check_key(kind, block_hash)
         view = memoryview(payload).cast("B")
         size = self._header_size + view.nbytes
         with self._lock:
@@ -300,7 +226,7 @@ class DiskBlockStore:
         self._delete(victims)
         ok = committed = False
         try:
-            header = _encode_header(self._identity_tail, kind, block_hash, view.nbytes, zlib.crc32(view))
+            header = encode_header(self._identity_tail, kind, block_hash, view.nbytes, zlib.crc32(view))
             ok = self._write(key, header, view)
         finally:
             with self._lock:
@@ -324,7 +250,7 @@ class DiskBlockStore:
     def remove(self, kind: str, block_hash: bytes) -> bool:
         """Delete the key's file (also when only another process knows it); returns whether it
         was indexed. A put of the key in flight is cancelled."""
-        key = _check_key(kind, block_hash)
+        key = check_key(kind, block_hash)
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:
@@ -351,7 +277,7 @@ class DiskBlockStore:
         try:
             for shard in self._shards():
                 for entry in self._scandir(shard):
-                    if _parse_name(entry.name) is not None:
+                    if parse_name(entry.name) is not None:
                         try:
                             os.unlink(entry.path)
                             removed += 1
@@ -484,53 +410,25 @@ class DiskBlockStore:
 
     def _read(self, path: str, key: Key) -> tuple[bytes, int]:
         """(payload, file size) of a valid file. Raises FileNotFoundError for a file that is not
-        there and ``_Refused`` for anything else."""
+        there and ``Refused`` for anything else."""
         try:
             f = open(path, "rb")  # noqa: SIM115 -- closed by the with below
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise _Refused("io") from exc
+            raise Refused("io") from exc
         with f:
             try:
                 st = os.fstat(f.fileno())
             except OSError as exc:
-                raise _Refused("io") from exc
+                raise Refused("io") from exc
             try:
-                return self._validate(f, st.st_size, key), st.st_size
-            except _Refused as refusal:
+                return read_payload(f, self._identity_tail, st.st_size, key), st.st_size
+            except Refused as refusal:
                 refusal.inode = _inode(st)
                 raise
             except OSError as exc:
-                raise _Refused("io", _inode(st)) from exc
-
-    def _validate(self, f: BinaryIO, file_size: int, key: Key) -> bytes:
-        fixed = f.read(_FIXED.size)
-        if len(fixed) < _FIXED.size:
-            raise _Refused("length")
-        magic, version, header_len, payload_len, payload_crc, block_hash, kind = _FIXED.unpack(fixed)
-        if magic != MAGIC:
-            raise _Refused("magic")
-        if version != FORMAT_VERSION:
-            raise _Refused("version")
-        if header_len < _MIN_HEADER or header_len + payload_len != file_size:
-            raise _Refused("length")
-        rest = f.read(header_len - _FIXED.size)
-        if len(rest) != header_len - _FIXED.size:
-            raise _Refused("length")
-        (header_crc,) = _U32.unpack_from(rest, len(rest) - _U32.size)
-        if zlib.crc32(rest[:-_U32.size], zlib.crc32(fixed)) != header_crc:
-            raise _Refused("header_crc")
-        if block_hash != key[1] or kind.rstrip(b"\0") != key[0].encode("ascii"):
-            raise _Refused("key")
-        if rest[:-_U32.size] != self._identity_tail:
-            raise _Refused("identity")
-        payload = f.read(payload_len)
-        if len(payload) != payload_len:
-            raise _Refused("length")
-        if zlib.crc32(payload) != payload_crc:
-            raise _Refused("payload_crc")
-        return payload
+                raise Refused("io", _inode(st)) from exc
 
     def _write(self, key: Key, header: bytes, view: memoryview) -> bool:
         """Write to a temp file in the shard and rename it onto the final name; False (and no
@@ -587,7 +485,7 @@ class DiskBlockStore:
                         if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                             _unlink(entry.path)
                         continue
-                    key = _parse_name(name)
+                    key = parse_name(name)
                     if key is None or not name.startswith(shard_name) or not entry.is_file(follow_symlinks=False):
                         continue
                     st = entry.stat(follow_symlinks=False)

@@ -40,12 +40,10 @@ from hyprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
-    sse,
 )
+from hyprefix.server.responses import DetokenizeResponse, TokenizeResponse, sse
 from hyprefix.server.serving import Tokenization, as_api_error, engine_salt, finalize_on_gc
 from hyprefix.server.status import merge_status
 from hyprefix.text import chat_token_ids

@@ -36,14 +36,11 @@ from hyprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from hyprefix.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from hyprefix.server.serving import as_api_error
 from hyprefix.server.status import status_page
 

@@ -18,11 +18,10 @@ from hyprefix.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from hyprefix.server.responses import DetokenizeResponse, TokenizeResponse
 from hyprefix.server.serving import OpenAIServing, Tokenization, request_error
 from hyprefix.server.status import engine_status
 

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from hyprefix.outputs import PositionLogprobs
-from hyprefix.server.protocol import PromptLogprob
+from hyprefix.server.responses import PromptLogprob
 
 NEG_INF_LOGPROB = -9999.0
 

@@ -21,13 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyprefix.cache.disk_store import (
-    FORMAT_VERSION,
-    MAGIC,
-    STALE_TMP_SECONDS,
-    DiskBlockStore,
-    DiskIdentity,
-)
+from hyprefix.cache.disk_format import FORMAT_VERSION, MAGIC, DiskIdentity
+from hyprefix.cache.disk_store import STALE_TMP_SECONDS, DiskBlockStore
 
 REPO = Path(__file__).resolve().parents[2]
 IDENTITY = DiskIdentity("test-model@rev1", "kv float16 block_size=16 [2, 16, 4, 8]")
