@@ -101,19 +101,19 @@ def plan_blocks(net: torch.nn.Module, matrices: Iterable[BlockMatrix]) -> BlockP
     for matrix in matrices:
         for _, ids, param, shard, sizes in _routes(net, matrix):
             module = modules.get(param.rsplit(".", 1)[0])
-            if (ids is None or not param.endswith(".weight") or not isinstance(module, Linear | Embedding | Experts)
-                    or (isinstance(module, Experts) and not module.tiles_split_by_expert)):
+            if ids is None or not param.endswith(".weight") or not isinstance(module, Linear | Embedding | Experts):
                 uses.setdefault(matrix.name, set()).add("")  # a use the blocks cannot serve
                 continue
             found.setdefault(param, {})[shard] = _Shard(matrix, ids)
             expected[param] = sizes
             sources.setdefault(param, set()).add(matrix.name)
             uses.setdefault(matrix.name, set()).add(param)
-    def one_part(param: str) -> bool:  # stacked experts are sliced per expert out of one part
-        stacked = isinstance(modules[param.rsplit(".", 1)[0]], Experts)
-        return not stacked or len({s.matrix.kind for s in found[param].values()}) == 1
+    def sliceable(param: str) -> bool:  # stacked experts: sliced per expert, whole tiles, out of one part
+        module = modules[param.rsplit(".", 1)[0]]
+        return not isinstance(module, Experts) or (module.tiles_split_by_expert
+                                                   and len({s.matrix.kind for s in found[param].values()}) == 1)
 
-    kept = {param for param, shards in found.items() if _whole(shards, expected[param]) and one_part(param)}
+    kept = {param for param, shards in found.items() if _whole(shards, expected[param]) and sliceable(param)}
     while True:  # a matrix feeding a parameter that is not kept is read as floats: so are its others
         dropped = {p for p in kept if any(not uses[m] <= kept for m in sources[p])}
         if not dropped:

@@ -189,15 +189,16 @@ class HybridGGUF:
                     or len({t.data.shape[-1] for t in tensors}) != 1:
                 continue
             # Stacked experts [E, rows, bytes] are matrices of E * rows rows; the build sees [E, rows, 1] tags.
-            experts = {int(t.data.shape[0]) for t in tensors} if dims == {3} else {1}
+            stacked = dims == {3}
+            experts = {int(t.data.shape[0]) for t in tensors} if stacked else {1}
             if len(experts) != 1:
                 continue
             stack = experts.pop()
-            counts = [int(t.data.shape[0]) * (int(t.data.shape[1]) if stack > 1 else 1) for t in tensors]
-            tags = [t.view(stack, -1, 1) if stack > 1 else t for t in row_tags(counts)]
+            counts = [int(t.data.shape[0]) * (int(t.data.shape[1]) if stacked else 1) for t in tensors]
+            tags = [t.view(stack, -1, 1) if stacked else t for t in row_tags(counts)]
             try:
                 built = spec.build(*tags)
-                rows = tagged_rows(built.reshape(-1, 1) if stack > 1 else built, sum(counts))
+                rows = tagged_rows(built.reshape(-1, 1) if stacked else built, sum(counts))
             except (RuntimeError, ValueError):  # a build that needs the real columns
                 rows = None
             if rows is None:

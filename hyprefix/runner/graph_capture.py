@@ -116,9 +116,11 @@ def capture(run: Callable[[], tuple], step_inputs: Sequence, lasting: Iterable[t
     if len(calls) != 1:
         raise CaptureError(f"the step ran {len(calls)} compiled graphs, not one")
     recorder, flat, outputs = calls[0]
-    slots = _input_slots(recorder.placeholders, flat, step_inputs, {id(t) for t in lasting})
-    for which, dim in symbolic:
-        if not _size_symbolic(recorder.placeholders, flat, step_inputs, which, dim):
+    fakes = _input_fakes(recorder.placeholders, flat, step_inputs)
+    slots = _input_slots(recorder.placeholders, flat, step_inputs, fakes, {id(t) for t in lasting})
+    for which, dim in symbolic:  # an input the graph does not read (no block table without attention) is fine
+        fake = fakes.get(which)
+        if which in fakes and not (isinstance(fake, torch.Tensor) and isinstance(fake.shape[dim], torch.SymInt)):
             raise CaptureError(f"the graph specialised size {dim} of step input {which}")
     picks = [next((j for j, o in enumerate(outputs) if o is r), None) for r in result]
     if None in picks:
@@ -129,14 +131,23 @@ def capture(run: Callable[[], tuple], step_inputs: Sequence, lasting: Iterable[t
     return CapturedStep(recorder.compiled, template, slots, picks), result
 
 
-def _input_slots(placeholders: list[object], flat: Sequence, step_inputs: Sequence,
+def _input_fakes(placeholders: list[object], flat: Sequence, step_inputs: Sequence) -> dict[int, object]:
+    """Step-input index -> the graph's example value of it (a fake tensor with symbolic sizes),
+    for each step input the graph reads."""
+    out = {}
+    for which, value in enumerate(step_inputs):
+        position = next((i for i, v in enumerate(flat) if v is value), None) if value is not None else None
+        if position is not None:
+            out[which] = placeholders[position]
+    return out
+
+
+def _input_slots(placeholders: list[object], flat: Sequence, step_inputs: Sequence, fakes: dict[int, object],
                  lasting: set[int]) -> list[tuple[int, int, int]]:
     """Where each flat input comes from on later calls (``CapturedStep.slots``); lasting tensors
     stay in the template. A symbolic size is found as a size of a step input with the same symbol."""
     sizes = {}  # symbol -> (input index, dim)
-    for which, value in enumerate(step_inputs):
-        position = next((i for i, v in enumerate(flat) if v is value), None) if value is not None else None
-        fake = placeholders[position] if position is not None else None
+    for which, fake in fakes.items():
         if isinstance(fake, torch.Tensor):
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt):
@@ -152,13 +163,3 @@ def _input_slots(placeholders: list[object], flat: Sequence, step_inputs: Sequen
             raise CaptureError(f"flat input {i} ({type(value).__name__}) is neither a step input, one of its "
                                "symbolic sizes nor a lasting tensor")
     return slots
-
-
-def _size_symbolic(placeholders: list[object], flat: Sequence, step_inputs: Sequence, which: int, dim: int) -> bool:
-    """Whether the graph saw size ``dim`` of step input ``which`` as a symbol, or does not read
-    that input at all (a model without attention layers reads no block table)."""
-    position = next((i for i, v in enumerate(flat) if v is step_inputs[which]), None)
-    if position is None:
-        return True
-    fake = placeholders[position]
-    return isinstance(fake, torch.Tensor) and isinstance(fake.shape[dim], torch.SymInt)
