@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import InitVar, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hyprefix.kv_events import KVEventsConfig
+    from hyprefix.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -70,7 +74,7 @@ class EngineArgs:
         "sliding-window layers' own KV pool, in tokens per token of the full-attention pool")})
     disable_hybrid_swa_memory: bool = field(default=False, metadata={"help": (
         "keep sliding-window layers' K/V in the main pool (every block kept)")})
-    # cache/disk_tier.py, cache/disk_store.py; docs/architecture.md "Disk tier".
+    # disk/tier.py, disk/store.py; docs/architecture.md "Disk tier".
     disk_cache_dir: str | None = field(default=None, metadata={"help": (
         "keep evicted KV blocks and recurrent-state checkpoints in files under this directory, and find them "
         "there after memory (and after a restart: memory is written out at shutdown); one subdirectory per "
@@ -129,12 +133,13 @@ class EngineArgs:
         "seconds between engine log lines while busy (0: off)")})
     revision: str | None = field(default=None, metadata={"help": "hub revision of --model"})
     # kv_events.py, vLLM's flag.
-    kv_events_config: str | None = field(default=None, metadata={"help": (
+    # Given as JSON text (the flag) or a dict; held parsed (``__post_init__``).
+    kv_events_config: str | dict | KVEventsConfig | None = field(default=None, metadata={"help": (
         "publish KV cache events over ZMQ: a JSON object such as "
         "'{\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (default: off)")})
 
     # speculative.py, vLLM's flag and LLM argument.
-    speculative_config: str | dict | None = field(default=None, metadata={"help": (
+    speculative_config: str | dict | SpeculativeConfig | None = field(default=None, metadata={"help": (
         "speculative decoding with drafts from each request's own prompt and output (prompt lookup): a JSON object "
         "such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}'; outputs are those of decoding without it (default: off)")})
@@ -194,16 +199,19 @@ class EngineArgs:
             raise ValueError("disk_cache_write_through needs disk_cache_dir")
         if not self.swa_full_tokens_ratio > 0:
             raise ValueError(f"swa_full_tokens_ratio must be > 0, got {self.swa_full_tokens_ratio!r}")
-        if self.kv_events_config is not None:
-            from hyprefix.kv_events import KVEventsConfig
-
-            KVEventsConfig.parse(self.kv_events_config)
-        if self.speculative_config is not None:
-            from hyprefix.speculative import SpeculativeConfig
-
-            SpeculativeConfig.parse(self.speculative_config)
+        self._parse_json_objects()
         if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0 when num_kv_blocks is not given")
+
+    def _parse_json_objects(self) -> None:
+        """The two flags given as JSON objects, parsed (and refused on any unknown key) here,
+        once: every reader past this point gets the typed config (``engine_config.py``)."""
+        from hyprefix.kv_events import KVEventsConfig
+        from hyprefix.speculative import SpeculativeConfig
+
+        if self.kv_events_config is not None:
+            object.__setattr__(self, "kv_events_config", KVEventsConfig.read(self.kv_events_config))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     @classmethod
     def field_names(cls) -> list[str]:

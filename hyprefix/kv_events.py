@@ -79,11 +79,10 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
     @classmethod
-    def parse(cls, text: str | dict | None) -> KVEventsConfig | None:
-        if text is None:
-            return None
-        config = dataclass_from_json(cls, text, "kv_events_config")
-        return config if config.enabled else None
+    def read(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
+        """A JSON object (the ``--kv-events-config`` flag), a dict or a config: unknown keys are
+        refused, never ignored. The result may be disabled (``enabled``)."""
+        return value if isinstance(value, KVEventsConfig) else dataclass_from_json(cls, value, "kv_events_config")
 
 
 # ------------------------------------------------------------------ encoding

@@ -53,7 +53,7 @@ class OutputProcessor:
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
         self._pending: list[RequestOutput] = []
         self._text_decoders = {(True, True): text_decoder(tokenizer)}
-        self._token_texts: list[str] = []  # logprobs' token texts by id
+        self._token_texts: dict[int, str] = {}  # logprobs' token texts by id
         backend = getattr(tokenizer, "_tokenizer", None)
         self._token_decoder = (lambda ids: backend.decode_batch([[t] for t in ids], skip_special_tokens=False)) \
             if backend is not None and hasattr(backend, "decode_batch") else \
@@ -198,10 +198,13 @@ class OutputProcessor:
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
 
     def _decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
-        """``entry`` with each token's text (``decode([id])``, special tokens kept), cached by id."""
+        """``entry`` with each token's text (``decode([id])``, special tokens kept), cached by id:
+        the ids not seen before are decoded in one call, so a logprobs request costs the
+        engine thread its own tokens' texts, never the whole vocabulary's."""
         texts = self._token_texts
-        if not texts:  # every token's text at once, on the first request that asks
-            texts.extend(self._token_decoder(list(range(self.vocab_size))))
+        missing = [t for t in entry if t not in texts]
+        if missing:
+            texts.update(zip(missing, self._token_decoder(missing), strict=True))
         return {t: Logprob(lp.logprob, lp.rank, texts[t]) for t, lp in entry.items()}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from hyprefix.sampling import SamplingParams
 
@@ -37,7 +37,6 @@ class ScheduledSeq:
     # logits processing (penalties, bad words) and prompt logprobs read.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
-    grammar: Any = None  # the request's structured-outputs parser (``Request.grammar``)
     # Speculative decoding: the last ``num_drafts`` of ``token_ids`` are drafts to verify (the
     # row samples after every one of its tokens; ``sample`` is set)
     num_drafts: int = 0

@@ -46,7 +46,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     # Structured outputs: the sequence's parser (``structured.grammar.Grammar``, opaque here),
-    # which the sampler masks by and advances
+    # advanced by ``Scheduler.update`` only; the runner reads a step's masks of it
     grammar: Any = None
     # Speculative decoding: the request's draft proposer and counters (``speculative.DraftState``),
     # made on its first drafting chance

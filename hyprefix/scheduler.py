@@ -273,7 +273,6 @@ class Scheduler:
             window_blocks=cache.window_blocks,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            grammar=request.grammar,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -292,7 +291,9 @@ class Scheduler:
         (finished ones included, already freed), each with ``num_new_tokens`` set.
 
         ``sampled``: each sampling request's new token, or tokens: a row that verified drafts
-        gets the drafts the runner accepted and the token sampled after them (1 to k + 1)."""
+        gets the drafts the runner accepted and the token sampled after them (1 to k + 1).
+        A request with a structured-outputs grammar advances it by each token appended, in
+        order (``_append``)."""
         now = time.time()
         advanced: list[Request] = []
         for seq in output.seqs:
@@ -314,7 +315,7 @@ class Scheduler:
             if not seq.sample:
                 continue
             token = sampled[seq.request_id]
-            request.append_token(token if isinstance(token, int) else token[0])
+            self._append(request, token if isinstance(token, int) else token[0])
             request.num_new_tokens = 1
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -337,7 +338,7 @@ class Scheduler:
         stopped = False
         kept = 0
         for token in tokens:
-            request.append_token(token)
+            self._append(request, token)
             kept += 1
             if request.check_stop():
                 stopped = True
@@ -348,6 +349,16 @@ class Scheduler:
         self.cache.after_step(request)
         if stopped:
             self.finish(request.request_id, request.finish_reason or "stop")
+
+    @staticmethod
+    def _append(request: Request, token: int) -> None:
+        """Append a sampled token to ``request`` and advance its structured-outputs grammar by
+        it: the one place a grammar advances (the runner only reads a step's masks,
+        ``structured/step_masks.py``). A token the grammar refuses leaves the parser in its
+        error state, which ends the request (``OutputProcessor``)."""
+        request.append_token(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """Finish (or abort, with reason "abort") a request and free its blocks at once."""

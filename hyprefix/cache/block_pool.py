@@ -10,10 +10,9 @@ Invariants (see ``check_invariants``):
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from hyprefix.cache.events import BlockRemoved, EventLog
+from hyprefix.cache.events import BlockRemoved, EventLog, SaveLog
 
 
 @dataclass
@@ -44,10 +43,8 @@ class BlockPool:
         self._num_cached_free = 0  # free blocks that still carry a hash
         self._forgotten: list[bytes] = []  # hashes forgotten since the last take_forgotten()
         self.events = events if events is not None else EventLog()  # BlockRemoved as hashes go
-        # A lower tier's hooks (``cache/disk_tier.py``): a cached block is about to be reused
-        # (evicted: its bytes are still intact until the step that rewrites it), or was published.
-        self.on_evict: Callable[[bytes, int], None] | None = None
-        self.on_publish: Callable[[bytes, int], None] | None = None
+        # What a lower tier saves (evicted and, write-through, published blocks); None: no lower tier.
+        self.save_log: SaveLog | None = None
         self._import_refs: Counter[int] = Counter()  # references ImportHolds keep (``reserve_import``)
 
     @property
@@ -86,8 +83,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicted from the cache
                 self._num_cached_free -= 1
-                if self.on_evict is not None and self._hash_index.get(block.block_hash) == block_id:
-                    self.on_evict(block.block_hash, block_id)
+                if self.save_log is not None and self._hash_index.get(block.block_hash) == block_id:
+                    self.save_log.entries.append((block.block_hash, block_id))
                 self._drop_hash(block)
             block.ref_cnt = 1
             ids.append(block_id)
@@ -131,8 +128,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._hash_index[block_hash] = block_id
-        if self.on_publish is not None:
-            self.on_publish(block_hash, block_id)
+        if self.save_log is not None and self.save_log.on_publish:
+            self.save_log.entries.append((block_hash, block_id))
         return True
 
     def reset_cache(self) -> int:

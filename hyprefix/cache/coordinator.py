@@ -30,18 +30,21 @@ whatever it keys on a coordinator block dies when the pool forgets the block
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from hyprefix.cache.block_pool import ImportHold
-from hyprefix.cache.events import AllBlocksCleared
+from hyprefix.cache.events import AllBlocksCleared, SaveLog
 from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.state_pool import block_of
 from hyprefix.request import Request
 
-if TYPE_CHECKING:  # (the disk tier imports this module)
-    from hyprefix.cache.disk_tier import DiskTier
+DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks a lower tier is loading
 
-DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks are being read from disk
+# The pool an entry a lower tier saves or loads belongs to: the main KV pool, the sliding-window
+# layers' own pool, the recurrent-state checkpoints (keys: a block hash or its before-last-token key).
+KV, SWA, STATE = "kv", "swa", "state"
+Saved = tuple[str, bytes, int]  # (pool, key, block id or checkpoint slot) whose bytes to save now
 
 StateOp = tuple[int | None, int]  # (checkpoint slot to restore or None for zeros, live slot)
 Taps = tuple[tuple[int, int], ...]  # (position, checkpoint slot): save the state after that position
@@ -145,6 +148,48 @@ class AttentionKV(CacheKind):
     name = "attention"
 
 
+class LowerTier(Protocol):
+    """A tier under the memory cache (the scheduler side of a KV connector, as vLLM's; the disk
+    tier, ``disk/tier.py``). The coordinator asks it, at a request's admission, how much more
+    of the prefix it can bring (``num_loadable_tokens``), and tells it when a request is gone.
+    Its bytes move through ``reserve_load`` / ``publish_load`` and ``take_saves``."""
+
+    def num_loadable_tokens(self, request: Request, mem_blocks: int, hit_tokens: int,
+                            memory: CacheCoordinator) -> int:
+        """Tokens past the memory hit (``hit_tokens``; ``mem_blocks`` KV blocks cached) that a
+        load under way, or one started now, brings: the request waits for them. 0: it does not."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: forget its load."""
+        ...
+
+
+@dataclass
+class LoadHold:
+    """Memory a lower tier's load fills (``CacheCoordinator.reserve_load``): fresh main-pool
+    blocks for ``kv`` (the request's blocks from ``first_block`` on), window-pool blocks for
+    ``swa`` and a checkpoint slot for ``state_key``, all held, none findable until
+    ``publish_load``."""
+
+    first_block: int
+    kv: list[bytes]  # hashes, in ``kv_hold.blocks`` order
+    kv_hold: ImportHold
+    swa: list[bytes] = field(default_factory=list)
+    swa_hold: ImportHold | None = None
+    state_key: bytes | None = None
+    state_slot: int | None = None
+    window_dropped: bool = False  # window blocks were wanted and found no room
+
+    def targets(self) -> list[tuple[str, bytes, int]]:
+        """(pool, key, block id or slot) of every entry the load's bytes fill."""
+        out = [(KV, h, b) for h, b in zip(self.kv, self.kv_hold.blocks, strict=True)]
+        out += [(SWA, h, b) for h, b in zip(self.swa, self.swa_hold.blocks if self.swa_hold else (), strict=True)]
+        if self.state_slot is not None and self.state_key is not None:
+            out.append((STATE, self.state_key, self.state_slot))
+        return out
+
+
 class CacheCoordinator:
     def __init__(self, kv: KVCacheManager, kinds: Sequence[CacheKind]) -> None:
         if not kinds:
@@ -157,14 +202,9 @@ class CacheCoordinator:
         self.kinds = tuple(kinds)
         self._branching = [kind for kind in kinds if kind.wants_branch_points]
         self.hit_tokens_lost = 0  # cached KV a kind could not resume from (no checkpoint there)
-        self.lower: DiskTier | None = None  # the disk tier (``attach_lower``)
-        self._checkpoint_lookup: Callable[[bytes], int | None] | None = None
-
-    def attach_lower(self, tier: DiskTier, checkpoint_lookup: Callable[[bytes], int | None] | None) -> None:
-        """Put ``tier`` under the cache: hits fall through memory to it (``find_hit``).
-        ``checkpoint_lookup``: the memory index of recurrent-state checkpoints (hybrids).
-        The pools' eviction (and, write-through, publication) hooks are the caller's to wire."""
-        self.lower, self._checkpoint_lookup = tier, checkpoint_lookup
+        self.lower: LowerTier | None = None  # the disk tier (``attach_lower``)
+        self._window = next((kind for kind in kinds if kind.has_own_blocks), None)
+        self._states = next((kind.pool for kind in kinds if kind.has_live_state), None)
 
     @property
     def block_size(self) -> int:
@@ -194,8 +234,8 @@ class CacheCoordinator:
             if shortest == tokens:
                 break
             tokens = shortest
-        if self.lower is not None and self.kv.enable_caching and self.lower.wants_wait(
-                request, len(kv_blocks), tokens, self._checkpoint_lookup):
+        if self.lower is not None and self.kv.enable_caching and self.lower.num_loadable_tokens(
+                request, len(kv_blocks), tokens, self) > 0:
             return PrefixHit([], 0, len(kv_blocks), dense, True, wait_for=DISK_WAIT)
         blocks = kv_blocks[: hit_num_blocks(request, tokens, len(kv_blocks), bs)]
         return PrefixHit(blocks, tokens, len(kv_blocks), dense, tokens >= len(blocks) * bs)
@@ -212,19 +252,6 @@ class CacheCoordinator:
             kind.allocate(request, num_tokens, hit)
         self.hit_tokens_lost += hit.dense_tokens - hit.num_tokens
         return [op for kind in self.kinds if (op := kind.admit(request, hit)) is not None]
-
-    def reserve_import(self, request: Request, first_block: int, count: int) -> ImportHold | None:
-        """Blocks for a lower tier's bytes (``KVCacheManager.reserve_import``); what their
-        allocation evicted is forgotten (and reported to the tier) before they are written."""
-        hold = self.kv.reserve_import(request, first_block, count)
-        self._forget_evicted()
-        return hold
-
-    def publish_import(self, request: Request, first_block: int, hold: ImportHold) -> int:
-        return self.kv.publish_import(request, first_block, hold)
-
-    def cancel_import(self, hold: ImportHold) -> None:
-        self.kv.pool.end_import(hold)
 
     def note_waiting(self, request: Request) -> None:
         """The request waits this step: kinds that checkpoint branch points learn
@@ -293,6 +320,103 @@ class CacheCoordinator:
         for block_hash in self.kv.pool.take_forgotten():
             for kind in self.kinds:
                 kind.forget(block_hash, evicted)
+
+    # ------------------------------------------------------------ lower tier
+    def attach_lower(self, tier: LowerTier, write_through: bool) -> None:
+        """Put ``tier`` under the cache: hits fall through memory to it (``find_hit``), and each
+        pool records what the tier must save (``SaveLog``: evicted entries, and with
+        ``write_through`` every entry made findable), which ``take_saves`` hands over."""
+        self.lower = tier
+        for log_owner in self._save_log_owners():
+            log_owner.save_log = SaveLog(on_publish=write_through)
+
+    def detach_lower(self) -> None:
+        """The cache goes on alone: no loads, nothing recorded to save."""
+        self.lower = None
+        for log_owner in self._save_log_owners():
+            log_owner.save_log = None
+
+    def _save_log_owners(self) -> list:
+        owners = [self.kv.pool] + ([self._window.pool] if self._window is not None else [])
+        return owners + ([self._states] if self._states is not None else [])
+
+    def take_saves(self) -> list[Saved]:
+        """What the pools recorded since the last call: entries whose bytes the tier copies out
+        now, before the next forward can rewrite them."""
+        out = [(KV, h, b) for h, b in self.kv.pool.save_log.take()] if self.kv.pool.save_log else []
+        if self._window is not None and self._window.pool.save_log is not None:
+            out += [(SWA, h, b) for h, b in self._window.pool.save_log.take()]
+        if self._states is not None and self._states.save_log is not None:
+            out += [(STATE, k, slot) for k, slot in self._states.save_log.take()]
+        return out
+
+    def cached_entries(self) -> list[Saved]:
+        """Every findable entry of every pool (what a lower tier writes out at shutdown)."""
+        out = [(KV, h, b) for h, b in self.kv.pool.indexed()]
+        out += [(SWA, h, b) for h, b in self._window.pool.indexed()] if self._window is not None else []
+        return out + ([(STATE, k, slot) for k, slot in self._states.committed()] if self._states is not None else [])
+
+    def has_window_pool(self) -> bool:
+        return self._window is not None
+
+    def in_memory(self, pool: str, key: bytes) -> bool:
+        """Whether memory has the entry findable now."""
+        if pool == KV:
+            return self.kv.pool.lookup(key) is not None
+        if pool == SWA:
+            return self._window is not None and self._window.pool.lookup(key) is not None
+        return self._states is not None and self._states.lookup(key) is not None
+
+    def window_blocks_needed(self, request: Request, tokens: int, cached_blocks: int) -> range:
+        """Indices of the sliding-window pool's blocks a hit skipping ``tokens`` reads (empty
+        without a window pool)."""
+        return self._window.needed_blocks(request, tokens, cached_blocks) if self._window is not None else range(0)
+
+    def reserve_load(self, request: Request, first_block: int, kv: list[bytes], swa: list[bytes],
+                     state_key: bytes | None, incoming_kv: set[bytes] = frozenset(),
+                     incoming_swa: set[bytes] = frozenset()) -> LoadHold | None:
+        """Memory for a load of the request's blocks ``kv`` (from ``first_block`` on), window blocks
+        ``swa`` and checkpoint ``state_key``, less what memory has by now or what other loads
+        bring (``incoming_kv``, ``incoming_swa``: their hashes); None when the KV blocks find no
+        room. Window blocks or a checkpoint that find none are left out. What the reservations
+        evicted is recorded to save (``take_saves``) before anyone writes there."""
+        while kv and (self.in_memory(KV, kv[0]) or kv[0] in incoming_kv):
+            kv, first_block = kv[1:], first_block + 1
+        kv_hold = self.kv.reserve_import(request, first_block, len(kv))
+        self._forget_evicted()
+        if kv_hold is None:
+            return None
+        hold = LoadHold(first_block, kv, kv_hold)
+        swa = [h for h in swa if not self.in_memory(SWA, h) and h not in incoming_swa]
+        if swa and self._window is not None:
+            swa_hold = self._window.reserve_import(request, len(swa))
+            if swa_hold is not None:
+                hold.swa, hold.swa_hold = swa, swa_hold
+            else:
+                hold.window_dropped = True
+        if state_key is not None and self._states is not None:
+            hold.state_key, hold.state_slot = state_key, self._states.reserve(state_key, for_import=True)
+        return hold
+
+    def publish_load(self, request: Request, hold: LoadHold) -> None:
+        """The load's bytes are in place: its blocks and checkpoint become ordinary cached
+        entries, held by nobody. A checkpoint whose block is not cached is let go."""
+        self.kv.publish_import(request, hold.first_block, hold.kv_hold)
+        if hold.swa_hold is not None and self._window is not None:
+            self._window.publish_import(hold.swa, hold.swa_hold)
+        if hold.state_slot is not None and self._states is not None:
+            if self.kv.pool.lookup(block_of(hold.state_key)) is not None:  # a checkpoint sits on a cached block
+                self._states.commit(hold.state_slot)
+            else:
+                self._states.cancel(hold.state_slot)
+
+    def cancel_load(self, hold: LoadHold) -> None:
+        """Let the load's memory go unpublished."""
+        self.kv.pool.end_import(hold.kv_hold)
+        if hold.swa_hold is not None and self._window is not None:
+            self._window.pool.end_import(hold.swa_hold)
+        if hold.state_slot is not None and self._states is not None:
+            self._states.cancel(hold.state_slot)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:

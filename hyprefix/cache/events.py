@@ -77,3 +77,19 @@ class EventLog:
     def drain(self) -> list[CacheEvent]:
         events, self._events = self._events, []
         return events
+
+
+@dataclass
+class SaveLog:
+    """What a pool's lower tier (the disk tier, ``disk/``) must save before the bytes are
+    rewritten: (key, block id or slot) of every cached entry the pool evicts (its bytes intact
+    until the step that reuses it) and, with ``on_publish`` (write-through), of every entry it
+    makes findable. Plain data the pool appends to; the cache coordinator drains it
+    (``CacheCoordinator.take_saves``) and hands it to the tier: the pool calls nothing."""
+
+    on_publish: bool = False
+    entries: list[tuple[bytes, int]] = field(default_factory=list)
+
+    def take(self) -> list[tuple[bytes, int]]:
+        entries, self.entries = self.entries, []
+        return entries

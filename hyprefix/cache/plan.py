@@ -11,15 +11,17 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
-from hyprefix.cache.disk_tier import DiskTier
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
-from hyprefix.config import EngineArgs
+
+if TYPE_CHECKING:
+    from hyprefix.engine_config import CacheConfig
 
 log = logging.getLogger("hyprefix")
 
@@ -46,15 +48,17 @@ def window_pool_window(windows: Sequence[int | None], max_model_len: int, disabl
     return max(sliding)
 
 
-def plan_pools(args: EngineArgs, windows: Sequence[int | None], max_model_len: int,
+def plan_pools(config: CacheConfig, max_num_batched_tokens: int, windows: Sequence[int | None], max_model_len: int,
                kv_bytes_per_block: Callable[[str], int], state_bytes: int) -> PoolPlan:
-    """The pools ``args``' budgets pay for. ``kv_bytes_per_block(which)``: the bytes of one
+    """The pools ``config``'s budgets pay for (a window pool holds a chunk of
+    ``max_num_batched_tokens`` at least). ``kv_bytes_per_block(which)``: the bytes of one
     block of the layers ``which`` is ("all", "full" or "window") names; ``state_bytes``: one
     recurrent-state slot (0: no recurrent layers).
 
     The window pool holds ``swa_full_tokens_ratio`` tokens per main-pool token, and at least
     what one request needs to make progress (its window and a chunk); without full-attention
     layers the main blocks only index the cache and the window pool takes the budget."""
+    args = config
     window = window_pool_window(windows, max_model_len, args.disable_hybrid_swa_memory)
     window_pool = window is not None
     per_block = kv_bytes_per_block("full" if window_pool else "all")
@@ -70,7 +74,7 @@ def plan_pools(args: EngineArgs, windows: Sequence[int | None], max_model_len: i
     num_window = 0
     if window is not None:
         bs = args.block_size
-        least = -(-(window - 1) // bs) + 2 + -(-args.max_num_batched_tokens // bs)
+        least = -(-(window - 1) // bs) + 2 + -(-max_num_batched_tokens // bs)
         if per_block == 0 and args.num_kv_blocks is None:
             num_window = budget // per_window
         else:
@@ -82,7 +86,7 @@ def plan_pools(args: EngineArgs, windows: Sequence[int | None], max_model_len: i
                     checkpoint_slots(args, state_bytes) if state_bytes else 0)
 
 
-def checkpoint_slots(args: EngineArgs, state_bytes: int) -> int:
+def checkpoint_slots(args: CacheConfig, state_bytes: int) -> int:
     """Recurrent-state checkpoint slots the budget pays for (0 disables hybrid hits)."""
     if not args.enable_prefix_caching or args.state_cache_memory_gb <= 0:
         return 0
@@ -107,26 +111,3 @@ def build_cache(num_blocks: int, block_size: int, caching: bool, model_identity:
         kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events), block_size))
     kv = KVCacheManager(num_blocks, block_size, caching, model_identity, events)
     return CacheCoordinator(kv, kinds)
-
-
-def attach_disk(cache: CacheCoordinator, tier: DiskTier) -> StatePool | None:
-    """Put the disk tier under ``cache``: the pools (main, sliding-window, checkpoints) report
-    evicted (and, write-through, published) blocks and checkpoints to it, and hits fall
-    through to it. Returns the
-    checkpoint pool (None without recurrent layers), which imports fill."""
-    pool = cache.kv.pool
-    pool.on_evict = tier.note_kv
-    if tier.write_through:
-        pool.on_publish = tier.note_kv
-    states = next((kind.pool for kind in cache.kinds if isinstance(kind, RecurrentStateCache)), None)
-    if states is not None:
-        states.on_evict = tier.note_state
-        if tier.write_through:
-            states.on_commit = tier.note_state
-    window = tier.window
-    if window is not None:
-        window.pool.on_evict = tier.note_swa
-        if tier.write_through:
-            window.pool.on_publish = tier.note_swa
-    cache.attach_lower(tier, states.lookup if states is not None else None)
-    return states

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
 
-from hyprefix.cache.events import EventLog, StateRemoved, StateStored
+from hyprefix.cache.events import EventLog, SaveLog, StateRemoved, StateStored
 
 _BEFORE_LAST = b"#before-last"
 
@@ -53,10 +52,9 @@ class StatePool:
         # ascending slots and decode reads their states as one slice.
         self._free_live = list(range(num_live_slots))
         self._live: dict[str, int] = {}
-        # A lower tier's hooks (``cache/disk_tier.py``): a committed checkpoint's slot is about
-        # to be reused (its bytes intact until the step that rewrites it), or one was committed.
-        self.on_evict: Callable[[bytes, int], None] | None = None
-        self.on_commit: Callable[[bytes, int], None] | None = None
+        # What a lower tier saves: a committed checkpoint whose slot is about to be reused (its
+        # bytes intact until the step that rewrites it) and, write-through, each one committed.
+        self.save_log: SaveLog | None = None
 
     # ------------------------------------------------------------------- live
     def assign_live(self, request_id: str) -> int:
@@ -106,8 +104,8 @@ class StatePool:
         elif self._lru:
             slot, old_hash = self._lru.popitem(last=False)
             del self._index[old_hash]
-            if self.on_evict is not None:
-                self.on_evict(old_hash, slot)
+            if self.save_log is not None:
+                self.save_log.entries.append((old_hash, slot))
             self._announce(StateRemoved, old_hash)
         else:
             return None
@@ -125,8 +123,8 @@ class StatePool:
         self._index[block_hash] = slot
         self._lru[slot] = block_hash
         self._announce(StateStored, block_hash)
-        if self.on_commit is not None:
-            self.on_commit(block_hash, slot)
+        if self.save_log is not None and self.save_log.on_publish:
+            self.save_log.entries.append((block_hash, slot))
         return block_hash
 
     def cancel(self, slot: int) -> None:
@@ -151,11 +149,11 @@ class StatePool:
         """The KV block was forgotten: drop every checkpoint that depends on it (``evicted``:
         its block went to make room, so a lower tier keeps them as it keeps the block)."""
         keys = (block_hash, before_last_token(block_hash))
-        if evicted and self.on_evict is not None:
+        if evicted and self.save_log is not None:
             for key in keys:
                 slot = self._index.get(key)
                 if slot is not None:
-                    self.on_evict(key, slot)
+                    self.save_log.entries.append((key, slot))
         dropped = self.drop_key(keys[0])
         return self.drop_key(keys[1]) or dropped
 

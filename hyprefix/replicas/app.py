@@ -12,7 +12,6 @@ requests.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -106,11 +105,8 @@ class EngineReplica:
             self._started = True
 
     def record_replica_metadata(self) -> dict[str, Any]:
-        publisher = self.engine.event_publisher
-        if publisher is None:
-            return {}
-        return {METADATA_KEY: {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
-                               "topic": publisher.config.topic, "state_topic": publisher.config.state_topic}}
+        endpoints = self.engine.kv_events_endpoints()
+        return {METADATA_KEY: endpoints} if endpoints is not None else {}
 
     async def describe(self) -> dict[str, Any]:
         """What the ingress needs: the served names, and what it takes to hash a prompt
@@ -196,16 +192,14 @@ def _renice_to_normal() -> None:
                     niceness, exc)
 
 
-def _replica_events_config(user: str | None) -> str:
+def _replica_events_config(user: KVEventsConfig | None) -> KVEventsConfig:
     """The user's ``--kv-events-config`` (topics, buffer) on ephemeral ports of this node:
     N replicas may share a node, and the router learns the ports from the metadata."""
     from ray.util import get_node_ip_address
 
     host = get_node_ip_address()
-    raw = dataclasses.asdict(KVEventsConfig.parse(user) or KVEventsConfig())
-    raw.update(endpoint=f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", enable_kv_cache_events=True,
-               publisher="zmq")
-    return json.dumps(raw)
+    return dataclasses.replace(user or KVEventsConfig(), endpoint=f"tcp://{host}:*",
+                               replay_endpoint=f"tcp://{host}:*", enable_kv_cache_events=True, publisher="zmq")
 
 
 class ReplicaSetBackend:

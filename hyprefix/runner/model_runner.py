@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from hyprefix.engine_config import RunnerConfig
 from hyprefix.kernels import decode_attention
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
@@ -22,7 +23,7 @@ from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
 from hyprefix.runner.verify import accept, sample_rows
 from hyprefix.sampling import SamplingParams
-from hyprefix.structured.grammar import fill_masks
+from hyprefix.structured.step_masks import GrammarMasks
 
 log = logging.getLogger("hyprefix.runner")
 
@@ -34,27 +35,44 @@ def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class ModelRunner:
-    """``cascade_thresholds``: when decode attention reads blocks as cascade segments
-    (``runner/cascade.py``)."""
+@dataclass(frozen=True)
+class PoolSizes:
+    """The cache tensors the runner allocates, as the engine's pool plan sized them.
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, seed: int, cascade_thresholds: CascadeThresholds,
-                 compile_enabled: bool = True, num_live_slots: int = 0, num_checkpoint_slots: int = 0,
-                 num_window_blocks: int = 0, eos_token_ids: frozenset[int] = frozenset(),
-                 logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False,
-                 state_dtype: torch.dtype = torch.float32, num_speculative_tokens: int = 0,
-                 num_draft_rows: int = 0) -> None:
-        """``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks
-        of their own (``cache/sliding.py``); 0: they share the main pool. ``eos_token_ids``:
-        what ``min_tokens`` holds back. ``logprobs_mode``: what sampled tokens' logprobs hold
-        (``Sampler``; prompt logprobs are always raw logprobs, as vLLM's). ``batch_invariant``:
-        the batch-invariant mode (``EngineArgs.batch_invariant``; the model is already switched,
-        ``CausalLM.use_batch_invariant``): every step eager, with no compiled kernels (a large
-        step's fused loops are not a small one's arithmetic), no decode graphs, no one-call decode
-        kernel and no cascade plans. ``num_speculative_tokens``, ``num_draft_rows``: speculative
-        decoding's k and, for models with recurrent layers, how many rows a step may verify drafts
-        in (each gets k scratch state slots: the state after each of its drafts)."""
+    ``num_window_blocks`` > 0: sliding-window layers get a pool of that many blocks of their
+    own (``cache/sliding.py``); 0: they share the main pool. ``num_live_slots``,
+    ``num_checkpoint_slots``: recurrent-state slots (models with recurrent layers), kept in
+    ``state_dtype``. ``num_speculative_tokens``, ``num_draft_rows``: speculative decoding's k
+    and, for models with recurrent layers, how many rows a step may verify drafts in (each gets
+    k scratch state slots: the state after each of its drafts)."""
+
+    dtype: torch.dtype  # the K/V's (the model's)
+    num_blocks: int
+    block_size: int
+    num_window_blocks: int = 0
+    num_live_slots: int = 0
+    num_checkpoint_slots: int = 0
+    state_dtype: torch.dtype = torch.float32
+    num_speculative_tokens: int = 0
+    num_draft_rows: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pools: PoolSizes, config: RunnerConfig,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """``config``: device, compilation, seed, logprobs mode and cascade thresholds
+        (``engine_config.RunnerConfig``); ``eos_token_ids``: what ``min_tokens`` holds back.
+        Sampled tokens' logprobs hold what ``config.logprobs_mode`` says (``Sampler``; prompt
+        logprobs are always raw logprobs, as vLLM's). ``config.batch_invariant``: the
+        batch-invariant mode (the model is already switched, ``CausalLM.use_batch_invariant``):
+        every step eager, with no compiled kernels (a large step's fused loops are not a small
+        one's arithmetic), no decode graphs, no one-call decode kernel and no cascade plans."""
+        dtype, device = pools.dtype, torch.device(config.device)
+        num_blocks, block_size, num_window_blocks = pools.num_blocks, pools.block_size, pools.num_window_blocks
+        batch_invariant = config.batch_invariant
+        compile_enabled = config.compile
+        cascade_thresholds = CascadeThresholds(config.cascade_min_saved_tokens, config.cascade_min_solo_run_tokens,
+                                               config.cascade_min_traffic_ratio)
         self.batch_invariant = batch_invariant
         compile_enabled = compile_enabled and not batch_invariant
         self.model = model
@@ -84,15 +102,14 @@ class ModelRunner:
         state_layout = model.state_layout
         # Checkpoint slots past ``num_checkpoint_slots``: speculative decoding's scratch, k a row
         # verifying drafts: its state after each of its first k tokens (``_verify_layout``).
-        self.num_speculative_tokens = num_speculative_tokens
-        self.scratch_base = num_checkpoint_slots
-        num_scratch = num_draft_rows * num_speculative_tokens if state_layout is not None else 0
+        self.num_speculative_tokens = pools.num_speculative_tokens
+        self.scratch_base = pools.num_checkpoint_slots
+        num_scratch = pools.num_draft_rows * pools.num_speculative_tokens if state_layout is not None else 0
         self.recurrent_states: list[RecurrentLayerState] = [
-            RecurrentLayerState.allocate(shape, num_live_slots, num_checkpoint_slots + num_scratch, dtype, device,
-                                         state_dtype)
+            RecurrentLayerState.allocate(shape, pools.num_live_slots, pools.num_checkpoint_slots + num_scratch, dtype,
+                                         device, pools.state_dtype)
             for shape in (state_layout.layers if state_layout is not None else ())]
-        self.sampler = Sampler(seed, device, eos_token_ids, logprobs_mode=logprobs_mode)
-        self._grammar_pool: ThreadPoolExecutor | None = None  # structured outputs' masks, beside the forward
+        self.sampler = Sampler(config.seed, device, eos_token_ids, logprobs_mode=config.logprobs_mode)
         model.kernels = Kernels(compile_enabled)
         # Compiled decode steps (``CausalLM.decode_graph_capable``), unless the model runs its
         # decode steps in one kernel call of its own (``decode_logits``).
@@ -179,23 +196,28 @@ class ModelRunner:
             return None
         return FastPathCost(*self._step_bytes, self.cascade_thresholds.min_traffic_ratio, max_rows)
 
-    def execute(self, output: SchedulerOutput) -> StepResult:
+    def execute(self, output: SchedulerOutput, masks: GrammarMasks | None = None) -> StepResult:
+        """Run one step. ``masks``: the step's structured-output rows, started by the engine
+        before this call (``structured/step_masks.py``) so their bitmask is computed beside
+        the forward; read only (the grammars advance in ``Scheduler.update``, after this
+        returns, and by then the masks' worker is done with them)."""
         self.sampler.forget(output.finished_ids)
-        if output.is_empty:
-            return StepResult()
-        with self._inference_mode:
-            return self._execute(output)
+        try:
+            if output.is_empty:
+                return StepResult()
+            with self._inference_mode:
+                return self._execute(output, masks)
+        finally:
+            if masks is not None:
+                masks.wait()
 
-    def _execute(self, output: SchedulerOutput) -> StepResult:
+    def _execute(self, output: SchedulerOutput, masks: GrammarMasks | None) -> StepResult:
         self._apply_state_ops(output.state_ops)
         seqs, scratch = output.seqs, {}
         if any(seq.num_drafts for seq in seqs):
             seqs, scratch = self._verify_layout(seqs)
         batch = build_batch(seqs, self.block_size, self.device, self.cascade_thresholds, self._fast_path(),
                             self.batch_invariant)
-        grammar_rows = [i for i, seq in enumerate(batch.sample_seqs)
-                        if seq.grammar is not None and seq.grammar.masks_first]
-        masks = self._start_masks([batch.sample_seqs[i].grammar for i in grammar_rows]) if grammar_rows else None
         whole = self.model.decode_logits(batch, self.kv_caches)
         path = "kernel" if self.model.takes_decode_kernel(batch) else "eager"  # decode_logits' own condition
         if whole is None and self.decode_graphs is not None and self.decode_graphs.eligible(batch):
@@ -212,8 +234,7 @@ class ModelRunner:
             if not batch.sample_seqs:
                 return result
             logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
-        tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy,
-                                               (grammar_rows, masks.result()) if masks is not None else None)
+        tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy, masks)
         # Rows of one request are consecutive (a row verifying drafts samples k + 1 times).
         for row, (seq, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             result.sampled.setdefault(seq.request_id, []).append(token)
@@ -259,13 +280,6 @@ class ModelRunner:
         if scratch is not None and accepted < seq.num_drafts:
             for layer in self.recurrent_states:
                 layer.restore(scratch + accepted, seq.state_slot)
-
-    def _start_masks(self, grammars: list) -> Future:
-        """Compute these grammars' next-token masks on a thread of their own while the forward
-        pass runs (llguidance releases the GIL)."""
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-grammar")
-        return self._grammar_pool.submit(fill_masks, grammars, self.model.config.get_text_config().vocab_size)
 
     def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[PositionLogprobs]]]:

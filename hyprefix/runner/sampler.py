@@ -17,23 +17,19 @@ values themselves. Rows that ask for no logprobs cost nothing more in any mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from hyprefix.config import LOGPROBS_MODES
 from hyprefix.outputs import PositionLogprobs, ScheduledSeq
 from hyprefix.runner.logits import LogitsProcessor, logprobs_of
-from hyprefix.structured.grammar import allowed_masks, apply_masks
+from hyprefix.structured.grammar import apply_masks
+from hyprefix.structured.step_masks import GrammarMasks
 
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device, eos_token_ids: frozenset[int] = frozenset(),
-                 masks_of: Callable[[list, int], torch.Tensor] = allowed_masks,
                  logprobs_mode: str = "raw_logprobs") -> None:
-        """``masks_of(grammars, vocab_size)``: their next-token masks, bool [len, vocab_size]
-        (``structured.grammar.allowed_masks``; a test passes its own for stand-in grammars).
-        ``logprobs_mode``: one of ``config.LOGPROBS_MODES``. In a processed mode a grammar row
+        """``logprobs_mode``: one of ``config.LOGPROBS_MODES``. In a processed mode a grammar row
         that asks for logprobs must mask first (``Grammar.masks_first``, the engine's part):
         a row checked after sampling has no mask to read."""
         if logprobs_mode not in LOGPROBS_MODES:
@@ -41,7 +37,6 @@ class Sampler:
         self.processed_logprobs = logprobs_mode.startswith("processed")
         self.logits_values = logprobs_mode.endswith("_logits")
         self.device = device
-        self._masks_of = masks_of
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.processor = LogitsProcessor(device, eos_token_ids)
@@ -52,32 +47,34 @@ class Sampler:
         self.processor.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], greedy: torch.Tensor | None = None,
-               grammar_masks: tuple[list[int], torch.Tensor] | None = None
-               ) -> tuple[list[int], dict[int, PositionLogprobs]]:
+               masks: GrammarMasks | None = None) -> tuple[list[int], dict[int, PositionLogprobs]]:
         """logits: float32 [S, V], one row per entry of ``seqs``; ``greedy``: their argmax
         [S] where the caller has it already (a compiled decode step). Returns the sampled
         tokens and, for the rows whose requests ask, their logprobs by row (of the raw or the
         processed logits, by ``logprobs_mode``).
 
-        A row with a structured-outputs grammar samples from what its grammar allows and
-        advances it. ``grammar_masks``: the rows whose grammar masks the logits first
-        (``Grammar.masks_first``: top-k, top-p and min-p read the masked distribution) and
-        their bitmask, computed beside the forward pass. The other grammar rows check their
-        pick after sampling (``_follow_grammars``): a pick the grammar allows stands (for
-        greedy it is the masked argmax; for random rows the result is exactly the masked
-        distribution), a refused one is redrawn among the allowed tokens: the common case
-        needs no mask at all."""
+        ``masks``: the step's grammar rows (``structured/step_masks.py``), read only: a row
+        with a structured-outputs grammar samples from what its grammar allows; the grammar
+        itself advances later, in ``Scheduler.update``. A row whose grammar masks first
+        (``GrammarMasks.masks_first``: top-k, top-p and min-p read the masked distribution)
+        has its logits masked by the bitmask computed beside the forward pass. The other
+        grammar rows check their pick after sampling (``_follow_grammars``): a pick the grammar
+        allows stands (for greedy it is the masked argmax; for random rows the result is
+        exactly the masked distribution), a refused one is redrawn among the allowed tokens:
+        the common case needs no mask at all."""
         raw = logits
-        masked_rows = grammar_masks[0] if grammar_masks is not None else []
+        grammar_rows = [i for i, s in enumerate(seqs) if s.request_id in masks] if masks is not None else []
+        masked_rows = [i for i in grammar_rows if masks.masks_first(seqs[i].request_id)]
         processed = sorted(set(masked_rows) | {i for i, s in enumerate(seqs) if s.params.processes_logits})
         if processed:
             logits = logits.clone()
+            bitmask = masks.first_bitmask([seqs[i].request_id for i in masked_rows]) if masked_rows else None
             if masked_rows and len(masked_rows) == len(seqs):
-                apply_masks(logits, grammar_masks[1])  # every row: in place, no copies
+                apply_masks(logits, bitmask)  # every row: in place, no copies
             elif masked_rows:
                 masked = torch.tensor(masked_rows, device=logits.device)
                 sub = logits[masked]
-                apply_masks(sub, grammar_masks[1])
+                apply_masks(sub, bitmask)
                 logits[masked] = sub
             chosen = [i for i in processed if seqs[i].params.processes_logits]
             if chosen:
@@ -97,9 +94,9 @@ class Sampler:
             probs = sampled_from.softmax(dim=-1)
             tokens[rows] = self._inverse_cdf(probs, [seqs[i] for i in random_rows])
         token_list = tokens.tolist()
-        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if grammar_rows:
-            self._follow_grammars(grammar_rows, set(masked_rows), seqs, token_list, logits, probs,
+        checked = [i for i in grammar_rows if not masks.masks_first(seqs[i].request_id)]
+        if checked:
+            self._follow_grammars(checked, masks, seqs, token_list, logits, probs,
                                   {i: j for j, i in enumerate(random_rows)})
             tokens = torch.tensor(token_list, device=logits.device)
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -161,18 +158,19 @@ class Sampler:
         picks = self._search(probs, seqs)
         return torch.where(picks >= probs.shape[1], probs.argmax(dim=-1), picks)
 
-    def _follow_grammars(self, rows: list[int], masked: set[int], seqs: list[ScheduledSeq], tokens: list[int],
+    def _follow_grammars(self, rows: list[int], masks: GrammarMasks, seqs: list[ScheduledSeq], tokens: list[int],
                          logits: torch.Tensor, probs: torch.Tensor | None, random_row: dict[int, int]) -> None:
-        """Hold each grammar row's token to its grammar, then advance it. A row not masked
-        first whose pick the grammar refuses takes, among its allowed tokens, the most likely
+        """Hold the token of each grammar row in ``rows`` (those not masked first) to its
+        grammar, in place in ``tokens``; the grammar is only read (``masks``), never advanced.
+        A row whose pick the grammar refuses takes, among its allowed tokens, the most likely
         (greedy) or a new draw by their probabilities (random). The random case samples the
         masked distribution exactly: an allowed ``t`` comes first-time with probability
         p(t), else after a refusal with (1 - p(A)) p(t) / p(A), in all p(t) / p(A). The
         refused rows' masks are computed in one call, their picks made on tensors."""
-        refused = [i for i in rows if i not in masked and not seqs[i].grammar.allows(tokens[i])]
+        refused = [i for i in rows if not masks.allows(seqs[i].request_id, tokens[i])]
         if refused:
             vocab = logits.shape[1]
-            allowed = self._masks_of([seqs[i].grammar for i in refused], vocab).to(logits.device)
+            allowed = masks.allowed([seqs[i].request_id for i in refused], vocab).to(logits.device)
             some = allowed.any(dim=-1).tolist()  # a row allowing nothing keeps its pick: the parser fails
             drawn = [k for k, i in enumerate(refused) if some[k] and i in random_row]
             if drawn:
@@ -187,8 +185,6 @@ class Sampler:
                 rows_best = logits[[refused[k] for k in best]].masked_fill(~allowed[best], float("-inf"))
                 for k, token in zip(best, rows_best.argmax(dim=-1).tolist(), strict=True):
                     tokens[refused[k]] = token
-        for i in rows:
-            seqs[i].grammar.accept(tokens[i])
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         gen = self._request_generators.get(seq.request_id)

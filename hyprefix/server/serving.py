@@ -131,9 +131,9 @@ class Tokenization:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None,
+    def __init__(self, async_engine: AsyncEngine, model_names: list[str], limits: ServerLimits | None = None,
                  chat: ChatOptions | None = None) -> None:
-        self.engine = engine
+        self.async_engine = async_engine
         self.model_names = model_names
         self.limits = limits or ServerLimits()
         self.chat_options = chat or ChatOptions()
@@ -145,9 +145,9 @@ class OpenAIServing:
         request in flight); each aborted request's caller gets what it has, finish reason
         ``abort``. Returns how many engine requests were in flight."""
         if rid is None:
-            return await self.engine.abort_requests()
+            return await self.async_engine.abort_requests()
         call = self._calls.get(rid) or self._calls.get(f"cmpl-{rid}") or self._calls.get(f"chatcmpl-{rid}")
-        return 0 if call is None else await self.engine.abort_requests(list(call.engine_ids))
+        return 0 if call is None else await self.async_engine.abort_requests(list(call.engine_ids))
 
     # ------------------------------------------------------------- shared
     def _check(self, req: _SamplingRequest) -> str:
@@ -163,9 +163,9 @@ class OpenAIServing:
                      add: Callable[[Engine], list[tuple[str | None, list[int]]]], prompt_param: str) -> _Call:
         """Add the call's engine requests in one engine-thread command; ``add`` answers each
         prompt's (text or None, token ids)."""
-        stream = self.engine.open_stream()
+        stream = self.async_engine.open_stream()
         try:
-            added = await self.engine.add(stream, engine_ids, add)
+            added = await self.async_engine.add(stream, engine_ids, add)
         except RequestError as exc:
             error = request_error(exc, prompt_param)
             structured = req.structured()

@@ -4,7 +4,8 @@ tokenizer's vocabulary; no dependencies of its own, a wheel for every platform).
 ``GrammarCompiler`` (one per engine) turns a ``StructuredOutputs`` into a validated grammar,
 once per distinct constraint (an LRU cache), and gives each sequence its own ``Grammar``: the
 parser state that knows which tokens may come next (``fill_masks``) and advances with
-each sampled token (``accept``). A bad schema, regex or grammar is a ``RequestError``
+each sampled token (``accept``, called by ``Scheduler.update`` only; the runner reads masks
+through ``structured/step_masks.py``). A bad schema, regex or grammar is a ``RequestError``
 naming the field, raised when the request is added.
 """
 
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from hyprefix.errors import RequestError
 from hyprefix.structured.spec import StructuredOutputs
+
+if TYPE_CHECKING:
+    from hyprefix.structured.step_masks import StepMasks
 
 CACHE_SIZE = 512  # compiled grammars kept (distinct schemas, regexes, choices, grammars)
 # JSON the model writes: no free whitespace between tokens (with it, a model may pad forever)
@@ -127,12 +131,19 @@ class GrammarCompiler:
             raise RequestError(f"invalid {spec.kind} for structured outputs: {matcher.get_error()}", param=param)
         return Grammar(matcher, masks_first)
 
+    def step_masks(self) -> StepMasks:
+        """A new ``StepMasks`` for this vocabulary: the engine's, starting each step's masks
+        (``structured/step_masks.py``)."""
+        from hyprefix.structured.step_masks import StepMasks
+
+        return StepMasks(self.vocab_size)
+
 _executor = None
 
 
 def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
     """The next-token bitmask of each grammar, int32 [len, ceil(vocab / 32)] (bit set: allowed);
-    one llguidance thread (it runs beside the forward pass, ``runner/model_runner.py``)."""
+    one llguidance thread (it runs beside the forward pass, ``structured/step_masks.py``)."""
     global _executor
     llg = _llguidance()
     import llguidance.torch as llg_torch

@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier end to end (``disk_cache.py``, ``cache/disk_tier.py``): blocks
+"""The prefix cache's disk tier end to end (``disk/connector.py``, ``disk/tier.py``): blocks
 and recurrent-state checkpoints written at shutdown (close, atexit), on eviction (write-back)
 and when computed (write-through), found again by a fresh engine or after memory evicted them,
 with greedy tokens identical to an engine without the disk; damaged, foreign and over-budget
@@ -247,7 +247,7 @@ def test_window_pool_blocks_survive_a_restart(tmp_path, reference, window_models
     restart, so a window model's hit survives it."""
     model = window_models[arch]
     llm_a = make(model, tmp_path)
-    assert llm_a.engine.disk.window is not None  # the window layers have their own pool
+    assert llm_a.engine.cache.has_window_pool()  # the window layers have their own pool
     tokens_a, _ = greedy(llm_a)
     llm_a.engine.close()
     assert files(tmp_path, ".swa")
@@ -692,8 +692,8 @@ def test_block_io_round_trip_with_payload_parts_off_their_alignment():
     not a multiple of 4: writing a payload back must not depend on that alignment."""
     import torch
 
+    from hyprefix.disk.block_io import BlockIO
     from hyprefix.models.recurrent_state import LayerStateShape, RecurrentLayerState
-    from hyprefix.runner.block_io import BlockIO
 
     gen = torch.Generator().manual_seed(0)
     kv = [(torch.randn(4, 2, 1, 3, generator=gen).bfloat16(), torch.randn(4, 2, 1, 3, generator=gen).bfloat16())]

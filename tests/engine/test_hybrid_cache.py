@@ -61,7 +61,7 @@ def test_restored_prefills_share_a_step_with_a_fresh_one(hybrid_models):
     greedy(llm, [a, b])
     steps = []
     execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda out: steps.append(out) or execute(out)
+    llm.engine.runner.execute = lambda out, *masks: steps.append(out) or execute(out, *masks)
     assert greedy(llm, followups) == reference
     first = steps[0]
     assert len([src for src, _ in first.state_ops if src is not None]) == 2  # a and b restored

@@ -55,10 +55,10 @@ class Probe:
         sc.reserve = counting_reserve
         execute = engine.runner.execute
 
-        def counting_execute(out):
+        def counting_execute(out, masks=None):
             self.restores += sum(src is not None for src, _ in out.state_ops)
             self.taps += sum(len(q.state_taps) for q in out.seqs)
-            return execute(out)
+            return execute(out, masks)
 
         engine.runner.execute = counting_execute
 

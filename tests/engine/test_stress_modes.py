@@ -6,15 +6,24 @@ engine's without prefix caching (and without the feature where it cannot change 
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from hyprefix import LLM, SamplingParams
 from tests.support.compare import random_prompts
 from tests.support.stress_driver import drive, verify
 
-NUM_REQUESTS = 14
+# A long run: HYPREFIX_STRESS_REQUESTS=500 python -m pytest tests/engine/test_stress_modes.py
+NUM_REQUESTS = int(os.environ.get("HYPREFIX_STRESS_REQUESTS", "14"))
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 
 
@@ -44,7 +53,7 @@ def _greedy(rng: random.Random) -> SamplingParams:
 def _run(llm: LLM, ref: LLM, todo, seed: int, **kwargs):
     rng = random.Random(seed)
     run = drive(llm, rng, list(todo), block_size=BLOCK, max_prompt=300, abort_p=0.05, reset_step=-1, follow_p=0.4,
-                follow_max_tokens=8, max_steps=2000, **kwargs)
+                follow_max_tokens=8, max_steps=150 * len(todo), **kwargs)
     verify(llm, ref, run, len(todo))
     return run
 
@@ -112,16 +121,42 @@ def test_stress_with_weight_updates(qwen3_dir):
     assert len(set(versions)) == 3
 
 
-def test_stress_with_the_disk_tier_across_a_restart(qwen3_dir, tmp_path):
-    """A pool too small for the traffic spills blocks to the disk tier; the engine is closed and a
-    new one on the same directory serves the rest, its shared prefixes read back from disk."""
+# The first half of the disk run in a process of its own, killed (SIGKILL: no close, no exit hook)
+# once its write-through writes are done; it checks its own tokens first.
+KILLED_CHILD = r"""
+import json, os, random, signal, sys
+from tests.engine.test_stress_modes import NUM_REQUESTS, _llm, _run, _todo, _greedy
+path, directory = sys.argv[1], sys.argv[2]
+todo = _todo(random.Random(5), _greedy)
+llm = _llm(path, num_kv_blocks=16, disk_cache_dir=directory, disk_cache_gb=0.1, disk_cache_write_through=True)
+_run(llm, _llm(path, enable_prefix_caching=False), todo[:NUM_REQUESTS // 2], seed=5)
+llm.engine.disk.tier.flush()
+print(json.dumps(llm.get_stats()["disk_cache_bytes_written"]), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("end", ["close", "kill"])
+def test_stress_with_the_disk_tier_across_a_restart(qwen3_dir, tmp_path, end):
+    """A pool too small for the traffic spills blocks to the disk tier; the engine ends (closed, or
+    its process killed with write-through on) and a new one on the same directory serves the rest,
+    its shared prefixes read back from disk."""
     disk = tmp_path / "disk"
     ref = _llm(qwen3_dir, enable_prefix_caching=False)
     todo = _todo(random.Random(5), _greedy)
-    first = _llm(qwen3_dir, num_kv_blocks=16, disk_cache_dir=str(disk), disk_cache_gb=0.1)
-    _run(first, ref, todo[:NUM_REQUESTS // 2], seed=5)
-    assert first.get_stats()["disk_cache_bytes_written"] > 0
-    first.engine.close()
+    if end == "close":
+        first = _llm(qwen3_dir, num_kv_blocks=16, disk_cache_dir=str(disk), disk_cache_gb=0.1)
+        _run(first, ref, todo[:NUM_REQUESTS // 2], seed=5)
+        assert first.get_stats()["disk_cache_bytes_written"] > 0
+        first.engine.close()
+    else:
+        script = tmp_path / "killed.py"
+        script.write_text(KILLED_CHILD)
+        proc = subprocess.run([sys.executable, str(script), str(qwen3_dir), str(disk)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) > 0  # it wrote, then died unclosed
     second = _llm(qwen3_dir, num_kv_blocks=16, disk_cache_dir=str(disk), disk_cache_gb=0.1)
     _run(second, ref, todo[NUM_REQUESTS // 2:], seed=6)
     assert second.get_stats()["disk_cache_hit_tokens"] > 0

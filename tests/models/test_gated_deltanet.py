@@ -64,10 +64,10 @@ def test_tap_does_not_change_the_output():
 def test_one_checkpoint_holds_recurrent_layers_of_different_shapes():
     """A model mixing kinds of recurrent layers: each layer's live and checkpoint
     tensors get its own shape, and one checkpoint costs the sum of their bytes."""
+    from hyprefix.engine_config import RunnerConfig
     from hyprefix.models.base import KVLayout
     from hyprefix.models.recurrent_state import LayerStateShape, StateLayout
-    from hyprefix.runner.cascade import CascadeThresholds
-    from hyprefix.runner.model_runner import ModelRunner
+    from hyprefix.runner.model_runner import ModelRunner, PoolSizes
 
     mamba, deltanet = LayerStateShape(96, 3, (8, 16, 16)), LayerStateShape(64, 3, (4, 16, 8))
     layout = StateLayout((mamba, deltanet, mamba))
@@ -78,8 +78,8 @@ def test_one_checkpoint_holds_recurrent_layers_of_different_shapes():
 
     expected = 2 * (96 * 3 * 2 + 8 * 16 * 16 * 4) + 64 * 3 * 2 + 4 * 16 * 8 * 4  # bf16 conv, float32 matrix
     assert ModelRunner.state_bytes_per_slot(Model(), torch.bfloat16) == expected
-    runner = ModelRunner(Model(), torch.bfloat16, torch.device("cpu"), 4, 16, 0, CascadeThresholds(0, 2),
-                         compile_enabled=False, num_live_slots=2, num_checkpoint_slots=3)
+    runner = ModelRunner(Model(), PoolSizes(torch.bfloat16, 4, 16, num_live_slots=2, num_checkpoint_slots=3),
+                         RunnerConfig("cpu", False, False, 0, "raw_logprobs", 0, 2, 4.0))
     assert [tuple(s.matrix.shape) for s in runner.recurrent_states] == [(2, 8, 16, 16), (2, 4, 16, 8), (2, 8, 16, 16)]
     assert [tuple(s.ckpt_conv.shape) for s in runner.recurrent_states] == [(3, 96, 3), (3, 64, 3), (3, 96, 3)]
     assert all(s.matrix.dtype == torch.float32 and s.conv.dtype == torch.bfloat16 for s in runner.recurrent_states)

@@ -20,6 +20,7 @@ from hyprefix.cache.events import (
 )
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.state_pool import block_of
+from hyprefix.config import EngineArgs
 from hyprefix.kv_events import KVEventsConfig, decode_batch, encode_batch, replay, split_streams
 from hyprefix.routing.index import PrefixIndex
 from tests.support.plain_scheduling import make_scheduler, req, run_to_end, state_kind, step, toks
@@ -166,13 +167,20 @@ def test_wire_format_is_vllms_msgpack_arrays_and_round_trips():
 ])
 def test_bad_event_configs_are_user_errors(text, message):
     with pytest.raises(ValueError, match=message):
-        KVEventsConfig.parse(text)
+        KVEventsConfig.read(text)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(kv_events_config=text)  # refused where the flag is read
 
 
 def test_a_disabled_config_turns_events_off():
-    assert KVEventsConfig.parse('{"enable_kv_cache_events": false}') is None
-    assert KVEventsConfig.parse(None) is None
-    assert KVEventsConfig.parse('{"endpoint": "tcp://127.0.0.1:0"}').endpoint == "tcp://127.0.0.1:0"
+    from hyprefix.engine_config import EngineConfig
+
+    assert not KVEventsConfig.read('{"enable_kv_cache_events": false}').enabled
+    assert EngineConfig.from_args(EngineArgs(kv_events_config={"enable_kv_cache_events": False})).events is None
+    assert EngineConfig.from_args(EngineArgs()).events is None
+    assert KVEventsConfig.read('{"endpoint": "tcp://127.0.0.1:0"}').endpoint == "tcp://127.0.0.1:0"
+    parsed = EngineArgs(kv_events_config='{"endpoint": "tcp://127.0.0.1:0"}').kv_events_config
+    assert isinstance(parsed, KVEventsConfig) and parsed.endpoint == "tcp://127.0.0.1:0"  # no JSON text past here
 
 
 # ------------------------------------------------------------------ over ZMQ, from an engine

@@ -8,12 +8,24 @@ import pytest
 
 from hyprefix.cache.coordinator import AttentionKV
 from hyprefix.cache.events import EventLog
-from hyprefix.cache.plan import build_cache, checkpoint_slots, plan_pools, window_pool_window
+from hyprefix.cache.plan import build_cache, checkpoint_slots, window_pool_window
+from hyprefix.cache.plan import plan_pools as plan_cache_pools
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.config import EngineArgs
+from hyprefix.engine_config import EngineConfig
 
 MIB = 2**20
+
+
+def plan_pools(args: EngineArgs, *rest, **kwargs):
+    """The plan of ``args``' cache config, as the engine makes it."""
+    config = EngineConfig.from_args(args)
+    return plan_cache_pools(config.cache, config.scheduler.max_num_batched_tokens, *rest, **kwargs)
+
+
+def cache_of(args: EngineArgs):
+    return EngineConfig.from_args(args).cache
 
 
 def bytes_of(all: int = 0, full: int = 0, window: int = 0):
@@ -64,12 +76,12 @@ def test_a_budget_below_one_block_is_refused():
 
 def test_checkpoint_slots(caplog):
     args = EngineArgs(state_cache_memory_gb=1 / 1024, max_state_checkpoints=1000)
-    assert checkpoint_slots(args, 4096) == 256
-    assert checkpoint_slots(EngineArgs(state_cache_memory_gb=1.0, max_state_checkpoints=9), 4096) == 9
-    assert checkpoint_slots(EngineArgs(enable_prefix_caching=False), 4096) == 0
-    assert checkpoint_slots(EngineArgs(state_cache_memory_gb=0.0), 4096) == 0
+    assert checkpoint_slots(cache_of(args), 4096) == 256
+    assert checkpoint_slots(cache_of(EngineArgs(state_cache_memory_gb=1.0, max_state_checkpoints=9)), 4096) == 9
+    assert checkpoint_slots(cache_of(EngineArgs(enable_prefix_caching=False)), 4096) == 0
+    assert checkpoint_slots(cache_of(EngineArgs(state_cache_memory_gb=0.0)), 4096) == 0
     with caplog.at_level(logging.WARNING, logger="hyprefix"):
-        assert checkpoint_slots(EngineArgs(state_cache_memory_gb=1e-9), 4096) == 0
+        assert checkpoint_slots(cache_of(EngineArgs(state_cache_memory_gb=1e-9)), 4096) == 0
     assert "hybrid prefix hits are disabled" in caplog.text
     plan = plan_pools(args, [None], 2048, bytes_of(all=4096), state_bytes=4096)
     assert plan.num_checkpoints == 256

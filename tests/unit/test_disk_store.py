@@ -1,4 +1,4 @@
-"""Unit tests of the disk tier's block store (``hyprefix/cache/disk_store.py``) on real files
+"""Unit tests of the disk tier's block store (``hyprefix/disk/store.py``) on real files
 under ``tmp_path``: round trips, restarts, LRU and budget, every refusal reason, temp files,
 a writer killed mid-loop, two processes and several threads on one directory."""
 
@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyprefix.cache.disk_format import FORMAT_VERSION, MAGIC, DiskIdentity
-from hyprefix.cache.disk_store import STALE_TMP_SECONDS, DiskBlockStore
+from hyprefix.disk.format import FORMAT_VERSION, MAGIC, DiskIdentity
+from hyprefix.disk.store import STALE_TMP_SECONDS, DiskBlockStore
 
 REPO = Path(__file__).resolve().parents[2]
 IDENTITY = DiskIdentity("test-model@rev1", "kv float16 block_size=16 [2, 16, 4, 8]")
@@ -71,7 +71,7 @@ def test_imports_without_torch():
     code = """
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        import hyprefix.cache.disk_store
+        import hyprefix.disk.store
         print("ok")
     """
     proc = run_python(code)
@@ -434,7 +434,7 @@ def test_failed_write_leaves_nothing_and_releases_its_reservation(tmp_path, monk
 
 KILLED_WRITER = """
     import hashlib, sys
-    from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
+    from hyprefix.disk.store import DiskBlockStore, DiskIdentity
     store = DiskBlockStore(sys.argv[1], DiskIdentity(sys.argv[2], sys.argv[3]), 1 << 40)
     i = 0
     while True:
@@ -472,7 +472,7 @@ def test_writer_killed_mid_loop_leaves_only_valid_or_absent_entries(tmp_path):
 
 DIES_BEFORE_RENAME = """
     import hashlib, os, sys
-    from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
+    from hyprefix.disk.store import DiskBlockStore, DiskIdentity
     store = DiskBlockStore(sys.argv[1], DiskIdentity(sys.argv[2], sys.argv[3]), 1 << 40)
     os.replace = lambda src, dst: os._exit(3)  # the process dies with the block written, not renamed
     store.put("kv", hashlib.blake2b(b"x", digest_size=32).digest(), b"payload" * 100)
@@ -495,7 +495,7 @@ def test_process_dying_before_the_rename_leaves_only_a_temp_file(tmp_path):
 # ------------------------------------------------------------------ processes and threads
 SHARING_PROCESS = """
     import hashlib, random, sys
-    from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
+    from hyprefix.disk.store import DiskBlockStore, DiskIdentity
 
     def h(i):
         return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest()

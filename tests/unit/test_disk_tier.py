@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from hyprefix.cache.disk_tier import DiskTier
+from hyprefix.disk.tier import DiskTier
 
 
 class _GatedStore:

@@ -448,3 +448,35 @@ def test_aborting_queued_and_running_sequences_compares_no_requests(monkeypatch)
     assert len(comparisons) <= 8 * 8
     s.check_invariants()
     assert not s.has_unfinished() and kv(s).pool.num_used == 0
+
+
+# ------------------------------------------------------------------- structured outputs
+class RecordingGrammar:
+    """A stand-in for ``structured.grammar.Grammar`` that records what advances it."""
+
+    masks_first = False
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+
+def test_the_scheduler_advances_grammars_by_each_appended_token_in_order():
+    """``Scheduler.update`` is where a grammar advances: by every sampled token appended to its
+    request, in order, none for a prefill chunk that samples nothing; the step's rows carry
+    no grammar (the runner reads a step's masks, ``structured/step_masks.py``)."""
+    s = make(num_blocks=32, budget=8)
+    a, b = req("a", 10, max_tokens=3), req("b", 3, max_tokens=2)
+    a.grammar = RecordingGrammar()
+    s.add_request(a)
+    s.add_request(b)
+    out = step(s)
+    assert plan(out) == [("a", 0, 8, False)]  # a chunk: nothing sampled, nothing accepted
+    assert a.grammar.accepted == [] and not hasattr(out.seqs[0], "grammar")
+    run_to_end(s)
+    assert a.output_token_ids == expected_output(a)
+    assert a.grammar.accepted == a.output_token_ids
+    assert b.output_token_ids == expected_output(b) and b.grammar is None

@@ -53,16 +53,16 @@ def main() -> None:
                                  **common)}
     for llm in arms.values():
         llm.engine.warmup()
-    # The engine thread's own share: copying blocks out for the writer (``DiskCache.save_noted``).
+    # The engine thread's own share: copying blocks out for the writer (``DiskConnector.before_forward``).
     copy_s = dict.fromkeys(arms, 0.0)
     for name, llm in arms.items():
         disk = llm.engine.disk
         if disk is not None:
-            def timed(*a, _save=disk.save_noted, _name=name, **k):
+            def timed(*a, _save=disk.before_forward, _name=name, **k):
                 t0 = time.perf_counter()
                 _save(*a, **k)
                 copy_s[_name] += time.perf_counter() - t0
-            disk.save_noted = timed
+            disk.before_forward = timed
     busy_s = dict.fromkeys(arms, 0.0)
     # Every decode-only step's time, for the tail (a writer that held the GIL at low priority
     # would show there, not in the median).

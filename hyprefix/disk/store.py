@@ -13,7 +13,7 @@ Layout::
 A store only ever lists its own identity directory, so another model, payload layout or file
 format version never sees (or evicts) these files.
 
-The file format and its checks are ``disk_format.py``'s.
+The file format and its checks are ``format.py``'s.
 
 Invariants:
 - a final-named file is only ever created by ``os.replace`` of a completely written temp file
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyprefix.cache.disk_format import (
+from hyprefix.disk.format import (
     FIXED_HEADER,
     U32,
     DiskIdentity,

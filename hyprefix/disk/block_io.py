@@ -1,4 +1,4 @@
-"""Bytes in and out of the engine's cache tensors, for the disk tier (``cache/disk_tier.py``).
+"""The disk tier's worker side: bytes in and out of the engine's cache tensors.
 
 A KV block's payload is the K then V rows of that block for every attention layer
 whose K/V lives in the main pool, layer by layer, in the pool's dtype; a sliding-window
@@ -40,7 +40,7 @@ def _raw(tensors: list[torch.Tensor]) -> bytes | memoryview:
 def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
     """Write ``payload`` through ``targets`` seen as bytes (a byte slice of the payload need not
     be aligned to a target's dtype). On a CPU through numpy, which starts no OpenMP workers:
-    imports run on a thread of their own (``disk_cache.py``), where torch's parallel copies
+    imports run on a thread of their own (``disk/connector.py``), where torch's parallel copies
     would start a second pool beside the engine thread's (``openmp.py``)."""
     data = np.frombuffer(payload, dtype=np.uint8)
     expected = sum(t.numel() * t.element_size() for t in targets)
@@ -134,3 +134,8 @@ class BlockIO:
 
     def write_state(self, slot: int, payload: bytes | memoryview) -> None:
         _fill([t[slot] for s in self._states for t in (s.ckpt_conv, s.ckpt_matrix)], payload)
+
+    def write(self, pool: str, index: int, payload: bytes | memoryview) -> None:
+        """Fill block (or checkpoint slot) ``index`` of ``pool`` ("kv", "swa" or "state": the
+        coordinator's pool names) with ``payload``."""
+        {"kv": self.write_kv, "swa": self.write_swa, "state": self.write_state}[pool](index, payload)

@@ -35,25 +35,22 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from hyprefix.cache.coordinator import DISK_WAIT, hit_num_blocks
-from hyprefix.cache.disk_store import DiskBlockStore
+from hyprefix.cache.coordinator import STATE, CacheCoordinator, Saved, hit_num_blocks
 from hyprefix.cache.state_pool import before_last_token, block_of
+from hyprefix.disk.store import DiskBlockStore
 from hyprefix.request import Request
 
-if TYPE_CHECKING:
-    from hyprefix.cache.sliding import SlidingWindowKV
-
-__all__ = ["DISK_WAIT", "DiskTier", "Loaded"]
+__all__ = ["DiskTier", "Loaded"]
 
 log = logging.getLogger("hyprefix")
 
-KV, SWA, STATE, STATE_BEFORE_LAST = "kv", "swa", "state", "statebl"
-Payload = bytes | memoryview  # a block's or checkpoint's bytes (``runner/block_io.py``)
+# File kinds (``DiskBlockStore``): the coordinator's pool names, and checkpoints one token before
+# a block's end apart from those at its end.
+KV, SWA, STATE_BEFORE_LAST = "kv", "swa", "statebl"
+Payload = bytes | memoryview  # a block's or checkpoint's bytes (``disk/block_io.py``)
 
 
 def state_file(key: bytes) -> tuple[str, bytes]:
@@ -74,12 +71,14 @@ def _background() -> None:
 
 @dataclass
 class Loaded:
-    """What a load read: the longest run of valid KV payloads from ``first_block`` on,
+    """What a load read: the longest run of valid KV payloads from ``first_block`` on (its
+    ``position``: the tokens a hit skips once all of it is in memory),
     the sliding-window blocks that were on disk, and the checkpoint (pool key, payload)
     when every block it needs came back."""
 
     request: Request
     first_block: int
+    position: int
     kv: list[tuple[bytes, Payload]] = field(default_factory=list)  # (block hash, payload)
     swa: list[tuple[bytes, Payload]] = field(default_factory=list)  # (block hash, payload)
     state: tuple[bytes, Payload] | None = None
@@ -88,6 +87,7 @@ class Loaded:
 
 @dataclass(frozen=True)
 class _Plan:
+    position: int  # tokens a hit can skip once the reads are in memory
     kv_hashes: list[bytes]  # main-pool blocks to read, from the memory hit's end on
     state_key: bytes | None  # checkpoint to read (None: in memory, or the model has none)
     swa_hashes: list[bytes]  # sliding-window blocks to read (those the window pool lacks)
@@ -96,6 +96,7 @@ class _Plan:
 @dataclass
 class _Load:
     future: Future[Loaded]
+    position: int  # tokens a hit skips once the load is in memory
     taken: bool = False  # handed to the engine to import (``ready``)
     imported: bool = False  # in memory, or given up on: the request stops waiting (``finish``)
 
@@ -110,19 +111,20 @@ class DiskTierStats:
 
 
 class DiskTier:
-    """``kv_block_bytes`` 0: no attention layer keeps its K/V in the main pool (none at all,
-    or all in a window pool), whose blocks then only index the cache and need no files.
-    ``has_state``: the model keeps recurrent-state checkpoints. ``window``: the sliding-window
-    layers' own pool, whose blocks are kept as ``SWA`` files."""
+    """The scheduler side of the disk tier (``cache.coordinator.LowerTier``): which loads to
+    start and what to save, and the threads that read and write files.
+
+    ``kv_block_bytes`` 0: no attention layer keeps its K/V in the main pool (none at all, or all
+    in a window pool), whose blocks then only index the cache and need no files. ``has_state``:
+    the model keeps recurrent-state checkpoints. A sliding-window pool's blocks (the coordinator
+    says whether there is one) are kept as ``SWA`` files."""
 
     def __init__(self, store: DiskBlockStore, block_size: int, kv_block_bytes: int, has_state: bool,
-                 write_through: bool = False, max_queued_bytes: int = 1 << 30,
-                 window: SlidingWindowKV | None = None) -> None:
+                 write_through: bool = False, max_queued_bytes: int = 1 << 30) -> None:
         self.store = store
         self.block_size = block_size
         self.kv_files = kv_block_bytes > 0
         self.has_state = has_state
-        self.window = window
         self.write_through = write_through
         self.max_queued_bytes = max_queued_bytes
         self.stats = DiskTierStats()
@@ -138,19 +140,14 @@ class DiskTier:
         self._tried: set[str] = set()
 
     # ------------------------------------------------------------------- saves
-    def note_kv(self, block_hash: bytes, block_id: int) -> None:
-        """A KV block to save before ``block_id`` is written again (evicted or published)."""
-        if self.kv_files:
-            self._saves.append((KV, block_hash, block_id))
-
-    def note_swa(self, block_hash: bytes, block_id: int) -> None:
-        """A sliding-window block to save before ``block_id`` of the window pool is written again."""
-        self._saves.append((SWA, block_hash, block_id))
-
-    def note_state(self, key: bytes, slot: int) -> None:
-        """A checkpoint to save before ``slot`` is written again."""
-        kind, block = state_file(key)
-        self._saves.append((kind, block, slot))
+    def note(self, saves: list[Saved]) -> None:
+        """Entries to save before their block or slot is written again (``CacheCoordinator.take_saves``)."""
+        for pool, key, source in saves:
+            if pool == STATE:
+                kind, key = state_file(key)
+                self._saves.append((kind, key, source))
+            elif pool != KV or self.kv_files:
+                self._saves.append((pool, key, source))
 
     def take_saves(self) -> list[tuple[str, bytes, int]]:
         """Saves noted since the last call whose keys are not on disk yet: the caller reads
@@ -223,80 +220,79 @@ class DiskTier:
             self._queued.wait_for(lambda: self._queued_bytes == 0)
 
     # ------------------------------------------------------------------- loads
-    def wants_wait(self, request: Request, mem_blocks: int, hit_tokens: int,
-                   state_lookup: Callable[[bytes], int | None] | None) -> bool:
-        """Whether the request should wait for disk reads: a load of it is under way, or
-        one starts now because the disk holds more of its prefix than memory
-        (``mem_blocks`` KV blocks in memory, resumable at ``hit_tokens``).
-        ``state_lookup``: the memory checkpoint index (hybrids)."""
+    def num_loadable_tokens(self, request: Request, mem_blocks: int, hit_tokens: int,
+                            memory: CacheCoordinator) -> int:
+        """Tokens past the memory hit that a load of the request brings: one under way, or one
+        started now because the disk holds more of its prefix than memory (``mem_blocks`` KV
+        blocks in memory, resumable at ``hit_tokens``); 0 when the disk adds nothing (each
+        request plans once, and again only after a load came back short)."""
         rid = request.request_id
         load = self._loads.get(rid)
         if load is not None:
-            return not load.imported
+            return 0 if load.imported else max(1, load.position - hit_tokens)
         if rid in self._tried:
-            return False
-        plan = self._plan(request, mem_blocks, hit_tokens, state_lookup)
+            return 0
+        plan = self._plan(request, mem_blocks, hit_tokens, memory)
         if plan is None:
-            return False
+            return 0
         self._tried.add(rid)
         self.stats.loads += 1
         future = self._reader.submit(self._read, request, mem_blocks, plan)
-        self._loads[rid] = _Load(future)
-        return True
+        self._loads[rid] = _Load(future, plan.position)
+        return plan.position - hit_tokens
 
-    def _plan(self, request: Request, mem_blocks: int, hit_tokens: int,
-              state_lookup: Callable[[bytes], int | None] | None) -> _Plan | None:
+    def _plan(self, request: Request, mem_blocks: int, hit_tokens: int, memory: CacheCoordinator) -> _Plan | None:
         """What to read for the furthest position past the memory hit (``hit_tokens``) that
         the disk and memory together can resume from: every main-pool block below it, a
         checkpoint there (hybrids), the window's blocks below it (a window pool); None when
         the disk adds nothing."""
-        if not self.kv_files and not self.has_state and self.window is None:
+        window = memory.has_window_pool()
+        if not self.kv_files and not self.has_state and not window:
             return None  # nothing of this model is ever written
         bs, hashes = self.block_size, request.block_hashes
         rest = hashes[mem_blocks:]
         run = self._prefix_run(KV, rest) if self.kv_files else len(rest)
         avail = mem_blocks + run
-        stateful = self.has_state and state_lookup is not None
-        for position, key in self._candidates(request, avail, stateful):
+        for position, key in self._candidates(request, avail, window):
             if position <= hit_tokens:
                 return None
             state_key = None
-            if key is not None and state_lookup(key) is None:  # type: ignore[misc]
+            if key is not None and not memory.in_memory(STATE, key):
                 if not self._has(*state_file(key)):
                     continue
                 state_key = key
-            swa = self._window_reads(request, position, avail)
+            swa = self._window_reads(request, position, avail, memory)
             if swa is None:
                 continue
             kv_hashes = hashes[mem_blocks:hit_num_blocks(request, position, avail, bs)]
             if not kv_hashes and state_key is None and not swa:
                 return None
-            return _Plan(kv_hashes, state_key, swa)
+            return _Plan(position, kv_hashes, state_key, swa)
         return None
 
-    def _candidates(self, request: Request, avail: int, stateful: bool) -> list[tuple[int, bytes | None]]:
+    def _candidates(self, request: Request, avail: int, window: bool) -> list[tuple[int, bytes | None]]:
         """Positions a hit could resume from, furthest first, each with the checkpoint key it
-        needs (``stateful``) or None; ``avail``: blocks of the request in memory or on disk."""
+        needs (a model with recurrent state) or None; ``avail``: blocks of the request in memory
+        or on disk; ``window``: the model has a sliding-window pool."""
         bs, n, hashes = self.block_size, request.num_tokens, request.block_hashes
         boundaries = range(min(avail, (n - 1) // bs), 0, -1)
-        if not stateful:
+        if not self.has_state:
             furthest = min(avail * bs, n - 1)
-            lower = [(j * bs, None) for j in boundaries if j * bs < furthest] if self.window is not None else []
+            lower = [(j * bs, None) for j in boundaries if j * bs < furthest] if window else []
             return [(furthest, None), *lower]
         candidates: list[tuple[int, bytes | None]] = []
         if n % bs == 0 and avail * bs >= n and not request.output_token_ids:
             candidates.append((n - 1, before_last_token(hashes[n // bs - 1])))
         return candidates + [(j * bs, hashes[j - 1]) for j in boundaries]
 
-    def _window_reads(self, request: Request, position: int, avail: int) -> list[bytes] | None:
+    def _window_reads(self, request: Request, position: int, avail: int,
+                      memory: CacheCoordinator) -> list[bytes] | None:
         """Hashes of the window blocks a hit at ``position`` reads that only the disk holds
         ([] without a window pool); None when one is in neither place."""
-        if self.window is None:
-            return []
         out = []
-        for i in self.window.needed_blocks(request, position, avail):
+        for i in memory.window_blocks_needed(request, position, avail):
             block_hash = request.block_hashes[i]
-            if self.window.pool.lookup(block_hash) is not None:
+            if memory.in_memory(SWA, block_hash):
                 continue
             if not self._has(SWA, block_hash):
                 return None
@@ -307,7 +303,7 @@ class DiskTier:
         """On the reader thread: the payloads. The KV run stops at the first missing or
         refused file; a window block or checkpoint that fails is left out (scheduling then
         finds the hit those read allow)."""
-        loaded = Loaded(request, first_block)
+        loaded = Loaded(request, first_block, plan.position)
         for block_hash in plan.kv_hashes:
             payload = self._get(KV, block_hash) if self.kv_files else b""
             if payload is None:

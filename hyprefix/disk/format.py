@@ -1,4 +1,4 @@
-"""The file format of the disk tier's block files (``disk_store.py`` keeps them): one block's bytes
+"""The file format of the disk tier's block files (``store.py`` keeps them): one block's bytes
 under a header that names what they are valid for.
 
 File format (little-endian), a header then the payload::

@@ -1,16 +1,16 @@
-"""The engine's side of the disk tier: moves bytes between the cache tensors
-(``runner/block_io.py``) and the tier's threads (``cache/disk_tier.py``) at the points
-of a step where that is safe.
+"""The disk tier as the engine core drives it: the worker side of the connector. It moves
+bytes between the cache tensors (``block_io.py``) and the tier's threads (``tier.py``) at
+the points of a step where that is safe, and reaches the memory pools only through the cache
+coordinator (``reserve_load`` / ``publish_load`` / ``cancel_load``, ``take_saves``).
 
-Order within a step (``Engine.step``):
-1. ``import_ready``: imports whose copies finished are published (the scheduler then sees
-   them as ordinary memory hits), and loads whose reads finished get fresh memory blocks
-   (what their allocation evicted is saved first) that the copier thread fills while
+Order within a step (``EngineCore.step``):
+1. ``before_schedule``: imports whose copies finished are published (the scheduler then
+   sees them as ordinary memory hits), and loads whose reads finished get fresh memory
+   blocks (what their allocation evicted is saved first) that the copier thread fills while
    steps go on;
-2. the scheduler runs (its allocations note the blocks and checkpoints they evict);
-3. ``save_noted``: the noted blocks are copied out, before the forward that reuses them;
-4. the forward; after it, with write-through, ``save_noted`` again for what the step
-   published.
+2. the scheduler runs (the pools record the entries its allocations evict);
+3. ``before_forward``: those entries are copied out, before the forward that reuses them;
+4. the forward; after it, with write-through, ``after_step`` saves what the step published.
 """
 
 from __future__ import annotations
@@ -24,45 +24,39 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hyprefix.cache.block_pool import ImportHold
-from hyprefix.cache.coordinator import CacheCoordinator
-from hyprefix.cache.disk_store import DiskBlockStore, DiskIdentity
-from hyprefix.cache.disk_tier import KV, SWA, DiskTier, Loaded, Payload, state_file
-from hyprefix.cache.plan import GIB, attach_disk
-from hyprefix.cache.sliding import SlidingWindowKV
-from hyprefix.cache.state_pool import StatePool
+from hyprefix.cache.coordinator import KV, STATE, SWA, CacheCoordinator, LoadHold
+from hyprefix.cache.plan import GIB
+from hyprefix.disk.block_io import BlockIO
+from hyprefix.disk.store import DiskBlockStore, DiskIdentity
+from hyprefix.disk.tier import DiskTier, Loaded, Payload
 from hyprefix.request import Status
-from hyprefix.runner.block_io import BlockIO
 
 log = logging.getLogger("hyprefix")
 
 
 @dataclass
 class _Import:
-    """A load on its way into memory: blocks held unpublished and a checkpoint slot reserved
-    (engine thread), filled by the copier thread, published by a later step."""
+    """A load on its way into memory: memory held unpublished (engine thread), filled by the
+    copier thread, published by a later step."""
 
     loaded: Loaded
-    first: int  # index of the request's first block imported
-    kv: list[tuple[bytes, Payload]]  # (block hash, payload)
-    kv_hold: ImportHold  # fresh blocks for ``kv``, and the prefix they extend, held
-    swa: list[tuple[bytes, Payload]] = field(default_factory=list)
-    swa_hold: ImportHold | None = None
-    state_slot: int | None = None
+    hold: LoadHold
+    payloads: list[Payload]  # in ``hold.targets()`` order
     copied: Future[None] = field(default_factory=Future)
 
 
-class DiskCache:
+class DiskConnector:
+    """``create`` builds one over an engine's cache and runner (``--disk-cache-dir``)."""
+
     def __init__(self, directory: str, capacity_gb: float, write_through: bool, model_identity: str,
                  cache: CacheCoordinator, io: BlockIO) -> None:
         self.cache = cache
         self.io = io
         self.model_identity = model_identity
         self.store = DiskBlockStore(Path(directory), DiskIdentity(model_identity, io.layout), int(capacity_gb * GIB))
-        self.window = next((kind for kind in cache.kinds if isinstance(kind, SlidingWindowKV)), None)
         self.tier = DiskTier(self.store, cache.block_size, io.kv_block_bytes, has_state=io.state_bytes > 0,
-                             write_through=write_through, window=self.window)
-        self.states: StatePool | None = attach_disk(cache, self.tier)
+                             write_through=write_through)
+        cache.attach_lower(self.tier, write_through)
         t0 = time.perf_counter()
         touched = io.touch()
         log.info("disk cache: %.0f MiB of KV and checkpoint pools touched in %.1fs (restores write there beside "
@@ -75,11 +69,24 @@ class DiskCache:
         # long prompt touches many pool pages, and a step must not wait for that.
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hyprefix-disk-import")
         self._imports: list[_Import] = []  # in the order they started
-        # hashes of the blocks they bring (counted: two imports may bring one block)
+        # hashes of the blocks they bring, by pool (counted: two imports may bring one block)
         self._incoming: dict[str, Counter[bytes]] = {KV: Counter(), SWA: Counter()}
         self._off = False  # the weights changed in place (``_weights_changed``)
         ref = weakref.ref(self)
         atexit.register(lambda: (disk := ref()) is not None and disk.close())
+
+    @classmethod
+    def create(cls, config, cache: CacheCoordinator, runner, model_identity: str) -> DiskConnector:
+        """Over ``runner``'s K/V and state tensors (``config``: an ``engine_config.DiskCacheConfig``)."""
+        layout = runner.model.kv_layout
+        in_window_pool = [runner.has_window_pool and layout.window(i) is not None for i in range(layout.num_layers)]
+        io = BlockIO(runner.kv_caches, [i for i, w in enumerate(in_window_pool) if not w], runner.recurrent_states,
+                     runner.block_size, window_pool_layers=[i for i, w in enumerate(in_window_pool) if w])
+        return cls(config.directory, config.capacity_gb, config.write_through, model_identity, cache, io)
+
+    @property
+    def write_through(self) -> bool:
+        return self.tier.write_through
 
     # ------------------------------------------------------------ weight updates
     def _weights_changed(self) -> bool:
@@ -108,21 +115,16 @@ class DiskCache:
         let go unpublished (``cancel``)."""
         self._publish_copied(wait_all=True, cancel=cancel)
         self._off = True
-        pool = self.cache.kv.pool
-        pool.on_evict = pool.on_publish = None
-        if self.window is not None:
-            self.window.pool.on_evict = self.window.pool.on_publish = None
-        if self.states is not None:
-            self.states.on_evict = self.states.on_commit = None
-        self.cache.lower = None
+        self.cache.detach_lower()
         self.tier.take_saves()
 
     # ------------------------------------------------------------------ saves
-    def save_noted(self, wait: bool = False) -> None:
-        """Copy out every block and checkpoint noted since the last call and queue its write
-        (``wait``: write it now)."""
+    def before_forward(self, wait: bool = False) -> None:
+        """Copy out every entry the pools recorded since the last call and queue its write
+        (``wait``: write it now): before the forward that may rewrite them."""
         if self._off:
             return
+        self.tier.note(self.cache.take_saves())
         saves = self.tier.take_saves()
         blocks = {kind: [(h, b) for k, h, b in saves if k == kind] for kind in (KV, SWA)}
         for kind, noted in blocks.items():  # blocks in one gather per layer
@@ -133,19 +135,19 @@ class DiskCache:
             if kind not in blocks:
                 self.tier.save(kind, key, self.io.read_state(slot), wait)
 
+    def after_step(self) -> None:
+        """Write-through: save what the step published."""
+        if self.write_through:
+            self.before_forward()
+
     def flush_memory(self) -> None:
         """Write every cached block and checkpoint memory holds that the disk lacks, and wait."""
-        for block_hash, block_id in self.cache.kv.pool.indexed():
-            self.tier.note_kv(block_hash, block_id)
-        for block_hash, block_id in self.window.pool.indexed() if self.window is not None else ():
-            self.tier.note_swa(block_hash, block_id)
-        for key, slot in self.states.committed() if self.states is not None else ():
-            self.tier.note_state(key, slot)
+        self.tier.note(self.cache.cached_entries())
         self.tier.flush()
-        self.save_noted(wait=True)
+        self.before_forward(wait=True)
 
     # ------------------------------------------------------------------ loads
-    def import_ready(self, requests: dict) -> None:
+    def before_schedule(self, requests: dict) -> None:
         """Publish the imports whose copies finished, and start importing the loads whose
         reads finished. ``requests``: the scheduler's live requests (a load of one that
         finished or was aborted meanwhile is dropped)."""
@@ -160,51 +162,36 @@ class DiskCache:
             if job is None:
                 self.tier.finish(loaded)
                 continue
-            if job.kv or job.swa or job.state_slot is not None:
+            if job.payloads:
                 job.copied = self._copier.submit(self._copy, job)
             else:  # all of it in memory or on its way there: done once the imports before it are
                 job.copied.set_result(None)
-            self._incoming[KV].update(h for h, _ in job.kv)
-            self._incoming[SWA].update(h for h, _ in job.swa)
+            self._incoming[KV].update(job.hold.kv)
+            self._incoming[SWA].update(job.hold.swa)
             self._imports.append(job)
 
     def _reserve(self, loaded: Loaded) -> _Import | None:
         """On the engine thread: memory for what the load read, less what memory gained
-        meanwhile (blocks held and unpublished, a checkpoint slot reserved); None when the
-        KV blocks find no room. What the reservations evicted is saved before returning, so
-        the copier may overwrite it."""
-        request, first = loaded.request, loaded.first_block
-        pool = self.cache.kv.pool
-        kv = loaded.kv
-        while kv and (pool.lookup(kv[0][0]) is not None or kv[0][0] in self._incoming[KV]):
-            kv, first = kv[1:], first + 1
-        hold = self.cache.reserve_import(request, first, len(kv))
-        if hold is None:
+        meanwhile; None when the KV blocks find no room. What the reservations evicted is
+        saved before returning, so the copier may overwrite it."""
+        hold = self.cache.reserve_load(loaded.request, loaded.first_block, [h for h, _ in loaded.kv],
+                                       [h for h, _ in loaded.swa], loaded.state[0] if loaded.state else None,
+                                       set(self._incoming[KV]), set(self._incoming[SWA]))
+        if hold is None or hold.window_dropped:
             self.tier.stats.imports_dropped += 1
+        if hold is None:
             return None
-        job = _Import(loaded, first, kv, hold)
-        if loaded.swa and self.window is not None:
-            swa = [(h, payload) for h, payload in loaded.swa
-                   if self.window.pool.lookup(h) is None and h not in self._incoming[SWA]]
-            swa_hold = self.window.reserve_import(request, len(swa))
-            if swa_hold is None:
-                self.tier.stats.imports_dropped += 1
-            else:
-                job.swa, job.swa_hold = swa, swa_hold
-        if loaded.state is not None and self.states is not None:
-            job.state_slot = self.states.reserve(loaded.state[0], for_import=True)
-        self.save_noted()
+        read = {(KV, h): payload for h, payload in loaded.kv} | {(SWA, h): payload for h, payload in loaded.swa}
+        if loaded.state is not None:
+            read[STATE, loaded.state[0]] = loaded.state[1]
+        job = _Import(loaded, hold, [read[pool, key] for pool, key, _ in hold.targets()])
+        self.before_forward()
         return job
 
     def _copy(self, job: _Import) -> None:
         """On the copier thread: the payloads into the reserved blocks and slot."""
-        for (_, payload), block_id in zip(job.kv, job.kv_hold.blocks, strict=True):
-            self.io.write_kv(block_id, payload)
-        for (_, payload), block_id in zip(job.swa, job.swa_hold.blocks if job.swa_hold else (), strict=True):
-            self.io.write_swa(block_id, payload)
-        if job.state_slot is not None:
-            assert job.loaded.state is not None
-            self.io.write_state(job.state_slot, job.loaded.state[1])
+        for (pool, _, target), payload in zip(job.hold.targets(), job.payloads, strict=True):
+            self.io.write(pool, target, payload)
 
     def _publish_copied(self, wait_all: bool = False, cancel: bool = False) -> None:
         """On the engine thread: publish the imports whose copies finished, in the order they
@@ -214,45 +201,21 @@ class DiskCache:
         hashes no longer name its blocks (a weight update cleared them)."""
         while self._imports and (wait_all or self._imports[0].copied.done()):
             job = self._imports.pop(0)
-            self._untrack(job)
+            for pool, hashes in ((KV, job.hold.kv), (SWA, job.hold.swa)):
+                self._incoming[pool].subtract(hashes)
+                self._incoming[pool] = +self._incoming[pool]
             try:
                 job.copied.result()  # a copy that raised is a bug: raise it here, on the engine thread
             except BaseException:
-                self._release(job)
+                self.cache.cancel_load(job.hold)
                 raise
-            request, hashes = job.loaded.request, [h for h, _ in job.kv]
-            if cancel or request.block_hashes[job.first:job.first + len(hashes)] != hashes:
-                self._release(job)
+            request, hold = job.loaded.request, job.hold
+            if cancel or request.block_hashes[hold.first_block:hold.first_block + len(hold.kv)] != hold.kv:
+                self.cache.cancel_load(hold)
             else:
-                self._publish(job)
+                self.cache.publish_load(request, hold)
+                self.tier.stats.hit_tokens += len(hold.kv) * self.cache.block_size
             self.tier.finish(job.loaded)
-
-    def _publish(self, job: _Import) -> None:
-        self.cache.publish_import(job.loaded.request, job.first, job.kv_hold)
-        self.tier.stats.hit_tokens += len(job.kv) * self.cache.block_size
-        if job.swa_hold is not None and self.window is not None:
-            self.window.publish_import([h for h, _ in job.swa], job.swa_hold)
-        if job.state_slot is not None and self.states is not None:
-            assert job.loaded.state is not None
-            _, block = state_file(job.loaded.state[0])
-            if self.cache.kv.pool.lookup(block) is not None:  # a checkpoint must sit on a cached block
-                self.states.commit(job.state_slot)
-            else:
-                self.states.cancel(job.state_slot)
-
-    def _release(self, job: _Import) -> None:
-        """Let the job's blocks and slot go unpublished."""
-        self.cache.cancel_import(job.kv_hold)
-        if job.swa_hold is not None and self.window is not None:
-            self.window.pool.end_import(job.swa_hold)
-        if job.state_slot is not None and self.states is not None:
-            self.states.cancel(job.state_slot)
-
-    def _untrack(self, job: _Import) -> None:
-        for kind, pairs in ((KV, job.kv), (SWA, job.swa)):
-            incoming = self._incoming[kind]
-            incoming.subtract(h for h, _ in pairs)
-            self._incoming[kind] = +incoming
 
     def wait_for_loads(self, timeout: float) -> None:
         """Nothing else to run: block until a read or a copy finishes (instead of spinning on steps)."""
