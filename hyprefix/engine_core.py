@@ -34,7 +34,7 @@ class StepProgress:
 
     advanced: list[Request] = field(default_factory=list)
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -106,9 +106,10 @@ class EngineCore:
 
     def close(self) -> None:
         """Write the disk tier out (what memory holds) and stop its threads; stop the KV event
-        publisher (its sockets)."""
+        publisher (its sockets) and the structured-output mask worker."""
         if self.disk is not None:
             self.disk.close()
+        self.step_masks.close()
         if self.event_publisher is not None:
             self.event_publisher.close()
             self.event_publisher = None

@@ -356,7 +356,9 @@ class CacheCoordinator:
         out += [(SWA, h, b) for h, b in self._window.pool.indexed()] if self._window is not None else []
         return out + ([(STATE, k, slot) for k, slot in self._states.committed()] if self._states is not None else [])
 
+    @property
     def has_window_pool(self) -> bool:
+        """Sliding-window layers keep their K/V in a pool of their own."""
         return self._window is not None
 
     def in_memory(self, pool: str, key: bytes) -> bool:
@@ -387,8 +389,10 @@ class CacheCoordinator:
         if kv_hold is None:
             return None
         hold = LoadHold(first_block, kv, kv_hold)
-        swa = [h for h in swa if not self.in_memory(SWA, h) and h not in incoming_swa]
-        if swa and self._window is not None:
+        # Held even when memory has all of them by now (a hold of 0 fresh blocks): the hold also
+        # keeps the request's cached window blocks from eviction until the load is published.
+        wanted, swa = bool(swa), [h for h in swa if not self.in_memory(SWA, h) and h not in incoming_swa]
+        if wanted and self._window is not None:
             swa_hold = self._window.reserve_import(request, len(swa))
             if swa_hold is not None:
                 hold.swa, hold.swa_hold = swa, swa_hold

@@ -246,7 +246,7 @@ class DiskTier:
         the disk and memory together can resume from: every main-pool block below it, a
         checkpoint there (hybrids), the window's blocks below it (a window pool); None when
         the disk adds nothing."""
-        window = memory.has_window_pool()
+        window = memory.has_window_pool
         if not self.kv_files and not self.has_state and not window:
             return None  # nothing of this model is ever written
         bs, hashes = self.block_size, request.block_hashes

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from hyprefix.engine_config import RunnerConfig
 from hyprefix.kernels import decode_attention
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
@@ -24,6 +24,9 @@ from hyprefix.runner.sampler import Sampler
 from hyprefix.runner.verify import accept, sample_rows
 from hyprefix.sampling import SamplingParams
 from hyprefix.structured.step_masks import GrammarMasks
+
+if TYPE_CHECKING:  # (a plain dataclass; importing it would import the scheduler and the catalog)
+    from hyprefix.engine_config import RunnerConfig
 
 log = logging.getLogger("hyprefix.runner")
 

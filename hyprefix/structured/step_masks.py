@@ -76,7 +76,8 @@ class GrammarMasks:
     def allowed(self, request_ids: Sequence[str], vocab_size: int) -> torch.Tensor:
         """The tokens these rows' grammars take next, bool [len, vocab_size] (True: allowed),
         computed now on the caller's thread (rows that do not mask first: their worker bitmask
-        does not exist)."""
+        does not exist). Waits for the worker first: the two never compute masks at once."""
+        self.wait()
         return self._masks_of([self._grammars[request_id] for request_id in request_ids], vocab_size)
 
     def wait(self) -> None:

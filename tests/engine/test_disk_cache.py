@@ -247,7 +247,7 @@ def test_window_pool_blocks_survive_a_restart(tmp_path, reference, window_models
     restart, so a window model's hit survives it."""
     model = window_models[arch]
     llm_a = make(model, tmp_path)
-    assert llm_a.engine.cache.has_window_pool()  # the window layers have their own pool
+    assert llm_a.engine.cache.has_window_pool  # the window layers have their own pool
     tokens_a, _ = greedy(llm_a)
     llm_a.engine.close()
     assert files(tmp_path, ".swa")

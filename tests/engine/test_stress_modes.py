@@ -53,7 +53,7 @@ def _greedy(rng: random.Random) -> SamplingParams:
 def _run(llm: LLM, ref: LLM, todo, seed: int, **kwargs):
     rng = random.Random(seed)
     run = drive(llm, rng, list(todo), block_size=BLOCK, max_prompt=300, abort_p=0.05, reset_step=-1, follow_p=0.4,
-                follow_max_tokens=8, max_steps=150 * len(todo), **kwargs)
+                follow_max_tokens=8, max_steps=max(2000, 150 * len(todo)), **kwargs)
     verify(llm, ref, run, len(todo))
     return run
 
