@@ -54,7 +54,12 @@ def _run(llm: LLM, ref: LLM, todo, seed: int, **kwargs):
     rng = random.Random(seed)
     run = drive(llm, rng, list(todo), block_size=BLOCK, max_prompt=300, abort_p=0.05, reset_step=-1, follow_p=0.4,
                 follow_max_tokens=8, max_steps=max(2000, 150 * len(todo)), **kwargs)
-    verify(llm, ref, run, len(todo))
+    done = verify(llm, ref, run, len(todo))
+    stats = llm.get_stats()
+    print(f"stress: {len(run.added)} requests ({run.num_followups} follow-ups), {len(run.aborted)} aborted, "
+          f"{len(done)} checked against no prefix caching; prefix hits {stats['prefix_cache_hits']} of "
+          f"{stats['prefix_cache_queries']}, {stats['prefill_skipped_tokens']} prompt tokens skipped, "
+          f"{stats['num_preemptions']} preemptions")  # (shown with -s: the long run's numbers)
     return run
 
 
