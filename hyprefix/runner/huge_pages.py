@@ -1,15 +1,13 @@
-"""Weights in transparent huge pages (Linux CPUs).
+"""Weights and K/V caches in transparent huge pages (Linux CPUs).
 
 A decode step streams every weight once, in many short reads (SmolLM2-135M's layer
 weights are 0.3-1.8 MB each); with 4 KiB pages each read crosses hundreds of page
 edges, where the TLB misses and the hardware prefetchers stop. Where THP is in
 "madvise" mode (the common default) torch's allocator never asks for huge pages, so
 the weights are moved, once, into one private anonymous mapping advised with
-``MADV_HUGEPAGE`` and starting on a 2 MiB boundary, in forward order. The K/V caches are
-not: a huge-page arena is mapped page by page as it is first written, and a prefill
-writing blocks never written before paid those faults (and the kernel's compaction for
-each huge page) inside its step; allocated with ``torch.zeros`` they are mapped at
-start-up, and decode read them no slower (docs/perf-log.md). Elsewhere (THP off, another OS, another device)
+``MADV_HUGEPAGE`` and starting on a 2 MiB boundary, in forward order; the K/V caches
+are allocated in one such mapping (zero-filled by the kernel, so pages are only
+touched as blocks are written). Elsewhere (THP off, another OS, another device)
 nothing changes.
 """
 
@@ -107,3 +105,14 @@ def move_weights(module: torch.nn.Module) -> int:
     tensors = {id(t): t for sub in module.modules() for t in (*sub._parameters.values(), *sub._buffers.values())
                if t is not None}
     return move_to_huge_pages(list(tensors.values()))
+
+
+def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                    device: torch.device) -> list[torch.Tensor] | None:
+    """Zero-filled tensors of these shapes, one after another in one huge-page mapping;
+    None where huge pages are unavailable, ``device`` is not a CPU, or there is nothing to
+    allocate (the caller allocates as usual)."""
+    if device.type != "cpu" or not shapes or not all(torch.Size(shape).numel() for shape in shapes) \
+            or not thp_available():
+        return None
+    return _arena_tensors([(shape, dtype) for shape in shapes])

@@ -8,7 +8,7 @@ import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.runner import huge_pages
-from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, move_weights, thp_available
+from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, huge_page_zeros, move_weights, thp_available
 from tests.support.compare import our_last_logits, random_prompts
 
 needs_thp = pytest.mark.skipif(not thp_available(), reason="no transparent huge pages here (not Linux, or THP 'never')")
@@ -111,10 +111,11 @@ def test_without_huge_pages_nothing_moves(monkeypatch):
     model = torch.nn.Linear(8, 8)
     ptr = model.weight.data_ptr()
     assert move_weights(model) == 0 and model.weight.data_ptr() == ptr
+    assert huge_page_zeros([(4, 4)], torch.float32, torch.device("cpu")) is None
 
 
 def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, monkeypatch):
-    """The engine's weights in huge pages (where this machine has them) change no
+    """The engine's weights and K/V in huge pages (where this machine has them) change no
     number: the same logits as an engine without them (prefill in two chunks, which reads
     the first chunk's K/V back; the compiled decode step) and the same greedy tokens
     (batch 1 through the compiled step, 3 rows eager)."""
@@ -124,10 +125,10 @@ def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, 
     prompts = random_prompts((9, 23, 40), seed=4)
     with_thp = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16)
     runner = with_thp.engine.runner
-    assert (runner.huge_page_bytes["weights"] > 0) == thp_available()
+    assert (runner.huge_page_bytes["weights"] > 0) == thp_available() == (runner.huge_page_bytes["kv"] > 0)
     monkeypatch.setattr(huge_pages, "thp_available", lambda: False)
     plain = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16)
-    assert plain.engine.runner.huge_page_bytes == {"weights": 0}
+    assert plain.engine.runner.huge_page_bytes == {"weights": 0, "kv": 0}
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for batch in ([prompts[0]], prompts):
         ours, theirs = (llm.generate(batch, greedy, use_tqdm=False) for llm in (with_thp, plain))
@@ -135,6 +136,6 @@ def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, 
     assert torch.equal(our_last_logits(with_thp, prompts, chunk=16), our_last_logits(plain, prompts, chunk=16))
     (compiled, _), (plain_compiled, _) = (_compiled_and_eager_logits(llm, [prompts[1]]) for llm in (with_thp, plain))
     assert torch.equal(compiled, plain_compiled)
-    if thp_available():  # the weights sit in huge pages (the K/V caches are plain, mapped at start-up)
+    if thp_available():  # the K/V's pages are touched as blocks are written: by now, the first ones
         weight = next(runner.model.parameters())
-        assert _anon_huge_kb(weight.data_ptr()) > 0
+        assert _anon_huge_kb(runner.kv_caches[0][0].data_ptr()) > 0 and _anon_huge_kb(weight.data_ptr()) > 0
