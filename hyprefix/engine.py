@@ -72,7 +72,7 @@ class Engine:
                                      self.core.set_model_identity)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs,
                                      self.grammars, lambda: (self.cache.kv.num_blocks, self.max_pool_tokens))
-        self.outputs = OutputProcessor(self.tokenizer, self.vocab_size, self.scheduler)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         freeze_startup_heap()
         # Loading ran parallel work on this thread; the thread that steps the engine may be
         # another, and two OpenMP pools would slow every step (``openmp.py``).

@@ -45,9 +45,8 @@ class OutputProcessor:
     ``scheduler``: where a stop it finds (a stop string, a complete structured output) ends the
     sequence."""
 
-    def __init__(self, tokenizer, vocab_size: int, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.scheduler = scheduler
         self._parents: dict[str, _Parent] = {}
         self._samples: dict[str, tuple[_Parent, _Sample]] = {}
