@@ -1,14 +1,19 @@
-"""Weights and K/V caches in transparent huge pages (Linux CPUs).
+"""Weights in transparent huge pages, K/V caches in lazily mapped small pages (CPUs).
 
 A decode step streams every weight once, in many short reads (SmolLM2-135M's layer
 weights are 0.3-1.8 MB each); with 4 KiB pages each read crosses hundreds of page
 edges, where the TLB misses and the hardware prefetchers stop. Where THP is in
 "madvise" mode (the common default) torch's allocator never asks for huge pages, so
 the weights are moved, once, into one private anonymous mapping advised with
-``MADV_HUGEPAGE`` and starting on a 2 MiB boundary, in forward order; the K/V caches
-are allocated in one such mapping (zero-filled by the kernel, so pages are only
-touched as blocks are written). Elsewhere (THP off, another OS, another device)
-nothing changes.
+``MADV_HUGEPAGE`` and starting on a 2 MiB boundary, in forward order. Elsewhere (THP
+off, another OS, another device) the weights stay where they are.
+
+The K/V caches go into one private anonymous mapping advised ``MADV_NOHUGEPAGE``
+(``lazy_zeros``): zero-filled by the kernel and mapped 4 KiB at a time as blocks are
+first written, so an idle pool costs no memory and a block's first write costs a
+small-page fault (~0.2 ms a MiB on a Zen 4), where a huge-page fault with THP's
+``defrag=madvise`` compacts memory first (1.2-2.3 ms a MiB, docs/perf-log.md), inside
+the prefill that writes the block. Decode reads K/V no slower from small pages.
 """
 
 from __future__ import annotations
@@ -39,17 +44,19 @@ def thp_available() -> bool:
 
 
 class HugePageArena:
-    """One private anonymous mapping advised for huge pages, starting on a 2 MiB boundary,
-    zero-filled by the kernel. Each tensor ``take`` gives has a storage of its own (as
+    """One private anonymous mapping starting on a 2 MiB boundary, zero-filled by the
+    kernel, advised for huge pages (``huge``) or against them. Each tensor ``take`` gives has a storage of its own (as
     torch sees it) and is no view: a compiled step that writes K/V into tensors that
     alias one storage, or into views, copies the whole tensors every step. The mapping
     lives as long as any of its tensors."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, huge: bool = True) -> None:
         # whole huge pages from the aligned start, wherever the kernel put the mapping
         whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         self._mapping = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+        if advice is not None:
+            self._mapping.madvise(advice)
         probe = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1)
         self._start = -probe.data_ptr() % HUGE_PAGE
         self.nbytes = nbytes
@@ -67,11 +74,12 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _arena_tensors(specs: list[tuple[torch.Size | tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+def _arena_tensors(specs: list[tuple[torch.Size | tuple[int, ...], torch.dtype]],
+                   huge: bool = True) -> list[torch.Tensor]:
     """Zero-filled tensors of these shapes and dtypes, one after another (each 64-byte
     aligned) in one new ``HugePageArena``."""
     sizes = [_aligned(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs]
-    arena = HugePageArena(sum(sizes))
+    arena = HugePageArena(sum(sizes), huge)
     out, offset = [], 0
     for (shape, dtype), size in zip(specs, sizes, strict=True):
         out.append(arena.take(offset, shape, dtype))
@@ -107,12 +115,10 @@ def move_weights(module: torch.nn.Module) -> int:
     return move_to_huge_pages(list(tensors.values()))
 
 
-def huge_page_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype,
-                    device: torch.device) -> list[torch.Tensor] | None:
-    """Zero-filled tensors of these shapes, one after another in one huge-page mapping;
-    None where huge pages are unavailable, ``device`` is not a CPU, or there is nothing to
-    allocate (the caller allocates as usual)."""
-    if device.type != "cpu" or not shapes or not all(torch.Size(shape).numel() for shape in shapes) \
-            or not thp_available():
-        return None
-    return _arena_tensors([(shape, dtype) for shape in shapes])
+def lazy_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Zero-filled tensors of these shapes, on ``device``. On a CPU they lie one after
+    another in one mapping of small pages that the kernel maps as they are first written
+    (``torch.zeros`` would write, and so map, every page now); elsewhere ``torch.zeros``."""
+    if device.type != "cpu" or not shapes or not all(torch.Size(shape).numel() for shape in shapes):
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    return _arena_tensors([(shape, dtype) for shape in shapes], huge=False)

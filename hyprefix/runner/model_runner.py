@@ -18,7 +18,7 @@ from hyprefix.outputs import DECODE_PATHS, PositionLogprobs, ScheduledSeq, Sched
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 from hyprefix.runner.decode_graph import DecodeGraphs
-from hyprefix.runner.huge_pages import huge_page_zeros, move_weights
+from hyprefix.runner.huge_pages import lazy_zeros, move_weights
 from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
 from hyprefix.runner.verify import accept, sample_rows
@@ -91,15 +91,12 @@ class ModelRunner:
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
                    block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
-        # On a CPU, the weights and the K/V in transparent huge pages where the OS gives them.
-        kv_shapes = [s for shape in shapes for s in (shape, shape)]
-        kv = huge_page_zeros(kv_shapes, dtype, device)
-        self.huge_page_bytes = {"weights": move_weights(model), "kv": 0 if kv is None else sum(t.nbytes for t in kv)}
-        if kv is None:
-            kv = [torch.zeros(s, dtype=dtype, device=device) for s in kv_shapes]
-        if any(self.huge_page_bytes.values()):
-            log.info("transparent huge pages: weights %.1f MiB, K/V %.1f MiB",
-                     self.huge_page_bytes["weights"] / 2**20, self.huge_page_bytes["kv"] / 2**20)
+        # On a CPU, the weights in transparent huge pages where the OS gives them; the K/V
+        # mapped as blocks are first written (``huge_pages``: huge-page faults are slow).
+        kv = lazy_zeros([s for shape in shapes for s in (shape, shape)], dtype, device)
+        self.huge_page_bytes = move_weights(model)
+        if self.huge_page_bytes:
+            log.info("transparent huge pages: weights %.1f MiB", self.huge_page_bytes / 2**20)
         self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout

@@ -1,21 +1,24 @@
-"""Weights and K/V in transparent huge pages (runner/huge_pages.py): the arena's tensors,
-moving a model's weights, and an engine whose weights and K/V live there."""
+"""Weights in transparent huge pages and K/V in lazily mapped small pages
+(runner/huge_pages.py): the arena's tensors, moving a model's weights, and an engine whose
+weights and K/V live there."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.runner import huge_pages
-from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, huge_page_zeros, move_weights, thp_available
+from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, lazy_zeros, move_weights, thp_available
 from tests.support.compare import our_last_logits, random_prompts
 
 needs_thp = pytest.mark.skipif(not thp_available(), reason="no transparent huge pages here (not Linux, or THP 'never')")
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
+def _anon_huge_kb(address: int, field: str = "AnonHugePages") -> int:
+    """``field`` (kB) of the mapping that holds ``address`` (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -23,7 +26,7 @@ def _anon_huge_kb(address: int) -> int:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and line.startswith("AnonHugePages:"):
+            elif inside and line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
@@ -111,7 +114,23 @@ def test_without_huge_pages_nothing_moves(monkeypatch):
     model = torch.nn.Linear(8, 8)
     ptr = model.weight.data_ptr()
     assert move_weights(model) == 0 and model.weight.data_ptr() == ptr
-    assert huge_page_zeros([(4, 4)], torch.float32, torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps here")
+def test_kv_tensors_are_zeroed_separate_and_mapped_only_as_written():
+    """The K/V's mapping costs no memory until written, then only the pages written, in
+    small pages (a huge-page fault compacts memory inside the prefill that writes it)."""
+    shapes = [(64, 16, 2, 64), (64, 16, 2, 64), (8, 16, 2, 64)]
+    k, v, w = lazy_zeros(shapes, torch.bfloat16, torch.device("cpu"))
+    assert [t.shape for t in (k, v, w)] == [torch.Size(s) for s in shapes]
+    assert len({t.untyped_storage().data_ptr() for t in (k, v, w)}) == 3 and all(t._base is None for t in (k, v, w))
+    assert _anon_huge_kb(k.data_ptr(), "Rss") == 0
+    assert not k.any() and not w.any()  # reading maps the shared zero page, not memory of its own
+    k[3].fill_(1.0)
+    rss = _anon_huge_kb(k.data_ptr(), "Rss")
+    assert 0 < rss <= 8 and _anon_huge_kb(k.data_ptr()) == 0 and k.sum().item() == k[3].numel()
+    assert not v.any()
+    assert lazy_zeros([(3, 4)], torch.float32, torch.device("meta"))[0].device.type == "meta"
 
 
 def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, monkeypatch):
@@ -125,10 +144,10 @@ def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, 
     prompts = random_prompts((9, 23, 40), seed=4)
     with_thp = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16)
     runner = with_thp.engine.runner
-    assert (runner.huge_page_bytes["weights"] > 0) == thp_available() == (runner.huge_page_bytes["kv"] > 0)
+    assert (runner.huge_page_bytes > 0) == thp_available()
     monkeypatch.setattr(huge_pages, "thp_available", lambda: False)
     plain = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16)
-    assert plain.engine.runner.huge_page_bytes == {"weights": 0, "kv": 0}
+    assert plain.engine.runner.huge_page_bytes == 0
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for batch in ([prompts[0]], prompts):
         ours, theirs = (llm.generate(batch, greedy, use_tqdm=False) for llm in (with_thp, plain))
@@ -136,6 +155,7 @@ def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, 
     assert torch.equal(our_last_logits(with_thp, prompts, chunk=16), our_last_logits(plain, prompts, chunk=16))
     (compiled, _), (plain_compiled, _) = (_compiled_and_eager_logits(llm, [prompts[1]]) for llm in (with_thp, plain))
     assert torch.equal(compiled, plain_compiled)
-    if thp_available():  # the K/V's pages are touched as blocks are written: by now, the first ones
+    if thp_available():  # the weights in huge pages; the K/V's first blocks written by now, in small pages
         weight = next(runner.model.parameters())
-        assert _anon_huge_kb(runner.kv_caches[0][0].data_ptr()) > 0 and _anon_huge_kb(weight.data_ptr()) > 0
+        assert _anon_huge_kb(weight.data_ptr()) > 0 and _anon_huge_kb(runner.kv_caches[0][0].data_ptr()) == 0
+        assert _anon_huge_kb(runner.kv_caches[0][0].data_ptr(), "Rss") > 0
