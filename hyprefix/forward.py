@@ -104,6 +104,9 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # long [S]: tokens whose logits are sampled
     sample_seqs: list[ScheduledSeq]
+    # The rows of the model's output the caller reads, in order (None: all); set only for a
+    # model that ``selects_output_rows`` (``base.last_layer_rows``).
+    output_rows: torch.Tensor | None = None
     window_kv: WindowKV | None = None  # sliding-window layers' own pool (None: they read the tables above)
     # (first, end) when the decode rows' state slots are first, first + 1, ...: their
     # states are one slice of the live tensor and are updated in place.

@@ -66,23 +66,76 @@ struct Packed {
   std::vector<T> k, v;
 };
 
+// Rows a and b of V as VNNI pairs: dst[2i] = a[i], dst[2i + 1] = b[i], i < d.
+inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, c10::BFloat16* dst, int64_t d) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (; i + 32 <= d; i += 32) {
+    const __m512i x = _mm512_loadu_si512(a + i), y = _mm512_loadu_si512(b + i);
+    const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);  // per 128-bit lane
+    _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi64(lo, first, hi));
+    _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi64(lo, second, hi));
+  }
+#endif
+  for (; i < d; ++i) {
+    dst[2 * i] = a[i];
+    dst[2 * i + 1] = b[i];
+  }
+}
+
 template <typename T>
 void pack_head(const Shape& s, const T* k, const T* v, Packed<T>& p) {
   constexpr int64_t pair = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
   const int64_t d = s.dim, ldv = head_ld(d), blocks = (s.keys + kKeyBlock - 1) / kKeyBlock;
   p.k.assign(blocks * d * kKeyLd, T(0.0f));
   p.v.assign(blocks * kKeyBlock * ldv, T(0.0f));
-  for (int64_t j = 0; j < s.keys; ++j) {
+  // K^T: a transpose of 32-bit units (a bfloat16 VNNI pair is one), key rows to columns.
+  static_assert(sizeof(T) * pair == sizeof(float));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t keys = std::min(kKeyBlock, s.keys - b * kKeyBlock);
+    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k + b * kKeyBlock * s.k_t), s.k_t / pair,
+                                  reinterpret_cast<float*>(p.k.data() + b * d * kKeyLd), kKeyLd, keys, d / pair);
+  }
+  for (int64_t j = 0; j < s.keys; j += pair) {
     const int64_t b = j / kKeyBlock, c = j % kKeyBlock;
-    T* kb = p.k.data() + b * d * kKeyLd;
-    T* vb = p.v.data() + b * kKeyBlock * ldv + (c / pair) * ldv * pair + c % pair;
-    const T* kr = k + j * s.k_t;
-    const T* vr = v + j * s.v_t;
-    for (int64_t i = 0; i < d; ++i) {
-      kb[((i / pair) * kKeyLd + c) * pair + i % pair] = kr[i];
-      vb[i * pair] = vr[i];
+    T* vb = p.v.data() + b * kKeyBlock * ldv + c * ldv;
+    if constexpr (pair == 2) {
+      if (j + 1 < s.keys) {
+        interleave_rows(v + j * s.v_t, v + (j + 1) * s.v_t, vb, d);
+      } else {  // an odd last key: its pair partner stays 0
+        for (int64_t i = 0; i < d; ++i) vb[2 * i] = v[j * s.v_t + i];
+      }
+    } else {
+      std::copy_n(v + j * s.v_t, d, vb);
     }
   }
+}
+
+// p[lo, hi) = exp(scale * s - max) in T; returns their sum (of the float32 values).
+template <typename T>
+float exp_row(const float* srow, T* prow, int64_t lo, int64_t hi, float scale, float max) {
+  constexpr int64_t w = Vec::size();
+  const Vec by(scale), shift(max);
+  Vec acc(0.0f);
+  for (int64_t i = lo; i < hi; i += 2 * w) {
+    const int64_t n = std::min(2 * w, hi - i);
+    Vec x = (Vec::loadu(srow + i, std::min(w, n)) * by - shift).exp_u20();
+    Vec y = n > w ? (Vec::loadu(srow + i + w, n - w) * by - shift).exp_u20() : Vec(0.0f);
+    if (n < 2 * w) {  // lanes past hi loaded as 0: their exp is not
+      x = Vec::set(Vec(0.0f), x, std::min(w, n));
+      y = Vec::set(Vec(0.0f), y, std::max<int64_t>(0, n - w));
+    }
+    acc = acc + x + y;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      at::vec::convert_from_float<c10::BFloat16>(x, y).store(prow + i, n);
+    } else {
+      x.store(prow + i, std::min(w, n));
+      if (n > w) y.store(prow + i + w, n - w);
+    }
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
 }
 
 template <typename T>
@@ -145,9 +198,7 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
           const float top = s.scale * at::vec::reduce_all<float>(
               [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, srow + lo, hi - lo);
           const float new_max = std::max(run_max[m], top);
-          const Vec scale(s.scale), shift(new_max);
-          at::vec::map([&](Vec x) { return (x * scale - shift).exp_u20(); }, srow + lo, srow + lo, hi - lo);
-          const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, srow + lo, hi - lo);
+          const float sum = exp_row(srow, prow, lo, hi, s.scale, new_max);
           const float rescale = std::exp(run_max[m] - new_max);  // 0 for the first visible block
           if (rescale != 1.0f) {
             float* orow = obuf.data() + m * ld;
@@ -157,7 +208,6 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
           run_sum[m] = run_sum[m] * rescale + sum;
           run_max[m] = new_max;
           std::fill_n(prow, lo, T(0.0f));
-          at::vec::convert(srow + lo, prow + lo, hi - lo);
           std::fill_n(prow + hi, depth - hi, T(0.0f));
         }
         brgemm(rows, d, depth, kKeyLd, ld, ld, true, pbuf.data(), p.v.data() + kb * kKeyBlock * ld, obuf.data());
@@ -191,7 +241,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor out = at::empty({s.tokens, s.heads, s.dim}, q.options());
   if (s.tokens == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(s.dim % 2 == 0, "prefill_attention: bfloat16 needs an even head dim");
+    TORCH_CHECK(s.dim % 2 == 0 && s.k_t % 2 == 0, "prefill_attention: bfloat16 needs an even head dim and K row stride");
     attend(s, q.const_data_ptr<c10::BFloat16>(), k.const_data_ptr<c10::BFloat16>(),
            v.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
   } else {

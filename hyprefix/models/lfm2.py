@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.models.base import CausalLM, KVLayout, Target
+from hyprefix.models.base import CausalLM, KVLayout, Target, select_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention, map_attention_or_mlp
@@ -90,11 +90,11 @@ class Lfm2Layer(nn.Module):
         self.mlp = GatedMLP(hidden, mlp_size(cfg), False, dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
-                cache, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, kernels: Kernels, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: the layer's recurrent state (conv) or its (K, V) cache (attention)."""
         h, residual = self.input_norm.add_forward(x, residual, kernels)
         h = self.mixer(h, batch, cache) if self.kind == CONV else self.mixer(h, batch, rope, cache, kernels)
-        h, residual = self.post_norm.add_forward(h, residual, kernels)
+        h, residual = self.post_norm.add_forward(*select_rows(h, residual, rows), kernels)
         return self.mlp(h), residual
 
 
@@ -111,6 +111,8 @@ def mlp_size(cfg) -> int:
 
 
 class Lfm2ForCausalLM(CausalLM):
+    selects_output_rows = True
+
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
         cfg = hf_config

@@ -8,7 +8,7 @@ from torch import nn
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import decode_layers
 from hyprefix.models.attention import paged_attention
-from hyprefix.models.base import CausalLM, KVLayout, Target
+from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.quant import Int8Tiles, QuantTiles
@@ -39,8 +39,10 @@ class Attention(nn.Module):
             self.num_heads + self.num_kv_heads, self.head_dim, dtype=dtype, device=device)) if qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels) -> torch.Tensor:
-        """``rope`` None: no positional encoding (NemotronH attention layers)."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope`` None: no positional encoding (NemotronH attention layers). ``rows``: the output
+        of those rows only (every row's K/V is written)."""
         t = x.shape[0]
         qkv = self.qkv(x)
         # q and k are adjacent columns of qkv: normalise and rotate them in one pass.
@@ -51,6 +53,8 @@ class Attention(nn.Module):
             qk = kernels.qk_norm_rope(qk, self.qk_norm_weight, rope.cos, rope.sin, self.qk_norm_eps, rope.rotary_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window).reshape(t, -1)
+        if rows is not None:
+            out, qkv = out[rows], qkv[rows]
         if self.output_gate:
             out = out * torch.sigmoid(qkv[:, kv_end:])
         return self.o_proj(out)
@@ -84,11 +88,13 @@ class DecoderLayer(nn.Module):
                             dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output, residual stream); their sum is the hidden state."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream); their sum is the hidden state. ``rows``:
+        only those rows past attention (``last_layer_rows``)."""
         h, residual = self.input_norm.add_forward(x, residual, kernels)
-        h = self.attn(h, batch, rope if self.uses_rope else None, kv_cache, kernels)
+        h = self.attn(h, batch, rope if self.uses_rope else None, kv_cache, kernels, rows)
+        residual = residual if rows is None else residual[rows]
         if self.residual_multiplier != 1.0:
             h = h * self.residual_multiplier
         h, residual = self.post_norm.add_forward(h, residual, kernels)
@@ -122,6 +128,7 @@ class LlamaForCausalLM(CausalLM):
     # ``embedding_multiplier`` and ``logits_scaling``); 1 where the family has none.
     embedding_multiplier = 1.0
     logits_scaling = 1.0
+    selects_output_rows = True
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()
@@ -162,8 +169,8 @@ class LlamaForCausalLM(CausalLM):
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         rope = self.rotary.tables(batch.positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, rope, kv, self.kernels)
+        for layer, kv, rows in zip(self.layers, kv_caches, last_layer_rows(batch, len(self.layers)), strict=True):
+            x, residual = layer(x, residual, batch, rope, kv, self.kernels, rows)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

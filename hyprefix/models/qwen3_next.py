@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
-from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name
+from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name, select_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.fused_moe import Experts, moe_forward
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
@@ -83,18 +83,20 @@ class Qwen3NextLayer(nn.Module):
                                else GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, device))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
-                cache, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, kernels: Kernels, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: the layer's (K, V) pool or its recurrent state. Returns (this
         layer's output, residual stream); their sum is the hidden state."""
         h, residual = self.input_norm.add_forward(x, residual, kernels)
         h = self.mixer(h, batch, cache) if self.kind == LINEAR else self.mixer(h, batch, rope, cache, kernels)
-        h, residual = self.post_norm.add_forward(h, residual, kernels)
+        h, residual = self.post_norm.add_forward(*select_rows(h, residual, rows), kernels)
         return self.mlp(h), residual
 
 
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and the language
     model of Qwen3_5(Moe)ForConditionalGeneration (``hf_config.text_config``)."""
+
+    selects_output_rows = True
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         super().__init__()

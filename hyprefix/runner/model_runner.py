@@ -229,11 +229,17 @@ class ModelRunner:
         if whole is not None:
             logits, greedy = whole
         else:
+            # Only the sampled rows leave the model unless prompt logprobs read every row.
+            selected = self.model.selects_output_rows and batch.num_tokens > len(batch.sample_seqs) \
+                and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs)
+            if selected:
+                batch.output_rows = batch.logits_indices
             hidden = self.model(batch, self.kv_caches, self.recurrent_states)
-            result.prompt_logprobs = self._prompt_logprobs(batch.seqs, hidden)
+            result.prompt_logprobs = {} if selected else self._prompt_logprobs(batch.seqs, hidden)
             if not batch.sample_seqs:
                 return result
-            logits, greedy = self.model.compute_logits(hidden[batch.logits_indices]), None
+            logits = self.model.compute_logits(hidden if selected else hidden[batch.logits_indices])
+            greedy = None
         tokens, logprobs = self.sampler.sample(logits, batch.sample_seqs, greedy, masks)
         # Rows of one request are consecutive (a row verifying drafts samples k + 1 times).
         for row, (seq, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
