@@ -4,7 +4,9 @@ The ``Engine`` is synchronous and not thread-safe, so exactly one thread (the
 engine thread) ever touches it: callers on the event loop send it commands
 through a queue, which the loop drains between steps, and get outputs back
 through ``loop.call_soon_threadsafe``. When nothing is in flight the thread
-blocks on the command queue; it never spins.
+maps the K/V pool's pages ahead of their first write, a few MiB between looks at
+the command queue, until all are mapped (``Engine.map_kv_pages``), then blocks on
+the command queue; it never spins.
 """
 
 from __future__ import annotations
@@ -314,7 +316,10 @@ class AsyncEngine:
         try:
             running = True
             while running:
-                running = self._run_commands(block=self.paused or not engine.has_unfinished())
+                idle = self.paused or not engine.has_unfinished()
+                while idle and self._commands.empty() and engine.map_kv_pages():
+                    pass  # map the K/V pool's pages a chunk at a time while nothing waits
+                running = self._run_commands(block=idle)
                 if running and self.paused:
                     self._dispatch(engine.take_outputs())  # aborted requests' outputs
                 elif running and engine.has_unfinished():

@@ -46,7 +46,7 @@ class Engine:
         "has_unfinished_sequences", "tokenize_prompt", "encode_chat", "validate", "warmup", "update_weights",
         "get_stats", "reset_prefix_cache", "close", "check_invariants", "model_facts", "max_pool_tokens",
         "max_model_len", "vocab_size", "tokenizer", "eos_token_ids", "model_identity", "weight_version",
-        "memory_bytes", "args", "config", "kv_events_endpoints",
+        "memory_bytes", "args", "config", "kv_events_endpoints", "map_kv_pages",
     })
 
     def __init__(self, args: EngineArgs) -> None:
@@ -238,6 +238,12 @@ class Engine:
         dropped = self.core.reset_prefix_cache()
         log.info("reset the prefix cache: dropped %d cached blocks", dropped)
         return dropped
+
+    def map_kv_pages(self) -> bool:
+        """For an idle server: map the K/V pool's next few MiB of pages before the prefills
+        that first write them would fault them in (``runner/huge_pages.PageMapper``). False
+        once every page is mapped; it changes no state a request sees."""
+        return self.core.map_kv_pages()
 
     def close(self) -> None:
         """Write the disk tier out and stop its threads; stop the KV event publisher."""

@@ -80,6 +80,11 @@ class EngineCore:
         self._stats_logger.maybe_log(self.scheduler, self.cache)
         return StepProgress(advanced, result.logprobs, result.prompt_logprobs)
 
+    def map_kv_pages(self) -> bool:
+        """While idle: map the K/V pool's next pages before their first write (``PageMapper``);
+        False once all are mapped."""
+        return self.runner.map_kv_pages()
+
     def set_model_identity(self, identity: str) -> None:
         """New weights run from now on: hashes chain from ``identity``, so nothing cached under
         the old weights is hit again (waiting requests rehash)."""

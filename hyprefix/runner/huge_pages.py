@@ -18,8 +18,10 @@ the prefill that writes the block. Decode reads K/V no slower from small pages.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -122,3 +124,66 @@ def lazy_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.
     if device.type != "cpu" or not shapes or not all(torch.Size(shape).numel() for shape in shapes):
         return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     return _arena_tensors([(shape, dtype) for shape in shapes], huge=False)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without writing them
+
+
+class PageMapper:
+    """Maps the pages of block-major tensors (the K/V caches: [blocks, ...] each) before their
+    first write, a chunk of blocks at a time, lowest blocks first: the order in which the block
+    pool hands out blocks it has never handed out (``cache/block_pool.py``: the free list starts
+    in block order, freed blocks join its end). A server calls ``map_next`` while it has no
+    work, so the prefills that first write each block do not take its page faults; after that
+    the pool is resident, as vLLM's is from start-up. ``madvise(MADV_POPULATE_WRITE)`` maps
+    pages without writing them: it races with no K/V write. It needs Linux 5.14; elsewhere, or
+    for tensors off the CPU, there is nothing to map."""
+
+    def __init__(self, tensors: list[torch.Tensor], chunk_bytes: int = 8 << 20) -> None:
+        tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+        self._tensors = tensors
+        self._madvise = _libc_madvise() if tensors else None
+        self._page = mmap.PAGESIZE
+        row_bytes = sum(t[0].nbytes for t in tensors)
+        self._blocks_per_chunk = max(1, chunk_bytes // row_bytes) if row_bytes else 1
+        self._next_block = 0
+        self._num_blocks = max((t.shape[0] for t in tensors), default=0)
+
+    @property
+    def done(self) -> bool:
+        return self._madvise is None or self._next_block >= self._num_blocks
+
+    def map_next(self) -> bool:
+        """Map the next chunk of blocks in every tensor; False once every page is mapped (or
+        nothing can be)."""
+        if self.done:
+            return False
+        first, end = self._next_block, min(self._next_block + self._blocks_per_chunk, self._num_blocks)
+        for t in self._tensors:
+            if first >= t.shape[0]:
+                continue
+            row = t[0].nbytes
+            start = t.data_ptr() + first * row
+            stop = t.data_ptr() + min(end, t.shape[0]) * row
+            aligned = start - start % self._page
+            if self._madvise(aligned, stop - aligned, _MADV_POPULATE_WRITE) != 0:
+                log.info("the K/V pages are mapped as blocks are first written (madvise: %s)",
+                         os.strerror(ctypes.get_errno()))
+                self._madvise = None
+                return False
+        self._next_block = end
+        return not self.done
+
+
+def _libc_madvise():
+    """libc's ``madvise`` (the GIL released while it runs), or None off Linux."""
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise

@@ -18,7 +18,7 @@ from hyprefix.outputs import DECODE_PATHS, PositionLogprobs, ScheduledSeq, Sched
 from hyprefix.runner.batch import build_batch
 from hyprefix.runner.cascade import CascadeThresholds, FastPathCost
 from hyprefix.runner.decode_graph import DecodeGraphs
-from hyprefix.runner.huge_pages import lazy_zeros, move_weights
+from hyprefix.runner.huge_pages import PageMapper, lazy_zeros, move_weights
 from hyprefix.runner.logits import logprobs_of
 from hyprefix.runner.sampler import Sampler
 from hyprefix.runner.verify import accept, sample_rows
@@ -98,6 +98,7 @@ class ModelRunner:
         if self.huge_page_bytes:
             log.info("transparent huge pages: weights %.1f MiB", self.huge_page_bytes / 2**20)
         self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
+        self._kv_pages = PageMapper(kv)
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
         # Checkpoint slots past ``num_checkpoint_slots``: speculative decoding's scratch, k a row
@@ -121,6 +122,11 @@ class ModelRunner:
         self.decode_steps = dict.fromkeys(DECODE_PATHS, 0)
         self._step_bytes = (model.decode_weight_bytes() if layout.num_layers else 0,
                             self.kv_bytes_per_block(model, dtype, 1))
+
+    def map_kv_pages(self) -> bool:
+        """Map the next few MiB of the K/V caches' pages ahead of their first write (an idle
+        server's work: ``PageMapper``); False once all are mapped."""
+        return self._kv_pages.map_next()
 
     @property
     def kernels(self) -> Kernels:

@@ -11,7 +11,7 @@ import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.runner import huge_pages
-from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, lazy_zeros, move_weights, thp_available
+from hyprefix.runner.huge_pages import HUGE_PAGE, HugePageArena, PageMapper, lazy_zeros, move_weights, thp_available
 from tests.support.compare import our_last_logits, random_prompts
 
 needs_thp = pytest.mark.skipif(not thp_available(), reason="no transparent huge pages here (not Linux, or THP 'never')")
@@ -131,6 +131,29 @@ def test_kv_tensors_are_zeroed_separate_and_mapped_only_as_written():
     assert 0 < rss <= 8 and _anon_huge_kb(k.data_ptr()) == 0 and k.sum().item() == k[3].numel()
     assert not v.any()
     assert lazy_zeros([(3, 4)], torch.float32, torch.device("meta"))[0].device.type == "meta"
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps here")
+def test_page_mapper_maps_the_lowest_blocks_first_then_all_without_writing():
+    """An idle server's mapping (``PageMapper``): chunk by chunk in block order over every
+    tensor (the order the block pool first hands blocks out), values untouched, then done."""
+    shapes = [(64, 16, 2, 64), (64, 16, 2, 64), (16, 16, 2, 64)]  # 4 KiB a block; a window pool of 16
+    kv = lazy_zeros(shapes, torch.bfloat16, torch.device("cpu"))
+    kv[1][5, 0, 0, 0] = 3.0  # a block a step wrote before the mapper got there
+    mapper = PageMapper(kv, chunk_bytes=3 * 4096 * 8)  # 8 blocks of all three a chunk
+    rss = [_anon_huge_kb(t.data_ptr(), "Rss") for t in kv]  # one mapping: the same for all three
+    if mapper.done:
+        pytest.skip("madvise(MADV_POPULATE_WRITE) is not available here (Linux 5.14+)")
+    assert mapper.map_next()
+    after_one = _anon_huge_kb(kv[0].data_ptr(), "Rss")
+    assert rss[0] == 4 and after_one >= 3 * 8 * 4  # 8 blocks of 4 KiB in each of the three (one was written)
+    assert after_one < 3 * 64 * 4
+    steps = 1
+    while mapper.map_next():
+        steps += 1
+    assert steps == 7 and mapper.done and not mapper.map_next()  # 64 blocks, 8 a chunk
+    assert _anon_huge_kb(kv[0].data_ptr(), "Rss") >= (64 + 64 + 16) * 4
+    assert kv[1].sum().item() == 3.0 and not kv[0].any() and not kv[2].any()
 
 
 def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, monkeypatch):
