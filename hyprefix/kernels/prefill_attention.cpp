@@ -4,6 +4,10 @@
 // Query t sits at position q_pos0 + t and key j at k_pos0 + j; key j is visible to query t
 // when its position is <= the query's and, with window > 0, > the query's minus window.
 //
+// With a block table, k and v are paged caches [blocks, block_size, KVH, D] and key j is row
+// j % block_size of block table[j / block_size]: the keys are read where they lie, with no
+// gather into a contiguous copy first.
+//
 // Flash attention on oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm:
 // bfloat16 x bfloat16 -> float32 on AVX512-BF16 or AMX, float32 on AVX2 / AVX-512):
 // - K^T and V of each KV head are packed once per call, in blocks of 128 keys (bfloat16: VNNI
@@ -25,6 +29,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -42,6 +47,14 @@ struct Shape {
   int64_t q_t, q_h, k_t, k_h, v_t, v_h;  // strides (elements); the last dim is contiguous
   int64_t q_pos0, k_pos0, window;
   float scale;
+  const int64_t* table = nullptr;  // paged keys: the block of every block_size keys
+  int64_t block_size = 0, k_b = 0, v_b = 0;  // and the caches' block strides
+
+  // Offsets (elements) of key j's row in k and in v, before the head's.
+  int64_t k_row(int64_t j) const { return table ? table[j / block_size] * k_b + j % block_size * k_t : j * k_t; }
+  int64_t v_row(int64_t j) const { return table ? table[j / block_size] * v_b + j % block_size * v_t : j * v_t; }
+  // Keys from j on that lie in consecutive rows (to the end of j's block), at most n.
+  int64_t run(int64_t j, int64_t n) const { return table ? std::min(n, block_size - j % block_size) : n; }
 };
 
 // Visible key columns [lo, hi) of the query at token index t.
@@ -93,22 +106,23 @@ void pack_head(const Shape& s, const T* k, const T* v, Packed<T>& p) {
   p.v.assign(blocks * kKeyBlock * ldv, T(0.0f));
   // K^T: a transpose of 32-bit units (a bfloat16 VNNI pair is one), key rows to columns.
   static_assert(sizeof(T) * pair == sizeof(float));
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t keys = std::min(kKeyBlock, s.keys - b * kKeyBlock);
-    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k + b * kKeyBlock * s.k_t), s.k_t / pair,
-                                  reinterpret_cast<float*>(p.k.data() + b * d * kKeyLd), kKeyLd, keys, d / pair);
+  for (int64_t j = 0; j < s.keys;) {  // runs of consecutive rows, none across a key block
+    const int64_t b = j / kKeyBlock, c = j % kKeyBlock, n = s.run(j, std::min(kKeyBlock - c, s.keys - j));
+    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k + s.k_row(j)), s.k_t / pair,
+                                  reinterpret_cast<float*>(p.k.data() + b * d * kKeyLd) + c, kKeyLd, n, d / pair);
+    j += n;
   }
   for (int64_t j = 0; j < s.keys; j += pair) {
     const int64_t b = j / kKeyBlock, c = j % kKeyBlock;
     T* vb = p.v.data() + b * kKeyBlock * ldv + c * ldv;
     if constexpr (pair == 2) {
       if (j + 1 < s.keys) {
-        interleave_rows(v + j * s.v_t, v + (j + 1) * s.v_t, vb, d);
+        interleave_rows(v + s.v_row(j), v + s.v_row(j + 1), vb, d);
       } else {  // an odd last key: its pair partner stays 0
-        for (int64_t i = 0; i < d; ++i) vb[2 * i] = v[j * s.v_t + i];
+        for (int64_t i = 0; i < d; ++i) vb[2 * i] = v[s.v_row(j) + i];
       }
     } else {
-      std::copy_n(v + j * s.v_t, d, vb);
+      std::copy_n(v + s.v_row(j), d, vb);
     }
   }
 }
@@ -227,17 +241,35 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             int64_t q_pos0, int64_t k_pos0, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q, k, v must be [tokens, heads, dim]");
+                             int64_t q_pos0, int64_t k_pos0, int64_t window,
+                             const std::optional<at::Tensor>& block_table, int64_t keys) {
+  const bool paged = block_table.has_value();
+  const int64_t kd = paged ? 4 : 3;  // [blocks, block_size, KVH, D] or [S, KVH, D]
+  TORCH_CHECK(q.dim() == 3 && k.dim() == kd && v.dim() == kd,
+              "prefill_attention: q must be [tokens, heads, dim], k and v [keys, heads, dim] or, with a block table, "
+              "[blocks, block_size, heads, dim]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "prefill_attention: q, k, v must share a dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(kd - 1) == 1 && v.stride(kd - 1) == 1,
               "prefill_attention: the head dim must be contiguous");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(kd - 1) && q.size(1) % k.size(kd - 2) == 0,
               "prefill_attention: shapes do not match");
-  Shape s{q.size(0), q.size(1), q.size(2), k.size(0), k.size(1), q.size(1) / k.size(1),
-          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+  Shape s{q.size(0), q.size(1), q.size(2), paged ? keys : k.size(0), k.size(kd - 2), q.size(1) / k.size(kd - 2),
+          q.stride(0), q.stride(1), k.stride(kd - 3), k.stride(kd - 2), v.stride(kd - 3), v.stride(kd - 2),
           q_pos0, k_pos0, window, static_cast<float>(scale)};
+  at::Tensor table;
+  if (paged) {
+    table = block_table->contiguous();
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, "prefill_attention: the block table must be int64 [n]");
+    TORCH_CHECK(keys >= 0 && keys <= table.size(0) * k.size(1), "prefill_attention: more keys than the table's blocks hold");
+    const int64_t* ids = table.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < (keys + k.size(1) - 1) / k.size(1); ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < k.size(0), "prefill_attention: block id out of range");
+    s.table = ids;
+    s.block_size = k.size(1);
+    s.k_b = k.stride(0);
+    s.v_b = v.stride(0);
+  }
   at::Tensor out = at::empty({s.tokens, s.heads, s.dim}, q.options());
   if (s.tokens == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
@@ -255,7 +287,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int q_pos0, int k_pos0, int window) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int q_pos0, int k_pos0, int window, "
+        "Tensor? block_table=None, int keys=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -99,6 +99,10 @@ def paged_attention(
             table = view.prefill_block_tables[i] if view is not None else span.block_table
             first_pos = batch.prefill_first_pos(i, window)
             keys = span.context_len - first_pos
+            if flash:  # the kernel reads the cached keys where they lie
+                outs.append(prefill_kernel.prefill_attention(q[span.token_slice], k_cache, v_cache, scale,
+                                                             span.start_pos, first_pos, window, table, keys))
+                continue
             ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
             vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
         if flash:

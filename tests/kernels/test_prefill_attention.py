@@ -97,6 +97,30 @@ def test_matches_float64_attention(case, dtype):
         assert err < max(2 * sdpa_err, 1e-2)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] > 5], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keys_read_through_a_block_table_give_the_gathered_numbers(case, dtype):
+    """Paged keys (the cached prefix of a prefill, read in place through its block table) give
+    exactly the numbers of the same keys gathered into one tensor first: the same packed
+    operands. Blocks in scrambled order, the last one partly filled."""
+    if not kernel.available(dtype):
+        pytest.skip("the kernel does not run this dtype here")
+    q, k, v = _inputs(case, dtype)
+    keys, kvh, d = k.shape
+    block_size = 16
+    num_blocks = -(-keys // block_size)
+    table = torch.randperm(num_blocks + 3, generator=torch.Generator().manual_seed(1))[:num_blocks]
+    k_cache = torch.randn(num_blocks + 3, block_size, kvh, d).to(dtype)  # garbage beyond the keys
+    v_cache = torch.randn(num_blocks + 3, block_size, kvh, d).to(dtype)
+    padded = num_blocks * block_size - keys
+    k_cache[table] = torch.cat([k, k_cache[table[-1], block_size - padded:]]).view(num_blocks, block_size, kvh, d)
+    v_cache[table] = torch.cat([v, v_cache[table[-1], block_size - padded:]]).view(num_blocks, block_size, kvh, d)
+    scale, args = d ** -0.5, (case[5], case[6], case[7] or None)
+    gathered = kernel.prefill_attention(q, k, v, scale, *args)
+    paged = kernel.prefill_attention(q, k_cache, v_cache, scale, *args, block_table=table, keys=keys)
+    assert torch.equal(paged, gathered)
+
+
 def test_fully_masked_rows_of_a_block_add_nothing():
     """Queries whose window ends before a key block starts: rows of zeros in P, the running
     max untouched; the same numbers as the reference."""
