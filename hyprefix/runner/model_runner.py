@@ -98,7 +98,7 @@ class ModelRunner:
         if self.huge_page_bytes:
             log.info("transparent huge pages: weights %.1f MiB", self.huge_page_bytes / 2**20)
         self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
-        self._kv_pages = PageMapper(kv)
+        self.kv_pages = PageMapper(kv)  # an idle server maps the pool ahead of use (``map_kv_pages``)
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
         # Checkpoint slots past ``num_checkpoint_slots``: speculative decoding's scratch, k a row
@@ -126,7 +126,7 @@ class ModelRunner:
     def map_kv_pages(self) -> bool:
         """Map the next few MiB of the K/V caches' pages ahead of their first write (an idle
         server's work: ``PageMapper``); False once all are mapped."""
-        return self._kv_pages.map_next()
+        return self.kv_pages.map_next()
 
     @property
     def kernels(self) -> Kernels:

@@ -48,6 +48,36 @@ async def settle(ae: AsyncEngine) -> dict:
     raise AssertionError(f"the engine did not go idle: {stats}")
 
 
+def test_an_idle_engine_thread_maps_the_kv_pool_without_writing_it():
+    """With nothing to do, the engine thread maps the K/V pool's pages ahead of their first
+    write (``Engine.map_kv_pages``) until all are, then sleeps; no value changes."""
+    fresh = Engine(EngineArgs(model=str(demo_model_path("dense")), num_kv_blocks=64, enforce_eager=True,
+                              log_stats_interval=0))
+    mapper = fresh.runner.kv_pages
+    if mapper.done:
+        pytest.skip("nothing to map here (not Linux 5.14+, or no CPU K/V)")
+
+    async def main() -> None:
+        ae = AsyncEngine(fresh)
+        ae.start()
+        try:
+            for _ in range(500):
+                if await ae.call(lambda: mapper.done):
+                    break
+                await asyncio.sleep(0.01)
+            assert await ae.call(lambda: mapper.done)
+            assert await ae.call(lambda: all(not t.any() for pair in fresh.runner.kv_caches for t in pair))
+            iterations = ae.iterations
+            await asyncio.sleep(0.2)
+            assert ae.iterations == iterations  # mapped, then asleep: no spinning
+            out = await collect_one(ae, "after", [5, 6, 7, 8], GREEDY)
+            assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
+
+
 def test_concurrent_callers_and_idle_loop(engine):
     async def main() -> None:
         ae = AsyncEngine(engine)
