@@ -93,21 +93,21 @@ def paged_attention(
         outs.append(od.reshape(n, -1, head_dim))
     flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
     for i, span in enumerate(batch.prefills):
+        paged: tuple[torch.Tensor, int] | tuple[()] = ()  # (block table, keys): the kernel reads the caches
         if span.start_pos == 0:
             ks, vs, first_pos = k[span.token_slice], v[span.token_slice], 0
         else:
             table = view.prefill_block_tables[i] if view is not None else span.block_table
             first_pos = batch.prefill_first_pos(i, window)
             keys = span.context_len - first_pos
-            if flash:  # the kernel reads the cached keys where they lie
-                outs.append(prefill_kernel.prefill_attention(q[span.token_slice], k_cache, v_cache, scale,
-                                                             span.start_pos, first_pos, window, table, keys))
-                continue
-            ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
-            vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
+            if flash:  # the cached keys read where they lie, through the table
+                ks, vs, paged = k_cache, v_cache, (table, keys)
+            else:
+                ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
+                vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
         if flash:
             outs.append(prefill_kernel.prefill_attention(q[span.token_slice], ks, vs, scale, span.start_pos,
-                                                         first_pos, window))
+                                                         first_pos, window, *paged))
             continue
         mask = batch.prefill_mask(i, window)
         os_ = F.scaled_dot_product_attention(

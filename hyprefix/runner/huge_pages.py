@@ -11,7 +11,7 @@ off, another OS, another device) the weights stay where they are.
 The K/V caches go into one private anonymous mapping advised ``MADV_NOHUGEPAGE``
 (``lazy_zeros``): zero-filled by the kernel and mapped 4 KiB at a time as blocks are
 first written, so an idle pool costs no memory and a block's first write costs a
-small-page fault (~0.2 ms a MiB on a Zen 4), where a huge-page fault with THP's
+small-page fault (~0.2 ms a MiB on a 2-core Zen 5 VM), where a huge-page fault with THP's
 ``defrag=madvise`` compacts memory first (1.2-2.3 ms a MiB, docs/perf-log.md), inside
 the prefill that writes the block. Decode reads K/V no slower from small pages.
 """
@@ -47,10 +47,10 @@ def thp_available() -> bool:
 
 class HugePageArena:
     """One private anonymous mapping starting on a 2 MiB boundary, zero-filled by the
-    kernel, advised for huge pages (``huge``) or against them. Each tensor ``take`` gives has a storage of its own (as
-    torch sees it) and is no view: a compiled step that writes K/V into tensors that
-    alias one storage, or into views, copies the whole tensors every step. The mapping
-    lives as long as any of its tensors."""
+    kernel, advised for huge pages (``huge``) or against them. Each tensor ``take`` gives
+    has a storage of its own (as torch sees it) and is no view: a compiled step that writes
+    K/V into tensors that alias one storage, or into views, copies the whole tensors every
+    step. The mapping lives as long as any of its tensors."""
 
     def __init__(self, nbytes: int, huge: bool = True) -> None:
         # whole huge pages from the aligned start, wherever the kernel put the mapping

@@ -17,7 +17,7 @@ from tests.support.compare import our_last_logits, random_prompts
 needs_thp = pytest.mark.skipif(not thp_available(), reason="no transparent huge pages here (not Linux, or THP 'never')")
 
 
-def _anon_huge_kb(address: int, field: str = "AnonHugePages") -> int:
+def _smaps_kb(address: int, field: str = "AnonHugePages") -> int:
     """``field`` (kB) of the mapping that holds ``address`` (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as smaps:
@@ -47,7 +47,7 @@ def test_arena_tensors_are_separate_zeroed_and_in_huge_pages():
     assert not b.any() and a.sum().item() == HUGE_PAGE // 4
     del arena  # the tensors keep the mapping
     assert c.sum().item() == 7 * 6 * HUGE_PAGE
-    assert _anon_huge_kb(c.data_ptr()) >= HUGE_PAGE // 1024
+    assert _smaps_kb(c.data_ptr()) >= HUGE_PAGE // 1024
 
 
 @needs_thp
@@ -63,7 +63,7 @@ def test_a_small_arena_gets_a_huge_page_wherever_its_mapping_lands():
         t = HugePageArena(300_000).take(0, (1000,), torch.float32)
         t.fill_(1.0)
         kept.append(t)
-        assert _anon_huge_kb(t.data_ptr()) > 0, i
+        assert _smaps_kb(t.data_ptr()) > 0, i
 
 
 class _Tiny(torch.nn.Module):
@@ -124,11 +124,11 @@ def test_kv_tensors_are_zeroed_separate_and_mapped_only_as_written():
     k, v, w = lazy_zeros(shapes, torch.bfloat16, torch.device("cpu"))
     assert [t.shape for t in (k, v, w)] == [torch.Size(s) for s in shapes]
     assert len({t.untyped_storage().data_ptr() for t in (k, v, w)}) == 3 and all(t._base is None for t in (k, v, w))
-    assert _anon_huge_kb(k.data_ptr(), "Rss") == 0
+    assert _smaps_kb(k.data_ptr(), "Rss") == 0
     assert not k.any() and not w.any()  # reading maps the shared zero page, not memory of its own
     k[3].fill_(1.0)
-    rss = _anon_huge_kb(k.data_ptr(), "Rss")
-    assert 0 < rss <= 8 and _anon_huge_kb(k.data_ptr()) == 0 and k.sum().item() == k[3].numel()
+    rss = _smaps_kb(k.data_ptr(), "Rss")
+    assert 0 < rss <= 8 and _smaps_kb(k.data_ptr()) == 0 and k.sum().item() == k[3].numel()
     assert not v.any()
     assert lazy_zeros([(3, 4)], torch.float32, torch.device("meta"))[0].device.type == "meta"
 
@@ -141,18 +141,18 @@ def test_page_mapper_maps_the_lowest_blocks_first_then_all_without_writing():
     kv = lazy_zeros(shapes, torch.bfloat16, torch.device("cpu"))
     kv[1][5, 0, 0, 0] = 3.0  # a block a step wrote before the mapper got there
     mapper = PageMapper(kv, chunk_bytes=3 * 4096 * 8)  # 8 blocks of all three a chunk
-    rss = [_anon_huge_kb(t.data_ptr(), "Rss") for t in kv]  # one mapping: the same for all three
+    rss = [_smaps_kb(t.data_ptr(), "Rss") for t in kv]  # one mapping: the same for all three
     if mapper.done:
         pytest.skip("madvise(MADV_POPULATE_WRITE) is not available here (Linux 5.14+)")
     assert mapper.map_next()
-    after_one = _anon_huge_kb(kv[0].data_ptr(), "Rss")
+    after_one = _smaps_kb(kv[0].data_ptr(), "Rss")
     assert rss[0] == 4 and after_one >= 3 * 8 * 4  # 8 blocks of 4 KiB in each of the three (one was written)
     assert after_one < 3 * 64 * 4
     steps = 1
     while mapper.map_next():
         steps += 1
     assert steps == 7 and mapper.done and not mapper.map_next()  # 64 blocks, 8 a chunk
-    assert _anon_huge_kb(kv[0].data_ptr(), "Rss") >= (64 + 64 + 16) * 4
+    assert _smaps_kb(kv[0].data_ptr(), "Rss") >= (64 + 64 + 16) * 4
     assert kv[1].sum().item() == 3.0 and not kv[0].any() and not kv[2].any()
 
 
@@ -180,5 +180,5 @@ def test_engine_with_and_without_huge_pages_gives_the_same_numbers(tiny_models, 
     assert torch.equal(compiled, plain_compiled)
     if thp_available():  # the weights in huge pages; the K/V's first blocks written by now, in small pages
         weight = next(runner.model.parameters())
-        assert _anon_huge_kb(weight.data_ptr()) > 0 and _anon_huge_kb(runner.kv_caches[0][0].data_ptr()) == 0
-        assert _anon_huge_kb(runner.kv_caches[0][0].data_ptr(), "Rss") > 0
+        assert _smaps_kb(weight.data_ptr()) > 0 and _smaps_kb(runner.kv_caches[0][0].data_ptr()) == 0
+        assert _smaps_kb(runner.kv_caches[0][0].data_ptr(), "Rss") > 0
