@@ -16,6 +16,7 @@ from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.kernels import recurrent_decode
 from hyprefix.models import fused
+from hyprefix.models.fused_moe import Experts
 from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
 from hyprefix.models.quant import Int8Weight, quantize_low_bit
 from hyprefix.models.weights import MatrixForms
@@ -239,10 +240,13 @@ class CausalLM(nn.Module):
 
     def quantize_weights(self) -> None:
         """int8 for every linear layer and the LM head (``quant.py``; a tied head gets an
-        int8 copy; the embedding lookup keeps the float table)."""
+        int8 copy; the embedding lookup keeps the float table), and for MoE experts int8 with a
+        scale per 32 columns (``Experts.quantize``)."""
         for module in self.modules():
             if isinstance(module, Linear) and module.forms.quantized is None:
                 module.quantize()
+            elif isinstance(module, Experts):
+                module.quantize(8)
         if self.lm_head is None and self.embed.forms.quantized is None:
             self.embed.forms.quantize(self.embed.weight)
 
@@ -250,8 +254,9 @@ class CausalLM(nn.Module):
         """4-bit weights (``--quantization int4``): every linear layer and the LM head whose
         columns fill groups of 32 (``quant.quantize_low_bit``: Q4K tiles, Q4_K's two levels of
         scales, where they fill groups of 256, else Q4 with a float16 scale and offset per group;
-        an unsigned code per weight over each group's range); a tied head gets a 4-bit copy, the
-        embedding lookup keeps the float table. Needs ``kernels/quant_linear`` (x86 with AVX2)."""
+        an unsigned code per weight over each group's range), MoE experts likewise
+        (``Experts.quantize``); a tied head gets a 4-bit copy, the embedding lookup keeps the float
+        table. Needs ``kernels/quant_linear`` (x86 with AVX2)."""
         if not quant_kernel.available():
             raise ValueError("--quantization int4 needs hyprefix's quant_linear kernel (an x86 CPU with AVX2 and a "
                              "C++ compiler); it does not run here")
@@ -259,6 +264,8 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and module.forms.quantized is None and module.in_features % 32 == 0:
                 module.forms.use_quant(quantize_low_bit(module.weight))
                 drop_plain(module.weight)
+            elif isinstance(module, Experts):
+                module.quantize(4)
         if self.lm_head is None and self.embed.forms.quantized is None and self.embed.embedding_dim % 32 == 0:
             self.embed.forms.use_quant(quantize_low_bit(self.embed.weight))
 

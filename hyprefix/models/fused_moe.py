@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.kernels import quant_linear as quant_kernel
+from hyprefix.models.layers import drop_plain
+from hyprefix.models.quant import int8_part, quantize_int8, quantize_low_bit
 from hyprefix.models.weights import MatrixForms
 
 
@@ -46,6 +48,20 @@ class Experts(nn.Module):
     def tiles_split_by_expert(self) -> bool:
         """Whether each expert's rows are whole 16-row tiles (so its blocks can be sliced out)."""
         return self.rows % 16 == 0
+
+    def quantize(self, bits: int) -> bool:
+        """``--quantization int8`` (8 bits, one scale per 32 columns, as GGUF's Q8_0) or ``int4``
+        (``quant.quantize_low_bit``) for a float stack, into the tiles ``quant_moe`` multiplies;
+        the plain tensor goes. Returns False, changing nothing, where the tiles cannot hold it
+        (an expert's rows not whole 16-row tiles, columns not groups of 32, or no quant kernel
+        here): it then stays float."""
+        if (self.forms.quantized is not None or not self.tiles_split_by_expert or self.cols % 32
+                or not quant_kernel.available()):
+            return False
+        weight = self.weight.detach()
+        self.forms.use_quant(int8_part(quantize_int8(weight, group=32)) if bits == 8 else quantize_low_bit(weight))
+        drop_plain(self.weight)
+        return True
 
     def stacked(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as [E, rows, cols]: the plain tensor, or the blocks dequantized where only this

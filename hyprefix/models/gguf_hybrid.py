@@ -139,7 +139,8 @@ class HybridGGUF:
     def __init__(self, path: str | Path, hf_config) -> None:
         self.file = file = HybridFile(Path(path))
         cfg = hf_config.get_text_config()
-        self.specs = _qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else _mamba_tensors(file, cfg)
+        self.specs = (_qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else
+                      _qwen3moe_tensors(file, cfg) if file.arch == "qwen3moe" else _mamba_tensors(file, cfg))
         needed = [name for spec in self.specs for name in spec.sources]
         missing = [name for name in needed if not file.has(name)]
         if missing:
@@ -275,15 +276,35 @@ def _qwen_tensors(file: HybridFile, cfg) -> list[_Tensor]:
                         _Tensor(la + "in_proj_b.weight", (b + "ssm_beta.weight",), per_head),
                         _Tensor(la + "in_proj_a.weight", (b + "ssm_alpha.weight",), per_head)]
         else:
-            sa = p + "self_attn."
-            for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
-                                 ("o_proj", "attn_output")):
-                out.append(_Tensor(f"{sa}{ours}.weight", (f"{b}{theirs}.weight",)))
-                if cfg.attention_bias:
-                    out.append(_Tensor(f"{sa}{ours}.bias", (f"{b}{theirs}.bias",)))
-            out += [_Tensor(sa + "q_norm.weight", (b + "attn_q_norm.weight",), _minus_one),
-                    _Tensor(sa + "k_norm.weight", (b + "attn_k_norm.weight",), _minus_one)]
+            out += _qk_norm_attention(p + "self_attn.", b, cfg.attention_bias, _minus_one)
         out += _qwen_mlp(file, cfg, i)
+    return out
+
+
+def _qk_norm_attention(sa: str, b: str, bias: bool, norm: Callable[[torch.Tensor], torch.Tensor]) -> list[_Tensor]:
+    """A Qwen attention layer's tensors (``sa``: its transformers prefix, ``b``: the file's
+    ``blk.N.``): q/k/v/o as they are, QK-norm weights through ``norm``."""
+    out = []
+    for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        out.append(_Tensor(f"{sa}{ours}.weight", (f"{b}{theirs}.weight",)))
+        if bias:
+            out.append(_Tensor(f"{sa}{ours}.bias", (f"{b}{theirs}.bias",)))
+    return [*out, _Tensor(sa + "q_norm.weight", (b + "attn_q_norm.weight",), norm),
+            _Tensor(sa + "k_norm.weight", (b + "attn_k_norm.weight",), norm)]
+
+
+def _qwen3moe_tensors(file: HybridFile, cfg) -> list[_Tensor]:
+    """Qwen3-MoE: Qwen3's attention layers (plain norms, q/k rows as transformers has them) and
+    Qwen's MLPs; the post-attention norm is ``ffn_norm``."""
+    out = [_Tensor("model.embed_tokens.weight", ("token_embd.weight",)),
+           _Tensor("model.norm.weight", ("output_norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        out.append(_Tensor("lm_head.weight", ("output.weight",)))
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out += [_Tensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
+                _Tensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",)),
+                *_qk_norm_attention(p + "self_attn.", b, cfg.attention_bias, _same), *_qwen_mlp(file, cfg, i)]
     return out
 
 

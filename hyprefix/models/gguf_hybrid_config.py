@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2")
+ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe")
 QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 LINEAR, FULL, MLP = "linear_attention", "full_attention", "mlp"
 _EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
@@ -117,6 +117,8 @@ def load_config(path: str | Path):
         return _qwen_config(file)
     if file.arch == "mamba2":
         return _mamba2_config(file)
+    if file.arch == "qwen3moe":
+        return _qwen3moe_config(file)
     return _nemotron_config(file)
 
 
@@ -210,12 +212,8 @@ def _qwen_config(file: HybridFile):
             raise file.error(f"layers {moe} have experts, which a dense Qwen3.5 (qwen35) has not")
         return Qwen3_5TextConfig(architectures=["Qwen3_5ForCausalLM"],
                                  intermediate_size=file.int_value("feed_forward_length"), **fields)
-    experts = {
-        "num_experts": file.int_value("expert_count"),
-        "num_experts_per_tok": file.int_value("expert_used_count"),
-        "moe_intermediate_size": file.int_value("expert_feed_forward_length"),
-        "shared_expert_intermediate_size": file.int_value("expert_shared_feed_forward_length", 0),
-    }
+    experts = _experts(file) | {
+        "shared_expert_intermediate_size": file.int_value("expert_shared_feed_forward_length", 0)}
     if file.arch == "qwen35moe":
         if dense:
             raise file.error(f"layers {dense} have no experts, which every Qwen3.5 MoE (qwen35moe) layer has")
@@ -225,6 +223,37 @@ def _qwen_config(file: HybridFile):
                            **({"intermediate_size": intermediate} if intermediate else {}),
                            norm_topk_prob=bool(file.arch_value("expert_weights_norm", True)),
                            decoder_sparse_step=1, mlp_only_layers=dense)
+
+
+def _experts(file: HybridFile) -> dict[str, Any]:
+    """The expert counts and width as Qwen's configs name them."""
+    return {
+        "num_experts": file.int_value("expert_count"),
+        "num_experts_per_tok": file.int_value("expert_used_count"),
+        "moe_intermediate_size": file.int_value("expert_feed_forward_length"),
+    }
+
+
+def _qwen3moe_config(file: HybridFile):
+    """Qwen3-MoE: every layer attention; the layers without experts are dense (``mlp_only_layers``).
+    llama.cpp renormalises the top-k weights of ``qwen3moe`` unconditionally, so a file that does
+    not state ``expert_weights_norm`` has ``norm_topk_prob`` True."""
+    from transformers import Qwen3MoeConfig
+
+    layers = _layers(file)
+    head_dim = file.int_value("attention.key_length")
+    dense = [i for i in range(layers) if not has_experts(file, i)]
+    intermediate = file.rows(f"blk.{dense[0]}.ffn_up.weight") if dense else file.int_value("feed_forward_length", None)
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=layers, head_dim=head_dim,
+        num_attention_heads=file.int_value("attention.head_count"),
+        num_key_value_heads=file.int_value("attention.head_count_kv"),
+        rms_norm_eps=file.float_value("attention.layer_norm_rms_epsilon"),
+        rope_parameters=_rope_parameters(file, head_dim), attention_bias=file.has("blk.0.attn_q.bias"),
+        tie_word_embeddings=not file.has("output.weight"),
+        norm_topk_prob=bool(file.arch_value("expert_weights_norm", True)),
+        decoder_sparse_step=1, mlp_only_layers=dense, **({"intermediate_size": intermediate} if intermediate else {}),
+        **_experts(file), **_common(file))
 
 
 def _norm_eps(file: HybridFile) -> float:

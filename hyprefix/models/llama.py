@@ -84,8 +84,11 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.attn = Attention(cfg, layer_idx, dtype, device, **attn_kw)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False),
-                            dtype, device)
+        self.mlp = self.build_mlp(cfg, layer_idx, dtype, device)
+
+    def build_mlp(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """The layer's MLP: a gated MLP here; a family with sparse layers (Qwen3-MoE) builds its own."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False), dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
@@ -105,7 +108,7 @@ class DecoderLayer(nn.Module):
         """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 or low-bit tiles for
         every matmul, SiLU, no output gate, a head dim of a multiple of 16."""
         attn, mlp = self.attn, self.mlp
-        return (self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
+        return (isinstance(mlp, GatedMLP) and self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
                 and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
                 and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
                         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))

@@ -147,9 +147,10 @@ def gguf_architecture(path: Path) -> str:
 
 
 def hybrid_gguf(path: Path) -> bool:
-    """Whether ``path`` is a GGUF file of a hybrid architecture (``gguf_hybrid.ARCHITECTURES``):
-    its config, tokenizer and weights come from ``gguf_hybrid``, which undoes what llama.cpp's
-    converter did to them (transformers' GGUF reader does not know these architectures)."""
+    """Whether ``path`` is a GGUF file of an architecture ``gguf_hybrid`` reads (its
+    ``ARCHITECTURES``: the hybrids, and Qwen3-MoE): its config, tokenizer and weights come from
+    there, which undoes what llama.cpp's converter did to them (transformers' GGUF reader does not
+    know these architectures, or misnames Qwen3-MoE's expert stacks)."""
     path = Path(path)
     return path.suffix == ".gguf" and path.is_file() and gguf_architecture(path) in gguf_hybrid.ARCHITECTURES
 

@@ -20,50 +20,13 @@ from torch import nn
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name, select_rows
 from hyprefix.models.fused import Kernels
-from hyprefix.models.fused_moe import Experts, moe_forward
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
-from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.layers import GatedMLP, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention
+from hyprefix.models.moe import SparseMoE, flat_experts, is_moe_layer, map_gated_mlp, map_sparse_moe
 from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
 
 LINEAR, FULL = "linear_attention", "full_attention"
-
-
-class SparseMoE(nn.Module):
-    """Top-k softmax router over ``num_experts`` gated SiLU experts (``fused_moe``'s op) plus a
-    shared expert scaled by sigmoid(shared_gate(x)). Expert weights are stacked: gate_up
-    [E * 2I, hidden] (each expert's gate rows then up rows), down [E * hidden, I]."""
-
-    def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.num_experts, self.top_k, self.inter = cfg.num_experts, cfg.num_experts_per_tok, inter
-        self.norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
-        self.router = Linear(hidden, self.num_experts, bias=False, dtype=dtype, device=device)
-        self.experts_gate_up = Experts(self.num_experts, 2 * inter, hidden, dtype, device)
-        self.experts_down = Experts(self.num_experts, hidden, inter, dtype, device)
-        shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-        self.shared = GatedMLP(hidden, shared, False, dtype, device) if shared else None
-        self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)
-        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = moe_forward(x, chosen, weights, self.experts_gate_up, self.experts_down)
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
-
-
-def _is_moe_layer(cfg, i: int) -> bool:
-    if not getattr(cfg, "num_experts", 0):
-        return False
-    if i in (getattr(cfg, "mlp_only_layers", None) or []):
-        return False
-    return (i + 1) % (getattr(cfg, "decoder_sparse_step", 1) or 1) == 0
 
 
 class Qwen3NextLayer(nn.Module):
@@ -79,7 +42,7 @@ class Qwen3NextLayer(nn.Module):
         else:
             raise ValueError(f"unsupported layer type {self.kind!r} (layer {i})")
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp: nn.Module = (SparseMoE(cfg, dtype, device) if _is_moe_layer(cfg, i)
+        self.mlp: nn.Module = (SparseMoE.from_config(cfg, dtype, device) if is_moe_layer(cfg, i)
                                else GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, device))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, rope: RopeTables,
@@ -139,10 +102,8 @@ class Qwen3NextForCausalLM(CausalLM):
                 b, a = t.view(d.k_heads, 2, d.v_heads // d.k_heads, -1).unbind(1)
                 yield name.replace("in_proj_ba", "in_proj_b"), b.reshape(d.v_heads, -1)
                 yield name.replace("in_proj_ba", "in_proj_a"), a.reshape(d.v_heads, -1)
-            elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # fused [E, rows, cols]
-                yield name, t.reshape(-1, t.shape[-1])
             else:
-                yield name, t
+                yield name, flat_experts(name, t)
 
     def _split_qkvz(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Qwen3-Next groups in_proj_qkvz by key head: [q, k, v (r heads), z (r heads)]
@@ -190,28 +151,6 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def _map_mlp(self, prefix: str, mlp: nn.Module, rest: str) -> Target:
         if isinstance(mlp, GatedMLP):
-            return _map_gated_mlp(f"{prefix}.mlp", mlp, rest)
+            return map_gated_mlp(f"{prefix}.mlp", mlp, rest)
         assert isinstance(mlp, SparseMoE)
-        if rest == "gate.weight":
-            return f"{prefix}.mlp.router.weight", None, None
-        if rest == "shared_expert_gate.weight":
-            return f"{prefix}.mlp.shared_gate.weight", None, None
-        if rest.startswith("shared_expert.") and mlp.shared is not None:
-            return _map_gated_mlp(f"{prefix}.mlp.shared", mlp.shared, rest.split(".", 1)[1])
-        if rest == "experts.gate_up_proj":
-            return f"{prefix}.mlp.experts_gate_up.weight", None, None
-        if rest == "experts.down_proj":
-            return f"{prefix}.mlp.experts_down.weight", None, None
-        _, e, proj, _ = rest.split(".")  # experts.{e}.{gate,up,down}_proj.weight
-        e, n = int(e), mlp.num_experts
-        if proj == "down_proj":
-            return f"{prefix}.mlp.experts_down.weight", e, [self.config.hidden_size] * n
-        return f"{prefix}.mlp.experts_gate_up.weight", 2 * e + (proj == "up_proj"), [mlp.inter] * (2 * n)
-
-
-def _map_gated_mlp(prefix: str, mlp: GatedMLP, rest: str) -> Target:
-    module, leaf = rest.rsplit(".", 1)
-    if module in ("gate_proj", "up_proj"):
-        return f"{prefix}.gate_up.{leaf}", int(module == "up_proj"), [mlp.intermediate] * 2
-    return f"{prefix}.down.{leaf}", None, None
-
+        return map_sparse_moe(f"{prefix}.mlp", mlp, rest)

@@ -7,6 +7,7 @@ from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
 from hyprefix.models.lfm2 import Lfm2ForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
+from hyprefix.models.qwen3_moe import Qwen3MoeForCausalLM
 from hyprefix.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type] = {
@@ -14,6 +15,7 @@ MODEL_CLASSES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the language model; images are not supported
     "NemotronHForCausalLM": HybridForCausalLM,

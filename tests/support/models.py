@@ -97,6 +97,21 @@ def _tiny_hybrid_config(arch: str):
     raise ValueError(arch)
 
 
+def tiny_moe_config(arch: str):
+    """Tiny mixture-of-experts configs (``tests/models/test_moe_families.py``): 8 experts, top 2,
+    expert rows whole 16-row tiles so a GGUF's stacks stay in their blocks."""
+    from transformers import Qwen3MoeConfig
+
+    common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                  initializer_range=0.2, max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        # QK-norm, head_dim unlike hidden / heads, experts on every layer, renormalised top-k
+        return Qwen3MoeConfig(**common, head_dim=32, num_hidden_layers=3, intermediate_size=96,
+                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    raise ValueError(arch)
+
+
 def build_tiny_model(arch: str, out: Path, seed: int = 0):
     """Write a tiny HF checkpoint (float32) with the project's tokenizer; returns the HF model."""
     from transformers import AutoModelForCausalLM

@@ -6,6 +6,7 @@ speed benchmarks (random weights decode at the speed of real ones).
     python tools/models/make_random_gguf.py --shape llama-3.2-1b --out /tmp/m \\
         --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp --types Q4_K_M Q8_0
     python tools/models/make_random_gguf.py --shape smollm3-3b --out /tmp/m --llama-cpp ... --types Q4_K_M
+    python tools/models/make_random_gguf.py --shape qwen3-30b-a3b-16l --out /tmp/m --llama-cpp ... --types Q4_K_M
 
 ``--llama-cpp`` is llama.cpp's source tree (from the llama-cpp-python sdist) with
 ``llama-quantize`` built in ``build/bin`` (``cmake --build build --target llama-quantize``).
@@ -20,7 +21,11 @@ from pathlib import Path
 from hyprefix import catalog
 
 # Real models' shapes with SmolLM2's vocabulary (tied embeddings: no output.weight, as the real
-# ones). ``arch``: the file's architecture (SmolLM3's has a NoPE layer every fourth, as llama.cpp runs it).
+# ones, but for the MoE shape, whose model has its own head). ``arch``: the file's architecture
+# (SmolLM3's has a NoPE layer every fourth, as llama.cpp runs it). ``qwen3-30b-a3b-16l``:
+# Qwen3-30B-A3B's layer (hidden 2048, 32 / 4 heads of 128, QK-norm, top-8 experts of 768) with 64
+# experts instead of 128 and 16 layers instead of 48, to fit 24 GiB and 2 cores (4.8B parameters,
+# 1.0B active a token).
 SHAPES = {
     "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
@@ -28,6 +33,10 @@ SHAPES = {
     "smollm3-3b": dict(arch="smollm3", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=5000000.0,
                        max_position_embeddings=65536, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b-16l": dict(arch="qwen3moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0,
+                              max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=64,
+                              num_experts_per_tok=8, moe_intermediate_size=768),
 }
 
 
@@ -54,6 +63,13 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    experts = cfg.get("num_experts", 0)
+    if experts:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     for field in source.fields.values():
         if field.name.startswith("tokenizer."):
             value_type = field.types[0]
@@ -63,10 +79,18 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     hidden, inter, heads, kv, dim = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
                                      cfg["num_key_value_heads"], cfg["head_dim"])
     tensors = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if experts:
+        tensors["output.weight"] = (vocab, hidden)
     for i in range(cfg["num_hidden_layers"]):
         block = {"attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (heads * dim, hidden),
-                 "attn_k": (kv * dim, hidden), "attn_v": (kv * dim, hidden), "attn_output": (hidden, heads * dim),
-                 "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+                 "attn_k": (kv * dim, hidden), "attn_v": (kv * dim, hidden), "attn_output": (hidden, heads * dim)}
+        if experts:
+            moe = cfg["moe_intermediate_size"]
+            block.update(attn_q_norm=(dim,), attn_k_norm=(dim,), ffn_gate_inp=(experts, hidden),
+                         ffn_gate_exps=(experts, moe, hidden), ffn_up_exps=(experts, moe, hidden),
+                         ffn_down_exps=(experts, hidden, moe))
+        else:
+            block.update(ffn_gate=(inter, hidden), ffn_up=(inter, hidden), ffn_down=(hidden, inter))
         tensors.update({f"blk.{i}.{name}.weight": dims for name, dims in block.items()})
     for name, shape_ in tensors.items():
         if len(shape_) == 1:

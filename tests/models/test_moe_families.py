@@ -1,0 +1,134 @@
+"""Mixture-of-experts families (``models/moe.py``, ``models/fused_moe.py``): each tiny random
+model greedy-decodes as transformers does in float32, from its HF checkpoint and from the GGUF
+file llama.cpp's own converter writes for it; a quantized file's expert stacks stay in their
+blocks; ``--quantization int8/int4`` holds an HF checkpoint's experts as tiles; prefix hits on
+and off give the same tokens, and decode steps run compiled (the experts one extern op)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyprefix import LLM, SamplingParams
+from hyprefix.kernels import quant_linear
+from hyprefix.models import gguf_hybrid
+from hyprefix.models.fused_moe import Experts
+from hyprefix.models.loader import gguf_architecture, load_config
+from tests.support.compare import hf_greedy, random_prompts
+from tests.support.gguf_convert import run_converter
+from tests.support.models import save_tiny_checkpoint, tiny_moe_config
+
+ARCHS = {"qwen3_moe": "qwen3moe"}  # test case -> the GGUF architecture the converter writes
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+needs_quant = pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """case -> (HF checkpoint dir, HF model)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    out = {}
+    for case in ARCHS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_moe_config(case), dtype=torch.float32).eval()
+        save_tiny_checkpoint(model, root / case)
+        out[case] = (root / case, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_ggufs(llama_converter, moe_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(case, outtype) -> the file the converter writes, f32 and q8_0, in one converter run."""
+    root = tmp_path_factory.mktemp("moe-gguf")
+    out = {(case, kind): root / f"{case}-{kind}.gguf" for case in ARCHS for kind in ("f32", "q8_0")}
+    run_converter(llama_converter, [(["--outtype", kind, "--outfile", str(path), str(moe_models[case][0])], [])
+                                    for (case, kind), path in out.items()])
+    return out
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("case", list(ARCHS))
+def test_greedy_matches_transformers(moe_models, moe_ggufs, case, source):
+    """float32 greedy tokens equal transformers' on the HF model, from the checkpoint and from
+    the f32 GGUF; a repeated prompt hits the prefix cache and decodes the same."""
+    path, hf = moe_models[case]
+    model = path if source == "hf" else moe_ggufs[case, "f32"]
+    llm = LLM(str(model), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    prompts = random_prompts((3, 40), seed=5)
+    first = _tokens(llm, prompts)
+    assert first == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
+    again = llm.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
+
+
+@pytest.mark.parametrize("case", list(ARCHS))
+def test_gguf_config_and_tensors_are_transformers(moe_models, moe_ggufs, case):
+    """The f32 file's config is the HF model's, and every tensor it gives is the HF model's own."""
+    path, hf = moe_ggufs[case, "f32"], moe_models[case][1]
+    assert gguf_architecture(path) == ARCHS[case]
+    config = load_config(path)
+    assert type(config) is type(hf.config) and config.architectures == [type(hf).__name__]
+    for key in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob", "head_dim", "num_key_value_heads", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(hf.config, key), key
+    ours, theirs = dict(gguf_hybrid.iter_tensors(path, config)), hf.state_dict()
+    assert set(ours) == {name for name, _ in hf.named_parameters()}
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _experts(llm: LLM) -> list[Experts]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
+
+
+@needs_quant
+@pytest.mark.parametrize("case", list(ARCHS))
+def test_quantized_experts_stay_in_blocks_and_decode_compiled(moe_ggufs, case):
+    """A Q8_0 file's expert stacks stay in the file's blocks (no float copy), every decode step
+    runs in the compiled graph, and prefix hits on and off give the same greedy tokens."""
+    path = moe_ggufs[case, "q8_0"]
+    prompts = random_prompts((3, 40), seed=7)
+    cached = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    experts = _experts(cached)
+    assert experts and all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    first = [_tokens(cached, [p])[0] for p in prompts]  # one at a time: batch-1 steps, the graph tests compile
+    steps = cached.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] == len(prompts) * (PARAMS.max_tokens - 1)
+    again = cached.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
+    uncached = LLM(str(path), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=0,
+                   enforce_eager=True)
+    assert _tokens(uncached, prompts) == first
+
+
+@needs_quant
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_holds_hf_experts_as_tiles(moe_models, quantization):
+    """``--quantization int8/int4`` quantizes an HF checkpoint's experts into the tiles the MoE
+    op multiplies (the float stacks dropped), each weight within half a step of its group's
+    scale; prefix hits on and off give the same greedy tokens."""
+    path, hf = moe_models["qwen3_moe"]
+    prompts = random_prompts((3, 40), seed=9)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, quantization=quantization)
+    experts = _experts(llm)
+    assert len(experts) == 2 * hf.config.num_hidden_layers
+    assert all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    stacks = [p for name, p in hf.named_parameters() if ".experts." in name]
+    levels = 127 if quantization == "int8" else 15  # int8: symmetric over max |w|; int4: 16 codes over the range
+    for expert, stack in zip(experts, stacks, strict=True):
+        plain = stack.detach().reshape(expert.forms.rows, -1)
+        error = (expert.forms.quant.dequantize(torch.float32) - plain).abs().unflatten(1, (-1, 32)).amax(-1)
+        spread = plain.abs().unflatten(1, (-1, 32)).amax(-1) * (1 if quantization == "int8" else 2)
+        assert (error <= spread / levels * 0.51 + 1e-3).all()
+    first = _tokens(llm, prompts)
+    uncached = LLM(str(path), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=0,
+                   quantization=quantization)
+    assert _tokens(uncached, prompts) == first
