@@ -13,8 +13,8 @@
 //     stay within Q5_K's).
 //   quant_rows(parts, n, k, ids): rows ids of the matrix dequantized to float32 [len(ids), K]
 //     (embedding lookups; tests).
-//   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows): a MoE block's experts on
-//     their stacked tiles (models/fused_moe.py), only the chosen experts' tiles read.
+//   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation): a MoE block's
+//     experts on their stacked tiles (models/fused_moe.py), only the chosen experts' tiles read.
 // Packing and unpacking run over ATen's threads, a tile per task.
 #include "quant_tiles.h"
 
@@ -368,19 +368,24 @@ void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, 
   });
 }
 
-// quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows): the experts of a MoE block
-// on their tiles (fused_moe.py). Pairs grouped by expert (experts in increasing order, each
-// expert's tokens in order); per expert gate_up, silu(gate) * up, down; each token's sum taken
-// over its pairs in expert order, so a row's result does not depend on the others.
+// quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation): the experts of
+// a MoE block on their tiles (fused_moe.py). Pairs grouped by expert (experts in increasing order,
+// each expert's tokens in order); per expert gate_up, the activation, down; each token's sum taken
+// over its pairs in expert order, so a row's result does not depend on the others. activation
+// "silu": gated, silu(gate) * up of the gate rows then the up rows; "relu2": not gated, relu(up)^2
+// (NemotronH), gate_up holding the up rows alone.
 at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                      const std::vector<at::Tensor>& gate_up, int64_t gate_up_rows, const std::vector<at::Tensor>& down,
-                     int64_t down_rows) {
+                     int64_t down_rows, c10::string_view activation) {
   TORCH_CHECK(x.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == x.size(0) && weights.sizes() == chosen.sizes() &&
                   chosen.scalar_type() == at::kLong && x.device().is_cpu(),
               "quant_moe: x [T, H], chosen and weights [T, k] (int64 ids) on the CPU");
-  TORCH_CHECK(gate_up_rows % 32 == 0 && down_rows % 16 == 0 && gate_up.size() == 3 && down.size() == 3 && down_rows == x.size(1),
+  TORCH_CHECK(activation == "silu" || activation == "relu2", "quant_moe: activation silu or relu2, not ", activation);
+  const bool gated = activation == "silu";
+  TORCH_CHECK(gate_up_rows % (gated ? 32 : 16) == 0 && down_rows % 16 == 0 && gate_up.size() == 3 && down.size() == 3 &&
+                  down_rows == x.size(1),
               "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
-  const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gate_up_rows / 2;
+  const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gated ? gate_up_rows / 2 : gate_up_rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous(), ids = chosen.contiguous();
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
@@ -396,7 +401,8 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
   }
   experts_matmul(gate_up, gate_up_rows, hidden, experts, rows_in, gate_up_out);
   for (const at::Tensor& gu : gate_up_out)
-    act.push_back((at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous());
+    act.push_back(gated ? (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous()
+                        : at::square(at::relu(gu)));
   experts_matmul(down, down_rows, inter, experts, act, down_out);
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.mutable_data_ptr<float>();
@@ -415,7 +421,7 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("quant_linear(Tensor x, Tensor[] parts, int n) -> Tensor");
   m.def("quant_moe(Tensor x, Tensor chosen, Tensor weights, Tensor[] gate_up, int gate_up_rows, Tensor[] down, "
-        "int down_rows) -> Tensor");
+        "int down_rows, str activation) -> Tensor");
   m.def("quant_pack(Tensor q, Tensor scales, Tensor extra) -> (Tensor, Tensor, Tensor)");
   m.def("quant_pack_gguf(Tensor raw, int type, int k, Tensor rows) -> (Tensor, Tensor, Tensor)");
   m.def("quant_rows(Tensor[] parts, int n, int k, Tensor ids) -> Tensor");

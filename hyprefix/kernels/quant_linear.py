@@ -52,11 +52,12 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Te
 
 
 def quant_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-              gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str = "silu") -> torch.Tensor:
     """A MoE block's experts on stacked tiles (one part each, every expert's rows whole tiles):
     x [T, H]; chosen, weights [T, k]; ``*_rows``: one expert's rows of each projection. The sum
-    over each token's chosen experts of weight * down(silu(gate) * up), in x's dtype."""
-    return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows)
+    over each token's chosen experts of weight * down(silu(gate) * up) (``activation`` "silu"), or
+    weight * down(relu(up)^2) ("relu2", experts without a gate), in x's dtype."""
+    return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -88,5 +89,5 @@ def _fake_rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> 
 
 
 def _fake_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-              gate_up_rows: int, down: list[torch.Tensor], down_rows: int) -> torch.Tensor:
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str) -> torch.Tensor:
     return torch.empty_like(x)

@@ -78,6 +78,8 @@ class CausalLM(nn.Module):
     # ``forward`` returns only the hidden rows ``batch.output_rows`` names, where it is set, and
     # runs the last layer's feed-forward part on those rows only (``last_layer_rows``).
     selects_output_rows = False
+    # The logits' divisor (Granite's ``logits_scaling``); 1 where the family has none.
+    logits_scaling = 1.0
 
     @property
     def head_forms(self) -> MatrixForms:
@@ -123,10 +125,12 @@ class CausalLM(nn.Module):
         if fp32 is not None:
             hidden = fused.rms_norm(hidden.float(), self.norm.weight.float(), self.norm.eps)
             # aten's matmul (an extern call in both compiled graphs); the batch-invariant mode's own kernel there
-            return forms.matmul(hidden, fp32, None) if forms.invariant else F.linear(hidden, fp32)
+            logits = forms.matmul(hidden, fp32, None) if forms.invariant else F.linear(hidden, fp32)
+            return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
         hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
         head = self.lm_head if self.lm_head is not None else self.embed.logits
-        return head(hidden).float()
+        logits = head(hidden).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def use_fp32_head(self) -> bool:
         """``--lm-head-fp32``: keep a float32 copy of the LM head's weight (a tied head: of the

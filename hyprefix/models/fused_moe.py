@@ -1,6 +1,7 @@
 """The experts of a mixture-of-experts block as one op, ``hyprefix::moe_experts``: given each
-token's chosen experts and their routing weights, every (token, expert) pair's gated-SiLU MLP
-(gate and up rows stacked per expert, then down), weighted and summed per token.
+token's chosen experts and their routing weights, every (token, expert) pair's MLP, weighted and
+summed per token. ``activation`` "silu": a gated-SiLU MLP (gate and up rows stacked per expert,
+silu(gate) * up, then down); "relu2": an MLP without a gate (NemotronH's experts: up, relu^2, down).
 
 One op, opaque to ``torch.compile``: how many tokens each expert gets is data, which a compiled
 graph cannot hold as a shape, so the grouping happens inside the op and a decode graph calls it
@@ -73,51 +74,60 @@ class Experts(nn.Module):
 
 
 def moe_forward(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: Experts,
-                down: Experts) -> torch.Tensor:
+                down: Experts, activation: str = "silu") -> torch.Tensor:
     """The experts' sum for each token: the quant op where both projections hold blocks, else the
     float op (over the blocks dequantized where only one projection kept them)."""
     quant_up, quant_down = gate_up.forms.quant, down.forms.quant
     if quant_up is not None and quant_down is not None:
-        return quant_kernel.quant_moe(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows)
-    return moe_experts(x, chosen, weights, gate_up.stacked(x.dtype), down.stacked(x.dtype))
+        return quant_kernel.quant_moe(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows,
+                                      activation)
+    return moe_experts(x, chosen, weights, gate_up.stacked(x.dtype), down.stacked(x.dtype), activation)
 
 
 @torch.library.custom_op("hyprefix::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, activation: str) -> torch.Tensor:
     """x [T, H]; chosen [T, k] expert ids; weights [T, k] in x's dtype; gate_up [E, 2I, H] (each
-    expert's gate rows, then its up rows); down [E, H, I]. Returns [T, H]."""
+    expert's gate rows, then its up rows; [E, I, H], up alone, for "relu2"); down [E, H, I].
+    Returns [T, H]."""
     if x.device.type == "cpu":
-        return grouped_experts(x, chosen, weights, gate_up, down)
-    return looped_experts(x, chosen, weights, gate_up, down)
+        return grouped_experts(x, chosen, weights, gate_up, down, activation)
+    return looped_experts(x, chosen, weights, gate_up, down, activation)
 
 
 @moe_experts.register_fake
 def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-      down: torch.Tensor) -> torch.Tensor:
+      down: torch.Tensor, activation: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The experts' activation on their gate_up outputs (``moe_experts``)."""
+    if activation == "relu2":
+        return torch.square(F.relu(h))
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
+                    down: torch.Tensor, activation: str) -> torch.Tensor:
     """The CPU path: pairs sorted by expert, one grouped matmul per projection, no Python loop."""
     num_experts, top_k = gate_up.shape[0], chosen.shape[1]
     flat = chosen.flatten()
     order = flat.argsort(stable=True)
     ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
     tokens = order // top_k
-    gate, up = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    h = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+    h = _activate(torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends), activation)
+    h = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)
     return torch.zeros_like(x).index_add_(0, tokens, h * weights.flatten()[order, None])
 
 
 def looped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, activation: str) -> torch.Tensor:
     """One matmul pair per chosen expert (devices other than a CPU)."""
     out = torch.zeros_like(x)
     for e in chosen.unique().tolist():
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down[e]) * weights[rows, slot, None]
+        h = F.linear(_activate(F.linear(x[rows], gate_up[e]), activation), down[e]) * weights[rows, slot, None]
         out.index_add_(0, rows, h)
     return out

@@ -49,6 +49,7 @@ from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and
     ARCHITECTURES,
     FULL,
     LINEAR,
+    MOE,
     QWEN_ARCHS,
     HybridFile,
     has_experts,
@@ -102,6 +103,11 @@ def _cat_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=1)
 
 
+def _join_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's gate [I, H] and up [I, H] as one [2I, H] matrix, gate rows first."""
+    return torch.cat([gate, up])
+
+
 def _as_row(t: torch.Tensor) -> torch.Tensor:
     """The shared-expert gate as a [1, hidden] matrix (some files keep it as a vector)."""
     return t.reshape(1, -1)
@@ -139,8 +145,9 @@ class HybridGGUF:
     def __init__(self, path: str | Path, hf_config) -> None:
         self.file = file = HybridFile(Path(path))
         cfg = hf_config.get_text_config()
+        builders = {"qwen3moe": _qwen3moe_tensors, "granitehybrid": _granite_tensors}
         self.specs = (_qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else
-                      _qwen3moe_tensors(file, cfg) if file.arch == "qwen3moe" else _mamba_tensors(file, cfg))
+                      builders.get(file.arch, _mamba_tensors)(file, cfg))
         needed = [name for spec in self.specs for name in spec.sources]
         missing = [name for name in needed if not file.has(name)]
         if missing:
@@ -338,31 +345,92 @@ def _mamba_tensors(file: HybridFile, cfg) -> list[_Tensor]:
         m = p + "mixer."
         out.append(_Tensor(p + "norm.weight", (b + "attn_norm.weight",)))
         if kind == LINEAR:
-            out += [_Tensor(m + "in_proj.weight", (b + "ssm_in.weight",)),
-                    _Tensor(m + "conv1d.weight", (b + "ssm_conv1d.weight",), _conv),
-                    _Tensor(m + "dt_bias", (b + "ssm_dt.bias",)),
-                    _Tensor(m + "A_log", (b + "ssm_a",), _a_log),
-                    _Tensor(m + "D", (b + "ssm_d",), _flat),
-                    _Tensor(m + "norm.weight", (b + "ssm_norm.weight",), _flat),
-                    _Tensor(m + "out_proj.weight", (b + "ssm_out.weight",))]
-            if cfg.use_conv_bias:
-                out.append(_Tensor(m + "conv1d.bias", (b + "ssm_conv1d.bias",)))
-            if cfg.use_bias:
-                out += [_Tensor(m + "in_proj.bias", (b + "ssm_in.bias",)),
-                        _Tensor(m + "out_proj.bias", (b + "ssm_out.bias",))]
+            out += _mamba_mixer(m, b, cfg.use_conv_bias, cfg.use_bias)
         elif kind == FULL:
-            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-            for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
-                                 ("o_proj", "attn_output")):
-                build = _same if ours not in heads else (lambda t, n=heads[ours]: _unpermute(t, n))
-                out.append(_Tensor(f"{m}{ours}.weight", (f"{b}{theirs}.weight",), build))
-                if cfg.attention_bias:
-                    out.append(_Tensor(f"{m}{ours}.bias", (f"{b}{theirs}.bias",), build))
+            out += _permuted_attention(m, b, cfg)
+        elif kind == MOE:
+            out += _nemotron_moe(file, m, b, cfg)
         else:
             for proj in ("up", "down"):
                 out.append(_Tensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)))
                 if cfg.mlp_bias:
                     out.append(_Tensor(f"{m}{proj}_proj.bias", (f"{b}ffn_{proj}.bias",)))
+    return out
+
+
+def _nemotron_moe(file: HybridFile, m: str, b: str, cfg) -> list[_Tensor]:
+    """A Nemotron 3 MoE mixer: router and its correction bias, ungated expert stacks, the shared
+    expert, and the latent projections where the model has them."""
+    out = [_Tensor(m + "gate.weight", (b + "ffn_gate_inp.weight",)),
+           _Tensor(m + "gate.e_score_correction_bias", (b + "exp_probs_b.bias",)),
+           _Tensor(m + "experts.up_proj", (b + "ffn_up_exps.weight",)),
+           _Tensor(m + "experts.down_proj", (b + "ffn_down_exps.weight",))]
+    for proj in ("up", "down"):
+        out.append(_Tensor(f"{m}shared_experts.{proj}_proj.weight", (f"{b}ffn_{proj}_shexp.weight",)))
+        if cfg.mlp_bias:
+            out.append(_Tensor(f"{m}shared_experts.{proj}_proj.bias", (f"{b}ffn_{proj}_shexp.bias",)))
+    if cfg.moe_latent_size:
+        for ours, theirs in (("fc1_latent_proj", "ffn_latent_down"), ("fc2_latent_proj", "ffn_latent_up")):
+            out.append(_Tensor(f"{m}{ours}.weight", (f"{b}{theirs}.weight",)))
+            if cfg.mlp_bias:
+                out.append(_Tensor(f"{m}{ours}.bias", (f"{b}{theirs}.bias",)))
+    return out
+
+
+def _mamba_mixer(m: str, b: str, conv_bias: bool, proj_bias: bool) -> list[_Tensor]:
+    """A Mamba2 mixer's tensors (``m``: its transformers prefix, ``b``: the file's ``blk.N.``)."""
+    out = [_Tensor(m + "in_proj.weight", (b + "ssm_in.weight",)),
+           _Tensor(m + "conv1d.weight", (b + "ssm_conv1d.weight",), _conv),
+           _Tensor(m + "dt_bias", (b + "ssm_dt.bias",)),
+           _Tensor(m + "A_log", (b + "ssm_a",), _a_log),
+           _Tensor(m + "D", (b + "ssm_d",), _flat),
+           _Tensor(m + "norm.weight", (b + "ssm_norm.weight",), _flat),
+           _Tensor(m + "out_proj.weight", (b + "ssm_out.weight",))]
+    if conv_bias:
+        out.append(_Tensor(m + "conv1d.bias", (b + "ssm_conv1d.bias",)))
+    if proj_bias:
+        out += [_Tensor(m + "in_proj.bias", (b + "ssm_in.bias",)), _Tensor(m + "out_proj.bias", (b + "ssm_out.bias",))]
+    return out
+
+
+def _permuted_attention(m: str, b: str, cfg) -> list[_Tensor]:
+    """Attention whose q/k rows the converter permuted to ggml's RoPE order (``_unpermute``)."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    out = []
+    for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        build = _same if ours not in heads else (lambda t, n=heads[ours]: _unpermute(t, n))
+        out.append(_Tensor(f"{m}{ours}.weight", (f"{b}{theirs}.weight",), build))
+        if cfg.attention_bias:
+            out.append(_Tensor(f"{m}{ours}.bias", (f"{b}{theirs}.bias",), build))
+    return out
+
+
+def _granite_tensors(file: HybridFile, cfg) -> list[_Tensor]:
+    """Granite 4.0-H (``granitehybrid``): Mamba2 (``mamba.*``) or attention (``self_attn.*``, q/k
+    permuted) layers, each with a feed-forward part: experts (``ffn_*_exps``, gate and up joined
+    into transformers 5's ``experts.gate_up_proj``) plus the shared MLP (``ffn_*_shexp``), or the
+    shared MLP alone (``ffn_gate`` / ``ffn_up`` / ``ffn_down``), gate rows first in
+    ``shared_mlp.input_linear``."""
+    out = [_Tensor("model.embed_tokens.weight", ("token_embd.weight",)),
+           _Tensor("model.norm.weight", ("output_norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        out.append(_Tensor("lm_head.weight", ("output.weight",)))
+    for i, kind in enumerate(cfg.layers_block_type):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out += [_Tensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
+                _Tensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",))]
+        out += (_mamba_mixer(p + "mamba.", b, cfg.mamba_conv_bias, cfg.mamba_proj_bias) if kind == LINEAR
+                else _permuted_attention(p + "self_attn.", b, cfg))
+        moe, shared = p + "block_sparse_moe.", p + "shared_mlp."
+        suffix = "_shexp" if cfg.num_local_experts else ""
+        out += [_Tensor(shared + "input_linear.weight", (f"{b}ffn_gate{suffix}.weight", f"{b}ffn_up{suffix}.weight"),
+                        _join_rows),
+                _Tensor(shared + "output_linear.weight", (f"{b}ffn_down{suffix}.weight",))]
+        if cfg.num_local_experts:
+            out += [_Tensor(moe + "router.weight", (b + "ffn_gate_inp.weight",)),
+                    _Tensor(moe + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
+                            _cat_rows),
+                    _Tensor(moe + "experts.down_proj", (b + "ffn_down_exps.weight",))]
     return out
 
 

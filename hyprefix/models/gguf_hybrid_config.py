@@ -9,11 +9,11 @@ are read off the tensors present; NemotronH's layer kinds come from the per-laye
 counts and the tensors present; Mamba time-step limits keep transformers' defaults (llama.cpp
 clamps nothing either).
 
-``nemotron_h_moe`` is loaded too when none of its layers has experts: the converter picks that
+``nemotron_h_moe`` (Nemotron 3) holds MoE layers (``moe``: router, correction bias, ungated
+expert stacks, a shared expert, optional latent projections); the converter also picks that
 architecture for any NemotronH config that mentions ``num_experts_per_tok``, and transformers 5
 writes that default into every NemotronH config it saves, so a dense NemotronH re-saved by
-transformers 5 converts to ``nemotron_h_moe``. Expert layers themselves are refused (the engine
-runs no NemotronH MoE).
+transformers 5 converts to ``nemotron_h_moe`` without expert layers.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe")
+ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe",
+                 "granitehybrid")
 QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
-LINEAR, FULL, MLP = "linear_attention", "full_attention", "mlp"
+LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
                    "ffn_gate_up_exps.weight")
 _REQUIRED: Any = object()
@@ -119,6 +120,8 @@ def load_config(path: str | Path):
         return _mamba2_config(file)
     if file.arch == "qwen3moe":
         return _qwen3moe_config(file)
+    if file.arch == "granitehybrid":
+        return _granite_config(file)
     return _nemotron_config(file)
 
 
@@ -293,7 +296,7 @@ def _mamba2_config(file: HybridFile):
 def _nemotron_kind(file: HybridFile, layer: int, kv_heads: int) -> str:
     b = f"blk.{layer}."
     if has_experts(file, layer):
-        raise file.error(f"layer {layer} is a mixture-of-experts layer; hyprefix runs no NemotronH MoE")
+        return MOE
     if kv_heads > 0 or file.has(b + "attn_q.weight"):
         return FULL
     if file.has(b + "ssm_in.weight"):
@@ -303,18 +306,37 @@ def _nemotron_kind(file: HybridFile, layer: int, kv_heads: int) -> str:
     raise file.error(f"layer {layer} is none of Mamba2 (ssm_in), attention (attn_q) or MLP (ffn_up)")
 
 
+def _nemotron_experts(file: HybridFile, layer: int) -> dict[str, Any]:
+    """A Nemotron 3 file's MoE fields. The converter writes the expert group count but not how many
+    groups are kept: a file that does not say keeps every group (the real models have one)."""
+    b = f"blk.{layer}."
+    groups = file.int_value("expert_group_count", 1)
+    latent = file.rows(b + "ffn_latent_down.weight") if file.has(b + "ffn_latent_down.weight") else None
+    return {"n_routed_experts": file.int_value("expert_count"),
+            "num_experts_per_tok": file.int_value("expert_used_count"),
+            "moe_intermediate_size": file.shapes[b + "ffn_up_exps.weight"][1],
+            "moe_shared_expert_intermediate_size": file.rows(b + "ffn_up_shexp.weight"),
+            "n_shared_experts": file.int_value("expert_shared_count", 1), "n_group": groups,
+            "topk_group": file.int_value("expert_group_used_count", groups),
+            "norm_topk_prob": bool(file.arch_value("expert_weights_norm", True)),
+            "routed_scaling_factor": file.float_value("expert_weights_scale", 1.0), "moe_latent_size": latent,
+            "mlp_bias": file.has(b + "ffn_up_shexp.bias")}
+
+
 def _nemotron_config(file: HybridFile):
     from transformers import NemotronHConfig
 
     layers = _layers(file)
     kinds = [_nemotron_kind(file, i, kv) for i, kv in enumerate(file.per_layer("attention.head_count_kv", layers))]
     fields = _common(file)
-    first = {kind: kinds.index(kind) if kind in kinds else None for kind in (LINEAR, FULL, MLP)}
+    first = {kind: kinds.index(kind) if kind in kinds else None for kind in (LINEAR, FULL, MLP, MOE)}
     heads = max(file.per_layer("attention.head_count", layers))
     extra: dict[str, Any] = {}
     if first[MLP] is not None:
         extra.update(intermediate_size=file.rows(f"blk.{first[MLP]}.ffn_up.weight"),
                      mlp_bias=file.has(f"blk.{first[MLP]}.ffn_up.bias"))
+    if first[MOE] is not None:
+        extra.update(_nemotron_experts(file, first[MOE]))
     mamba = _mamba_fields(file, first[LINEAR])
     return NemotronHConfig(
         architectures=["NemotronHForCausalLM"], layers_block_type=kinds, num_attention_heads=heads,
@@ -322,3 +344,44 @@ def _nemotron_config(file: HybridFile):
         head_dim=file.int_value("attention.key_length", fields["hidden_size"] // max(heads, 1)),
         attention_bias=first[FULL] is not None and file.has(f"blk.{first[FULL]}.attn_q.bias"),
         mamba_proj_bias=mamba["use_bias"], tie_word_embeddings=False, **mamba, **extra, **fields)
+
+
+def _granite_config(file: HybridFile):
+    """Granite 4.0-H (``GraniteMoeHybridConfig``): layer kinds from the per-layer KV head counts,
+    expert and shared-MLP widths from the tensors, Granite's four scales from the metadata (a
+    missing one: no scaling, the attention scale ``head_dim ** -0.5``). llama.cpp runs a
+    ``granitehybrid`` file with Mamba2 layers without RoPE (``rope.scaling.finetuned`` false); one
+    with RoPE is a Bamba, which this loader refuses."""
+    from transformers import GraniteMoeHybridConfig
+
+    layers = _layers(file)
+    kv = file.per_layer("attention.head_count_kv", layers)
+    kinds = [FULL if n > 0 else LINEAR for n in kv]
+    if LINEAR in kinds and file.arch_value("rope.scaling.finetuned", False):
+        raise file.error("a granitehybrid file with RoPE and Mamba2 layers is a Bamba model: not supported")
+    first_mamba = kinds.index(LINEAR) if LINEAR in kinds else None
+    mamba = _mamba_fields(file, first_mamba)
+    heads = max(file.per_layer("attention.head_count", layers))
+    experts = file.int_value("expert_count", 0)
+    suffix = "_shexp" if experts else ""
+    fields = _common(file)
+    head_dim = fields["hidden_size"] // heads
+    return GraniteMoeHybridConfig(
+        architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(kv), layer_types=["mamba" if k == LINEAR else "attention" for k in kinds],
+        attention_bias=FULL in kinds and file.has(f"blk.{kinds.index(FULL)}.attn_q.bias"),
+        position_embedding_type="rope" if LINEAR not in kinds else "nope",
+        rope_parameters=_rope_parameters(file, head_dim), rms_norm_eps=mamba["layer_norm_epsilon"],
+        num_local_experts=experts, num_experts_per_tok=file.int_value("expert_used_count", 0) or 1,
+        # without experts the converter still states the (unused) expert width as feed_forward_length
+        intermediate_size=file.shapes["blk.0.ffn_gate_exps.weight"][1] if experts else
+        file.int_value("feed_forward_length", 0),
+        shared_intermediate_size=file.rows(f"blk.0.ffn_gate{suffix}.weight"),
+        mamba_n_heads=mamba["mamba_num_heads"], mamba_d_head=mamba["mamba_head_dim"],
+        mamba_n_groups=mamba["n_groups"], mamba_d_state=mamba["ssm_state_size"], mamba_d_conv=mamba["conv_kernel"],
+        mamba_expand=file.int_value("ssm.inner_size") // fields["hidden_size"], mamba_proj_bias=mamba["use_bias"],
+        mamba_conv_bias=mamba["use_conv_bias"], tie_word_embeddings=not file.has("output.weight"),
+        embedding_multiplier=file.float_value("embedding_scale", 0.0) or 1.0,
+        residual_multiplier=file.float_value("residual_scale", 0.0) or 1.0,
+        attention_multiplier=file.float_value("attention.scale", 0.0) or head_dim ** -0.5,
+        logits_scaling=file.float_value("logit_scale", 0.0) or 1.0, **fields)

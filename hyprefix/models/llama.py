@@ -127,10 +127,9 @@ class LlamaForCausalLM(CausalLM):
     # The layer each index builds: families with Llama's layout and names but a different
     # layer (SmolLM3's NoPE layers, Granite's residual multiplier) subclass with their own.
     layer_class: type[DecoderLayer] = DecoderLayer
-    # The embeddings' scale before the first layer and the logits' divisor (Granite's
-    # ``embedding_multiplier`` and ``logits_scaling``); 1 where the family has none.
+    # The embeddings' scale before the first layer (Granite's ``embedding_multiplier``); 1 where
+    # the family has none. (``CausalLM.logits_scaling`` divides the logits.)
     embedding_multiplier = 1.0
-    logits_scaling = 1.0
     selects_output_rows = True
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
@@ -175,12 +174,6 @@ class LlamaForCausalLM(CausalLM):
         for layer, kv, rows in zip(self.layers, kv_caches, last_layer_rows(batch, len(self.layers)), strict=True):
             x, residual = layer(x, residual, batch, rope, kv, self.kernels, rows)
         return x + residual
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's float32 logits, divided by ``logits_scaling`` where the family has one (every
-        sampling path reads logits from here, but the one-call kernel's, which divides them itself)."""
-        logits = super().compute_logits(hidden)
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def decode_logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -22,34 +22,82 @@ from hyprefix.models.layers import GatedMLP, Linear
 
 @dataclass(frozen=True)
 class Routing:
-    """How a router's logits choose experts: softmax over every expert, then the ``top_k``
-    largest (Qwen, Mixtral), their weights renormalised to sum to one where ``renormalize``."""
+    """How a router's logits choose experts.
+
+    - ``scoring`` "softmax": softmax over every expert, then the ``top_k`` largest (Qwen,
+      Mixtral), their weights renormalised to sum to one where ``renormalize``; or, with
+      ``softmax_after_topk``, the ``top_k`` largest logits and a softmax over those alone
+      (Granite MoE, gpt-oss).
+    - ``scoring`` "sigmoid" (DeepSeek-V3, Nemotron 3): sigmoid scores; the choice ranks them plus
+      the router's correction bias, within the ``groups_kept`` of ``groups`` expert groups whose
+      two best sum highest; the weights are the chosen scores (without the bias), renormalised
+      where ``renormalize``.
+
+    The weights are then multiplied by ``scale`` (``routed_scaling_factor``)."""
 
     top_k: int
-    renormalize: bool
+    renormalize: bool = False
+    softmax_after_topk: bool = False
+    scoring: str = "softmax"
+    groups: int = 1
+    groups_kept: int = 1
+    scale: float = 1.0
 
-    def __call__(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in ``dtype``, chosen expert ids [T, k]) for router logits [T, E]."""
-        weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+    def __call__(self, logits: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in ``dtype``, chosen expert ids [T, k]) for router logits [T, E]
+        (``bias``: the correction bias of sigmoid scoring)."""
+        if self.scoring == "sigmoid":
+            weights, chosen = self._sigmoid(logits.float(), bias)
+        elif self.softmax_after_topk:
+            top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+        return (weights if self.scale == 1.0 else weights * self.scale).to(dtype), chosen
+
+    def _sigmoid(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid()
+        choice = scores if bias is None else scores + bias.float()
+        if self.groups > 1:
+            grouped = choice.unflatten(-1, (self.groups, -1))
+            kept = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), self.groups_kept, dim=-1)[1]
+            mask = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, kept, True)
+            choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
+        chosen = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(-1, chosen)
         if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights.to(dtype), chosen
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights, chosen
 
 
 class SparseMoE(nn.Module):
-    """Router -> ``top_k`` of ``num_experts`` gated SiLU experts, plus an optional shared expert
-    (a gated SiLU MLP), scaled by sigmoid(shared_gate(x)) where ``shared_gate``. Expert weights
-    are stacked: gate_up [E * 2I, hidden] (each expert's gate rows, then its up rows), down
-    [E * hidden, I]."""
+    """Router -> ``top_k`` of ``num_experts`` experts (``activation`` "silu": gated SiLU MLPs,
+    "relu2": ungated ReLU^2 ones), plus an optional ``shared`` expert (any MLP module), scaled by
+    sigmoid(shared_gate(x)) where ``shared_gate``. ``latent``: the experts work in a smaller width,
+    between a projection down from the hidden size and one back up (NemotronH's latent MoE).
+    ``router_bias``: the correction bias sigmoid routing adds to choose. Expert weights are
+    stacked: gate_up [E * 2I, width] (each expert's gate rows, then its up rows; [E * I, width],
+    up alone, for "relu2"), down [E * width, I]."""
 
-    def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: Routing, shared: int,
-                 shared_gate: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: Routing, shared: nn.Module | None,
+                 shared_gate: bool, dtype: torch.dtype, device: torch.device, activation: str = "silu",
+                 latent: int | None = None, router_bias: bool = False, latent_bias: bool = False) -> None:
         super().__init__()
-        self.hidden, self.num_experts, self.inter, self.routing = hidden, num_experts, intermediate, routing
+        width = latent or hidden
+        self.hidden, self.width, self.num_experts, self.inter = hidden, width, num_experts, intermediate
+        self.routing, self.activation = routing, activation
         self.router = Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
-        self.experts_gate_up = Experts(num_experts, 2 * intermediate, hidden, dtype, device)
-        self.experts_down = Experts(num_experts, hidden, intermediate, dtype, device)
-        self.shared = GatedMLP(hidden, shared, False, dtype, device) if shared else None
+        self.router_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
+            if router_bias else None
+        self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None
+        self.latent_out = Linear(width, hidden, bias=latent_bias, dtype=dtype, device=device) if latent else None
+        self.experts_gate_up = Experts(num_experts, (2 if activation == "silu" else 1) * intermediate, width, dtype,
+                                       device)
+        self.experts_down = Experts(num_experts, width, intermediate, dtype, device)
+        self.shared = shared
         self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared and shared_gate else None
 
     @classmethod
@@ -58,12 +106,16 @@ class SparseMoE(nn.Module):
         ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``, and a gated
         shared expert of ``shared_expert_intermediate_size`` where that is set."""
         routing = Routing(cfg.num_experts_per_tok, bool(getattr(cfg, "norm_topk_prob", True)))
-        shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        width = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+        shared = GatedMLP(cfg.hidden_size, width, False, dtype, device) if width else None
         return cls(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, routing, shared, True, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.routing(self.router(x), x.dtype)
-        out = moe_forward(x, chosen, weights, self.experts_gate_up, self.experts_down)
+        weights, chosen = self.routing(self.router(x), x.dtype, self.router_bias)
+        h = x if self.latent_in is None else self.latent_in(x)
+        out = moe_forward(h, chosen, weights, self.experts_gate_up, self.experts_down, self.activation)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
@@ -81,9 +133,12 @@ def is_moe_layer(cfg, i: int) -> bool:
 
 
 def flat_experts(name: str, t: torch.Tensor) -> torch.Tensor:
-    """transformers 5's fused expert stacks [E, rows, cols] as our [E * rows, cols]; any other
-    tensor as it is (a row move only: ``CausalLM.converted``'s contract)."""
-    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+    """Expert stacks [E, rows, cols] (transformers 5's fused ``experts.gate_up_proj`` /
+    ``down_proj``, NemotronH's ungated ``experts.up_proj``, Granite's ``input_linear`` /
+    ``output_linear``) as our [E * rows, cols]; any
+    other tensor as it is (a row move only: ``CausalLM.converted``'s contract)."""
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.up_proj")) or (
+            t.dim() == 3 and name.endswith(("input_linear.weight", "output_linear.weight"))):
         return t.reshape(-1, t.shape[-1])
     return t
 
@@ -109,8 +164,16 @@ def map_sparse_moe(prefix: str, moe: SparseMoE, rest: str) -> Target:
         return f"{prefix}.experts_gate_up.weight", None, None
     if rest == "experts.down_proj":
         return f"{prefix}.experts_down.weight", None, None
-    _, e, proj, _ = rest.split(".")  # experts.{e}.{gate,up,down}_proj.weight
+    return map_expert(prefix, moe, rest)
+
+
+def map_expert(prefix: str, moe: SparseMoE, rest: str) -> Target:
+    """One expert's projection, ``experts.{e}.{gate,up,down}_proj.weight``, onto its rows of the
+    stacks (``up_proj`` alone fills an ungated expert's gate_up rows)."""
+    _, e, proj, _ = rest.split(".")
     e, n = int(e), moe.num_experts
     if proj == "down_proj":
-        return f"{prefix}.experts_down.weight", e, [moe.hidden] * n
+        return f"{prefix}.experts_down.weight", e, [moe.width] * n
+    if moe.activation != "silu":
+        return f"{prefix}.experts_gate_up.weight", e, [moe.inter] * n
     return f"{prefix}.experts_gate_up.weight", 2 * e + (proj == "up_proj"), [moe.inter] * (2 * n)

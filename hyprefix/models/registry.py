@@ -20,6 +20,7 @@ MODEL_CLASSES: dict[str, type] = {
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the language model; images are not supported
     "NemotronHForCausalLM": HybridForCausalLM,
     "BambaForCausalLM": HybridForCausalLM,
+    "GraniteMoeHybridForCausalLM": HybridForCausalLM,
     "Mamba2ForCausalLM": HybridForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,

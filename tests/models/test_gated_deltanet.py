@@ -140,23 +140,26 @@ def test_qwen3_5_moe_matches_transformers(tmp_path):
 
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_grouped_experts_equal_one_matmul_pair_per_expert(rows):
+def test_grouped_experts_equal_one_matmul_pair_per_expert(rows, activation):
     """The CPU path (one grouped matmul per projection over tokens sorted by expert,
     experts nobody chose left empty) against the per-expert loop other devices run, and the
-    op ``hyprefix::moe_experts`` (which picks the CPU path here) against both."""
+    op ``hyprefix::moe_experts`` (which picks the CPU path here) against both; gated SiLU experts
+    and ungated ReLU^2 ones (NemotronH), whose gate_up holds the up rows alone."""
     from hyprefix.models.fused_moe import grouped_experts, looped_experts, moe_experts
 
     gen = torch.Generator().manual_seed(rows)
-    gate_up, down = torch.randn(9, 32, 24, generator=gen) / 4, torch.randn(9, 24, 16, generator=gen) / 4
+    rows_up = 32 if activation == "silu" else 16
+    gate_up, down = torch.randn(9, rows_up, 24, generator=gen) / 4, torch.randn(9, 24, 16, generator=gen) / 4
     x = torch.randn(rows, 24, generator=gen)
     chosen = torch.stack([torch.randperm(9, generator=gen)[:3] for _ in range(rows)])
     weights = torch.rand(rows, 3, generator=gen)
-    grouped = grouped_experts(x, chosen, weights, gate_up, down)
-    looped = looped_experts(x, chosen, weights, gate_up, down)
+    grouped = grouped_experts(x, chosen, weights, gate_up, down, activation)
+    looped = looped_experts(x, chosen, weights, gate_up, down, activation)
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
     assert grouped.abs().max() > 0.1
-    torch.testing.assert_close(moe_experts(x, chosen, weights, gate_up, down), grouped, rtol=0, atol=0)
+    torch.testing.assert_close(moe_experts(x, chosen, weights, gate_up, down, activation), grouped, rtol=0, atol=0)
 
 
 def test_experts_with_one_projection_in_blocks_multiply_it_dequantized():
@@ -181,5 +184,6 @@ def test_experts_with_one_projection_in_blocks_multiply_it_dequantized():
     chosen, weights = torch.tensor([[0, 2], [2, 3], [1, 0]]), torch.rand(3, 2, generator=gen)
     got = moe_forward(x, chosen, weights, gate_up, down)
     deq = gate_up.forms.quant.dequantize(torch.float32).view(4, 64, 64)
-    torch.testing.assert_close(got, moe_experts(x, chosen, weights, deq, down.stacked(torch.float32)), rtol=0, atol=0)
+    torch.testing.assert_close(got, moe_experts(x, chosen, weights, deq, down.stacked(torch.float32), "silu"), rtol=0,
+                               atol=0)
     assert got.abs().max() > 0.01

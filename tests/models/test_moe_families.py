@@ -18,9 +18,12 @@ from hyprefix.models.fused_moe import Experts
 from hyprefix.models.loader import gguf_architecture, load_config
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
-from tests.support.models import save_tiny_checkpoint, tiny_moe_config
+from tests.support.models import hub_layer_types, save_tiny_checkpoint, tiny_moe_config
 
-ARCHS = {"qwen3_moe": "qwen3moe"}  # test case -> the GGUF architecture the converter writes
+# test case -> the GGUF architecture the converter writes
+ARCHS = {"qwen3_moe": "qwen3moe", "granite_moe_hybrid": "granitehybrid", "granite_hybrid_dense": "granitehybrid",
+         "nemotron_h_moe": "nemotron_h_moe"}
+MOE_CASES = ["qwen3_moe", "granite_moe_hybrid", "nemotron_h_moe"]  # those with experts
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 needs_quant = pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
 
@@ -35,7 +38,15 @@ def moe_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     for case in ARCHS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_moe_config(case), dtype=torch.float32).eval()
+        with torch.no_grad():  # HF leaves these at 1 (the correction bias at 0); vary them so a wrong index shows
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("dt_bias", ".D")) or "mamba.norm" in name or ".mixer.norm" in name:
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("e_score_correction_bias"):
+                    p.normal_(0, 0.3)
         save_tiny_checkpoint(model, root / case)
+        if case.startswith("granite"):
+            hub_layer_types(root / case)
         out[case] = (root / case, model)
     return out
 
@@ -76,13 +87,23 @@ def test_gguf_config_and_tensors_are_transformers(moe_models, moe_ggufs, case):
     assert gguf_architecture(path) == ARCHS[case]
     config = load_config(path)
     assert type(config) is type(hf.config) and config.architectures == [type(hf).__name__]
-    for key in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "norm_topk_prob", "head_dim", "num_key_value_heads", "tie_word_embeddings"):
-        assert getattr(config, key) == getattr(hf.config, key), key
+    for key in KEYS[case]:
+        assert getattr(config, key) == pytest.approx(getattr(hf.config, key)), key
     ours, theirs = dict(gguf_hybrid.iter_tensors(path, config)), hf.state_dict()
-    assert set(ours) == {name for name, _ in hf.named_parameters()}
+    assert {name for name, _ in hf.named_parameters()} <= set(ours) <= set(theirs)  # buffers: the correction bias
     for name, tensor in ours.items():
         torch.testing.assert_close(tensor, theirs[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+COMMON_KEYS = ("num_hidden_layers", "hidden_size", "num_experts_per_tok", "num_key_value_heads", "tie_word_embeddings")
+GRANITE_KEYS = (*COMMON_KEYS, "num_local_experts", "intermediate_size", "shared_intermediate_size", "layers_block_type",
+                "position_embedding_type", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_expand", "mamba_conv_bias")
+KEYS = {"qwen3_moe": (*COMMON_KEYS, "num_experts", "moe_intermediate_size", "norm_topk_prob", "head_dim"),
+        "granite_moe_hybrid": GRANITE_KEYS, "granite_hybrid_dense": GRANITE_KEYS,
+        "nemotron_h_moe": (*COMMON_KEYS, "layers_block_type", "n_routed_experts", "moe_intermediate_size",
+                           "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group",
+                           "norm_topk_prob", "routed_scaling_factor", "head_dim")}
 
 
 def _experts(llm: LLM) -> list[Experts]:
@@ -90,7 +111,8 @@ def _experts(llm: LLM) -> list[Experts]:
 
 
 @needs_quant
-@pytest.mark.parametrize("case", list(ARCHS))
+@pytest.mark.hybrid_graphs
+@pytest.mark.parametrize("case", MOE_CASES)
 def test_quantized_experts_stay_in_blocks_and_decode_compiled(moe_ggufs, case):
     """A Q8_0 file's expert stacks stay in the file's blocks (no float copy), every decode step
     runs in the compiled graph, and prefix hits on and off give the same greedy tokens."""
@@ -132,3 +154,28 @@ def test_quantization_holds_hf_experts_as_tiles(moe_models, quantization):
     uncached = LLM(str(path), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, log_stats_interval=0,
                    quantization=quantization)
     assert _tokens(uncached, prompts) == first
+
+
+def test_sigmoid_group_routing_is_transformers():
+    """Sigmoid routing over expert groups (Nemotron 3, DeepSeek-V3's scheme: the correction bias
+    ranks, the two best of each group rank the groups, the scores weigh) chooses and weighs as
+    transformers' NemotronH router, with more than one group kept of several."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from hyprefix.models.moe import Routing
+
+    config = NemotronHConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                             norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = NemotronHTopkRouter(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.3)
+    x = torch.randn(50, 32, generator=gen)
+    _, theirs_weights, theirs_chosen = router(x)
+    routing = Routing(4, True, scoring="sigmoid", groups=4, groups_kept=2, scale=2.5)
+    weights, chosen = routing(x @ router.weight.T, torch.float32, router.e_score_correction_bias)
+    ours = torch.zeros(50, 16).scatter_(1, chosen, weights)
+    torch.testing.assert_close(ours, torch.zeros(50, 16).scatter_(1, theirs_chosen, theirs_weights))
+    assert all(len(set((row // 4).tolist())) <= 2 for row in chosen)  # from two groups of four at most

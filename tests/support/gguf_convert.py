@@ -57,11 +57,12 @@ def extract_converter() -> Path:
     return out
 
 
-def run_converter(converter: Path, jobs: list[tuple[list[str], list[str]]]) -> None:
-    """Run the converter once per job (its arguments, and config keys hidden from it) in one
-    interpreter (``tools/models/llama_converter.py``); a failure fails the test with the end of its log."""
+def run_converter(converter: Path, jobs: list[tuple]) -> None:
+    """Run the converter once per job (its arguments, config keys hidden from it and, optionally,
+    config keys added) in one interpreter (``tools/models/llama_converter.py``); a failure fails
+    the test with the end of its log."""
     import pytest
 
-    proc = llama_converter.run_converter(converter, [(args, hidden, {}) for args, hidden in jobs])
+    proc = llama_converter.run_converter(converter, [(job[0], job[1], job[2] if len(job) > 2 else {}) for job in jobs])
     if proc.returncode:
         pytest.fail(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")

@@ -100,7 +100,7 @@ def _tiny_hybrid_config(arch: str):
 def tiny_moe_config(arch: str):
     """Tiny mixture-of-experts configs (``tests/models/test_moe_families.py``): 8 experts, top 2,
     expert rows whole 16-row tiles so a GGUF's stacks stay in their blocks."""
-    from transformers import Qwen3MoeConfig
+    from transformers import GraniteMoeHybridConfig, NemotronHConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
                   initializer_range=0.2, max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=2,
@@ -109,7 +109,37 @@ def tiny_moe_config(arch: str):
         # QK-norm, head_dim unlike hidden / heads, experts on every layer, renormalised top-k
         return Qwen3MoeConfig(**common, head_dim=32, num_hidden_layers=3, intermediate_size=96,
                               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    if arch in ("granite_moe_hybrid", "granite_hybrid_dense"):
+        # Granite 4.0-H: Mamba2 and NoPE attention layers, experts plus a shared MLP (or the shared
+        # MLP alone), Granite's four multipliers away from 1, tied embeddings (as the real ones)
+        return GraniteMoeHybridConfig(
+            **{**common, "tie_word_embeddings": True}, num_hidden_layers=4, intermediate_size=32,
+            shared_intermediate_size=48, num_local_experts=8 if arch == "granite_moe_hybrid" else 0,
+            num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+            position_embedding_type="nope", embedding_multiplier=2.0, residual_multiplier=0.7,
+            attention_multiplier=0.2, logits_scaling=2.0)
+    if arch == "nemotron_h_moe":
+        # Nemotron 3: Mamba2, NoPE attention and MoE layers (sigmoid routing with a correction bias,
+        # ungated ReLU^2 experts in a latent width, a shared expert), top-k weights scaled
+        return NemotronHConfig(
+            **common, num_hidden_layers=4, layers_block_type=["mamba", "moe", "attention", "moe"], head_dim=16,
+            mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=1, topk_group=1,
+            norm_topk_prob=True, routed_scaling_factor=2.5, intermediate_size=64)
     raise ValueError(arch)
+
+
+def hub_layer_types(checkpoint: Path) -> None:
+    """A Granite 4.0-H checkpoint's ``layer_types`` as the hub's configs write them ("mamba",
+    "attention"; transformers 5 saves its own names), which llama.cpp's converter reads from
+    config.json to find the attention layers."""
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    names = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layer_types"] = [names.get(kind, kind) for kind in config["layer_types"]]
+    path.write_text(json.dumps(config, indent=2))
 
 
 def build_tiny_model(arch: str, out: Path, seed: int = 0):
