@@ -318,7 +318,9 @@ class CausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer and the LM head as
-        stored (float or int8), the norms; the embedding lookup reads one row, not counted."""
+        stored (float or int8), the norms, and of a MoE block's experts the share one token
+        reads (``active_expert_bytes``: top-k of them); the embedding lookup reads one row, not
+        counted."""
         total = 0
         for module in self.modules():
             if isinstance(module, Linear):
@@ -326,6 +328,8 @@ class CausalLM(nn.Module):
                 total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
             elif isinstance(module, RMSNorm):
                 total += module.weight.numel() * module.weight.element_size()
+            elif hasattr(module, "active_expert_bytes"):  # a MoE block (``models/moe.py``)
+                total += module.active_expert_bytes(self.dtype)
         return total + (self.embed.forms.decode_bytes(self.dtype) if self.lm_head is None else 0)
 
     def map_name(self, name: str) -> Target | None:

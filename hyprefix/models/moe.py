@@ -110,6 +110,13 @@ class SparseMoE(nn.Module):
         shared = GatedMLP(cfg.hidden_size, width, False, dtype, device) if width else None
         return cls(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, routing, shared, True, dtype, device)
 
+    def active_expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of expert weights one token reads (``CausalLM.decode_weight_bytes``): top-k of
+        the stacks, as stored; the router, shared expert and latent projections are linears,
+        counted as such."""
+        stacks = self.experts_gate_up.forms.decode_bytes(dtype) + self.experts_down.forms.decode_bytes(dtype)
+        return stacks * min(self.routing.top_k, self.num_experts) // self.num_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.routing(self.router(x), x.dtype, self.router_bias)
         h = x if self.latent_in is None else self.latent_in(x)
