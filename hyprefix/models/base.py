@@ -247,7 +247,7 @@ class CausalLM(nn.Module):
         int8 copy; the embedding lookup keeps the float table), and for MoE experts int8 with a
         scale per 32 columns (``Experts.quantize``)."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.forms.quantized is None:
+            if isinstance(module, Linear) and module.forms.quantized is None and module.quantizable:
                 module.quantize()
             elif isinstance(module, Experts):
                 module.quantize(8)
@@ -265,7 +265,8 @@ class CausalLM(nn.Module):
             raise ValueError("--quantization int4 needs hyprefix's quant_linear kernel (an x86 CPU with AVX2 and a "
                              "C++ compiler); it does not run here")
         for module in self.modules():
-            if isinstance(module, Linear) and module.forms.quantized is None and module.in_features % 32 == 0:
+            if (isinstance(module, Linear) and module.forms.quantized is None and module.quantizable
+                    and module.in_features % 32 == 0):
                 module.forms.use_quant(quantize_low_bit(module.weight))
                 drop_plain(module.weight)
             elif isinstance(module, Experts):

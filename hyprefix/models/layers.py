@@ -85,6 +85,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
         self.forms = MatrixForms(out_features, in_features)
         self.pack_halves = pack_halves
+        # False: ``--quantization`` leaves this matrix in float (a MoE router: a rounded logit can
+        # change which experts a token reaches; vLLM and llama.cpp keep routers unquantized too).
+        self.quantizable = True
 
     def pack(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add the packed form where the device allows it; ``keep_plain``: compiled decode steps

@@ -90,6 +90,7 @@ class SparseMoE(nn.Module):
         self.hidden, self.width, self.num_experts, self.inter = hidden, width, num_experts, intermediate
         self.routing, self.activation = routing, activation
         self.router = Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        self.router.quantizable = False
         self.router_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
             if router_bias else None
         self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None

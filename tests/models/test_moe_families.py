@@ -136,13 +136,15 @@ def test_quantized_experts_stay_in_blocks_and_decode_compiled(moe_ggufs, case):
 def test_quantization_holds_hf_experts_as_tiles(moe_models, quantization):
     """``--quantization int8/int4`` quantizes an HF checkpoint's experts into the tiles the MoE
     op multiplies (the float stacks dropped), each weight within half a step of its group's
-    scale; prefix hits on and off give the same greedy tokens."""
+    scale, and leaves the routers float; prefix hits on and off give the same greedy tokens."""
     path, hf = moe_models["qwen3_moe"]
     prompts = random_prompts((3, 40), seed=9)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, quantization=quantization)
     experts = _experts(llm)
     assert len(experts) == 2 * hf.config.num_hidden_layers
     assert all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    routers = [m.router for m in llm.engine.runner.model.modules() if hasattr(m, "router")]
+    assert routers and all(r.forms.quantized is None for r in routers)  # routers stay float
     stacks = [p for name, p in hf.named_parameters() if ".experts." in name]
     levels = 127 if quantization == "int8" else 15  # int8: symmetric over max |w|; int4: 16 codes over the range
     for expert, stack in zip(experts, stacks, strict=True):
