@@ -13,8 +13,9 @@
 //     stay within Q5_K's).
 //   quant_rows(parts, n, k, ids): rows ids of the matrix dequantized to float32 [len(ids), K]
 //     (embedding lookups; tests).
-//   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation): a MoE block's
-//     experts on their stacked tiles (models/fused_moe.py), only the chosen experts' tiles read.
+//   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, biases, alpha,
+//     limit): a MoE block's experts on their stacked tiles (models/fused_moe.py), only the chosen
+//     experts' tiles read.
 // Packing and unpacking run over ATen's threads, a tile per task.
 #include "quant_tiles.h"
 
@@ -368,20 +369,33 @@ void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, 
   });
 }
 
-// quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation): the experts of
-// a MoE block on their tiles (fused_moe.py). Pairs grouped by expert (experts in increasing order,
-// each expert's tokens in order); per expert gate_up, the activation, down; each token's sum taken
-// over its pairs in expert order, so a row's result does not depend on the others. activation
-// "silu": gated, silu(gate) * up of the gate rows then the up rows; "relu2": not gated, relu(up)^2
-// (NemotronH), gate_up holding the up rows alone.
+// One expert's activation on its gate_up rows' results gu [n_e, gate_up_rows] (fused_moe.py's activate).
+at::Tensor expert_activation(const at::Tensor& gu, c10::string_view activation, int64_t inter, double alpha,
+                             double limit) {
+  if (activation == "relu2") return at::square(at::relu(gu));
+  const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+  if (activation == "silu") return (at::silu(gate) * up).contiguous();
+  const at::Tensor g = gate.clamp_max(limit);  // swiglu_oai (gpt-oss)
+  return ((up.clamp(-limit, limit) + 1) * (g * at::sigmoid(g * alpha))).contiguous();
+}
+
+// quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, gate_up_bias,
+// down_bias, alpha, limit): the experts of a MoE block on their tiles (fused_moe.py). Pairs grouped
+// by expert (experts in increasing order, each expert's tokens in order); per expert gate_up (+ its
+// bias), the activation, down (+ its bias); each token's sum taken over its pairs in expert order,
+// so a row's result does not depend on the others. activation "silu": gated, silu(gate) * up of the
+// gate rows then the up rows; "relu2": not gated, relu(up)^2 (NemotronH), gate_up holding the up
+// rows alone; "swiglu_oai": gpt-oss's clamped SwiGLU with alpha and limit.
 at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                      const std::vector<at::Tensor>& gate_up, int64_t gate_up_rows, const std::vector<at::Tensor>& down,
-                     int64_t down_rows, c10::string_view activation) {
+                     int64_t down_rows, c10::string_view activation, const std::optional<at::Tensor>& gate_up_bias,
+                     const std::optional<at::Tensor>& down_bias, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == x.size(0) && weights.sizes() == chosen.sizes() &&
                   chosen.scalar_type() == at::kLong && x.device().is_cpu(),
               "quant_moe: x [T, H], chosen and weights [T, k] (int64 ids) on the CPU");
-  TORCH_CHECK(activation == "silu" || activation == "relu2", "quant_moe: activation silu or relu2, not ", activation);
-  const bool gated = activation == "silu";
+  TORCH_CHECK(activation == "silu" || activation == "relu2" || activation == "swiglu_oai",
+              "quant_moe: activation silu, relu2 or swiglu_oai, not ", activation);
+  const bool gated = activation != "relu2";
   TORCH_CHECK(gate_up_rows % (gated ? 32 : 16) == 0 && down_rows % 16 == 0 && gate_up.size() == 3 && down.size() == 3 &&
                   down_rows == x.size(1),
               "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
@@ -400,10 +414,15 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
     rows_in.push_back(xf.index_select(0, at::tensor(token_ids, ids.options())));
   }
   experts_matmul(gate_up, gate_up_rows, hidden, experts, rows_in, gate_up_out);
-  for (const at::Tensor& gu : gate_up_out)
-    act.push_back(gated ? (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous()
-                        : at::square(at::relu(gu)));
+  const std::optional<at::Tensor> up_bias = gate_up_bias ? std::optional(gate_up_bias->to(at::kFloat)) : std::nullopt;
+  const std::optional<at::Tensor> out_bias = down_bias ? std::optional(down_bias->to(at::kFloat)) : std::nullopt;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (up_bias) gate_up_out[i].add_((*up_bias)[experts[i]]);
+    act.push_back(expert_activation(gate_up_out[i], activation, inter, alpha, limit));
+  }
   experts_matmul(down, down_rows, inter, experts, act, down_out);
+  if (out_bias)
+    for (size_t i = 0; i < experts.size(); ++i) down_out[i].add_((*out_bias)[experts[i]]);
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.mutable_data_ptr<float>();
   const float* w = wf.const_data_ptr<float>();
@@ -421,7 +440,7 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("quant_linear(Tensor x, Tensor[] parts, int n) -> Tensor");
   m.def("quant_moe(Tensor x, Tensor chosen, Tensor weights, Tensor[] gate_up, int gate_up_rows, Tensor[] down, "
-        "int down_rows, str activation) -> Tensor");
+        "int down_rows, str activation, Tensor? gate_up_bias, Tensor? down_bias, float alpha, float limit) -> Tensor");
   m.def("quant_pack(Tensor q, Tensor scales, Tensor extra) -> (Tensor, Tensor, Tensor)");
   m.def("quant_pack_gguf(Tensor raw, int type, int k, Tensor rows) -> (Tensor, Tensor, Tensor)");
   m.def("quant_rows(Tensor[] parts, int n, int k, Tensor ids) -> Tensor");

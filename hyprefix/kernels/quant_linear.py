@@ -52,12 +52,16 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], n: int) -> torch.Te
 
 
 def quant_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str = "silu") -> torch.Tensor:
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str = "silu",
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, alpha: float = 1.702,
+              limit: float = 7.0) -> torch.Tensor:
     """A MoE block's experts on stacked tiles (one part each, every expert's rows whole tiles):
-    x [T, H]; chosen, weights [T, k]; ``*_rows``: one expert's rows of each projection. The sum
-    over each token's chosen experts of weight * down(silu(gate) * up) (``activation`` "silu"), or
-    weight * down(relu(up)^2) ("relu2", experts without a gate), in x's dtype."""
-    return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation)
+    x [T, H]; chosen, weights [T, k]; ``*_rows``: one expert's rows of each projection; biases
+    [E, rows] or None. The sum over each token's chosen experts of weight * down(act(gate_up)),
+    ``activation`` as ``models/fused_moe.py`` names it ("silu", "relu2", "swiglu_oai" with
+    ``alpha`` and ``limit``), in x's dtype."""
+    return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation,
+                                        gate_up_bias, down_bias, alpha, limit)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -89,5 +93,7 @@ def _fake_rows(parts: list[torch.Tensor], n: int, k: int, ids: torch.Tensor) -> 
 
 
 def _fake_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: list[torch.Tensor],
-              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str) -> torch.Tensor:
+              gate_up_rows: int, down: list[torch.Tensor], down_rows: int, activation: str,
+              gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
+              limit: float) -> torch.Tensor:
     return torch.empty_like(x)

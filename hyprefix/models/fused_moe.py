@@ -1,7 +1,10 @@
 """The experts of a mixture-of-experts block as one op, ``hyprefix::moe_experts``: given each
 token's chosen experts and their routing weights, every (token, expert) pair's MLP, weighted and
 summed per token. ``activation`` "silu": a gated-SiLU MLP (gate and up rows stacked per expert,
-silu(gate) * up, then down); "relu2": an MLP without a gate (NemotronH's experts: up, relu^2, down).
+silu(gate) * up, then down); "relu2": an MLP without a gate (NemotronH's experts: up, relu^2, down);
+"swiglu_oai": gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+with g = min(gate, limit). Each projection may have a bias per expert (gpt-oss's), added before
+the activation and before the routing weight.
 
 One op, opaque to ``torch.compile``: how many tokens each expert gets is data, which a compiled
 graph cannot hold as a shape, so the grouping happens inside the op and a decode graph calls it
@@ -24,6 +27,8 @@ family, and it is a few small ops a graph compiles well.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,10 +44,12 @@ class Experts(nn.Module):
     ``e * rows`` to ``(e + 1) * rows``), and its ``forms``, where a GGUF file's blocks replace the
     plain tensor (``MatrixForms.use_quant``)."""
 
-    def __init__(self, num_experts: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_experts: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                 bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.rows, self.cols = num_experts, rows, cols
         self.weight = nn.Parameter(torch.empty(num_experts * rows, cols, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype, device=device)) if bias else None
         self.forms = MatrixForms(num_experts * rows, cols)
 
     @property
@@ -73,61 +80,86 @@ class Experts(nn.Module):
         return plain.view(self.num_experts, self.rows, self.cols)
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What each expert computes between its projections (module docstring): ``name`` "silu",
+    "relu2" or "swiglu_oai", the last with gpt-oss's ``alpha`` and ``limit``."""
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+SILU = ExpertActivation()
+
+
 def moe_forward(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: Experts,
-                down: Experts, activation: str = "silu") -> torch.Tensor:
+                down: Experts, activation: ExpertActivation = SILU) -> torch.Tensor:
     """The experts' sum for each token: the quant op where both projections hold blocks, else the
     float op (over the blocks dequantized where only one projection kept them)."""
     quant_up, quant_down = gate_up.forms.quant, down.forms.quant
+    act = (activation.name, gate_up.bias, down.bias, activation.alpha, activation.limit)
     if quant_up is not None and quant_down is not None:
         return quant_kernel.quant_moe(x, chosen, weights, quant_up.tensors, gate_up.rows, quant_down.tensors, down.rows,
-                                      activation)
-    return moe_experts(x, chosen, weights, gate_up.stacked(x.dtype), down.stacked(x.dtype), activation)
+                                      *act)
+    return moe_experts(x, chosen, weights, gate_up.stacked(x.dtype), down.stacked(x.dtype), *act)
 
 
 @torch.library.custom_op("hyprefix::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, activation: str) -> torch.Tensor:
+                down: torch.Tensor, activation: str, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """x [T, H]; chosen [T, k] expert ids; weights [T, k] in x's dtype; gate_up [E, 2I, H] (each
-    expert's gate rows, then its up rows; [E, I, H], up alone, for "relu2"); down [E, H, I].
-    Returns [T, H]."""
+    expert's gate rows, then its up rows; [E, I, H], up alone, for "relu2"); down [E, H, I];
+    biases [E, 2I] and [E, H] or None. Returns [T, H]."""
+    act = ExpertActivation(activation, alpha, limit)
     if x.device.type == "cpu":
-        return grouped_experts(x, chosen, weights, gate_up, down, activation)
-    return looped_experts(x, chosen, weights, gate_up, down, activation)
+        return grouped_experts(x, chosen, weights, gate_up, down, act, gate_up_bias, down_bias)
+    return looped_experts(x, chosen, weights, gate_up, down, act, gate_up_bias, down_bias)
 
 
 @moe_experts.register_fake
 def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-      down: torch.Tensor, activation: str) -> torch.Tensor:
+      down: torch.Tensor, activation: str, gate_up_bias: torch.Tensor | None = None,
+      down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+def activate(h: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
     """The experts' activation on their gate_up outputs (``moe_experts``)."""
-    if activation == "relu2":
+    if activation.name == "relu2":
         return torch.square(F.relu(h))
     gate, up = h.chunk(2, dim=-1)
+    if activation.name == "swiglu_oai":
+        gate, up = gate.clamp(max=activation.limit), up.clamp(-activation.limit, activation.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
     return F.silu(gate) * up
 
 
 def grouped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, activation: str) -> torch.Tensor:
+                    down: torch.Tensor, activation: ExpertActivation, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU path: pairs sorted by expert, one grouped matmul per projection, no Python loop."""
     num_experts, top_k = gate_up.shape[0], chosen.shape[1]
     flat = chosen.flatten()
     order = flat.argsort(stable=True)
     ends = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
-    tokens = order // top_k
-    h = _activate(torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends), activation)
+    tokens, expert = order // top_k, flat[order]
+    h = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends)
+    h = activate(h if gate_up_bias is None else h + gate_up_bias[expert], activation)
     h = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)
+    h = h if down_bias is None else h + down_bias[expert]
     return torch.zeros_like(x).index_add_(0, tokens, h * weights.flatten()[order, None])
 
 
 def looped_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str) -> torch.Tensor:
+                   down: torch.Tensor, activation: ExpertActivation, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One matmul pair per chosen expert (devices other than a CPU)."""
     out = torch.zeros_like(x)
     for e in chosen.unique().tolist():
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        h = F.linear(_activate(F.linear(x[rows], gate_up[e]), activation), down[e]) * weights[rows, slot, None]
+        h = activate(F.linear(x[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]), activation)
+        h = F.linear(h, down[e], None if down_bias is None else down_bias[e]) * weights[rows, slot, None]
         out.index_add_(0, rows, h)
     return out

@@ -27,6 +27,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, strip_prefix
+from hyprefix.models.fused_moe import ExpertActivation
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm
 from hyprefix.models.llama import Attention, map_attention_or_mlp
 from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims
@@ -75,7 +76,7 @@ def _nemotron_moe(cfg, dtype: torch.dtype, device: torch.device) -> SparseMoE:
                       groups_kept=cfg.topk_group, scale=float(cfg.routed_scaling_factor))
     shared = ReluSquaredMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, dtype, device)
     return SparseMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, routing, shared, False, dtype,
-                     device, activation="relu2", latent=cfg.moe_latent_size, router_bias=True,
+                     device, activation=ExpertActivation("relu2"), latent=cfg.moe_latent_size, router_bias=True,
                      latent_bias=cfg.mlp_bias)
 
 

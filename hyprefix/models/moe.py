@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hyprefix.models.base import Target
-from hyprefix.models.fused_moe import Experts, moe_forward
+from hyprefix.models.fused_moe import SILU, ExpertActivation, Experts, moe_forward
 from hyprefix.models.layers import GatedMLP, Linear
 
 
@@ -74,17 +74,18 @@ class Routing:
 
 
 class SparseMoE(nn.Module):
-    """Router -> ``top_k`` of ``num_experts`` experts (``activation`` "silu": gated SiLU MLPs,
-    "relu2": ungated ReLU^2 ones), plus an optional ``shared`` expert (any MLP module), scaled by
-    sigmoid(shared_gate(x)) where ``shared_gate``. ``latent``: the experts work in a smaller width,
-    between a projection down from the hidden size and one back up (NemotronH's latent MoE).
-    ``router_bias``: the correction bias sigmoid routing adds to choose. Expert weights are
-    stacked: gate_up [E * 2I, width] (each expert's gate rows, then its up rows; [E * I, width],
-    up alone, for "relu2"), down [E * width, I]."""
+    """Router -> ``top_k`` of ``num_experts`` experts (``activation``, ``fused_moe``: gated SiLU
+    MLPs, ungated ReLU^2 ones, gpt-oss's clamped SwiGLU), plus an optional ``shared`` expert (any
+    MLP module), scaled by sigmoid(shared_gate(x)) where ``shared_gate``. ``latent``: the experts
+    work in a smaller width, between a projection down from the hidden size and one back up
+    (NemotronH's latent MoE). ``router_bias``: the correction bias sigmoid routing adds to choose.
+    Expert weights are stacked: gate_up [E * 2I, width] (each expert's gate rows, then its up rows;
+    [E * I, width], up alone, for "relu2"), down [E * width, I]."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: Routing, shared: nn.Module | None,
-                 shared_gate: bool, dtype: torch.dtype, device: torch.device, activation: str = "silu",
-                 latent: int | None = None, router_bias: bool = False, latent_bias: bool = False) -> None:
+                 shared_gate: bool, dtype: torch.dtype, device: torch.device,
+                 activation: ExpertActivation = SILU, latent: int | None = None,
+                 router_bias: bool = False, latent_bias: bool = False) -> None:
         super().__init__()
         width = latent or hidden
         self.hidden, self.width, self.num_experts, self.inter = hidden, width, num_experts, intermediate
@@ -95,8 +96,7 @@ class SparseMoE(nn.Module):
             if router_bias else None
         self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None
         self.latent_out = Linear(width, hidden, bias=latent_bias, dtype=dtype, device=device) if latent else None
-        self.experts_gate_up = Experts(num_experts, (2 if activation == "silu" else 1) * intermediate, width, dtype,
-                                       device)
+        self.experts_gate_up = Experts(num_experts, (1 if self.ungated else 2) * intermediate, width, dtype, device)
         self.experts_down = Experts(num_experts, width, intermediate, dtype, device)
         self.shared = shared
         self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared and shared_gate else None
@@ -110,6 +110,11 @@ class SparseMoE(nn.Module):
         width = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
         shared = GatedMLP(cfg.hidden_size, width, False, dtype, device) if width else None
         return cls(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, routing, shared, True, dtype, device)
+
+    @property
+    def ungated(self) -> bool:
+        """Whether the experts have no gate projection (ReLU^2: gate_up holds the up rows alone)."""
+        return self.activation.name == "relu2"
 
     def active_expert_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of expert weights one token reads (``CausalLM.decode_weight_bytes``): top-k of
@@ -182,6 +187,6 @@ def map_expert(prefix: str, moe: SparseMoE, rest: str) -> Target:
     e, n = int(e), moe.num_experts
     if proj == "down_proj":
         return f"{prefix}.experts_down.weight", e, [moe.width] * n
-    if moe.activation != "silu":
+    if moe.ungated:
         return f"{prefix}.experts_gate_up.weight", e, [moe.inter] * n
     return f"{prefix}.experts_gate_up.weight", 2 * e + (proj == "up_proj"), [moe.inter] * (2 * n)

@@ -147,7 +147,7 @@ def test_grouped_experts_equal_one_matmul_pair_per_expert(rows, activation):
     experts nobody chose left empty) against the per-expert loop other devices run, and the
     op ``hyprefix::moe_experts`` (which picks the CPU path here) against both; gated SiLU experts
     and ungated ReLU^2 ones (NemotronH), whose gate_up holds the up rows alone."""
-    from hyprefix.models.fused_moe import grouped_experts, looped_experts, moe_experts
+    from hyprefix.models.fused_moe import ExpertActivation, grouped_experts, looped_experts, moe_experts
 
     gen = torch.Generator().manual_seed(rows)
     rows_up = 32 if activation == "silu" else 16
@@ -155,8 +155,8 @@ def test_grouped_experts_equal_one_matmul_pair_per_expert(rows, activation):
     x = torch.randn(rows, 24, generator=gen)
     chosen = torch.stack([torch.randperm(9, generator=gen)[:3] for _ in range(rows)])
     weights = torch.rand(rows, 3, generator=gen)
-    grouped = grouped_experts(x, chosen, weights, gate_up, down, activation)
-    looped = looped_experts(x, chosen, weights, gate_up, down, activation)
+    grouped = grouped_experts(x, chosen, weights, gate_up, down, ExpertActivation(activation))
+    looped = looped_experts(x, chosen, weights, gate_up, down, ExpertActivation(activation))
     torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
     assert grouped.abs().max() > 0.1
     torch.testing.assert_close(moe_experts(x, chosen, weights, gate_up, down, activation), grouped, rtol=0, atol=0)

@@ -181,3 +181,57 @@ def test_sigmoid_group_routing_is_transformers():
     ours = torch.zeros(50, 16).scatter_(1, chosen, weights)
     torch.testing.assert_close(ours, torch.zeros(50, 16).scatter_(1, theirs_chosen, theirs_weights))
     assert all(len(set((row // 4).tolist())) <= 2 for row in chosen)  # from two groups of four at most
+
+
+def _gpt_oss_stacks(experts) -> tuple[torch.Tensor, ...]:
+    """transformers' GptOssExperts ([E, H, 2I] with gate and up columns interleaved, [E, I, H])
+    in the experts op's layout: [E, 2I, H] gate rows then up rows, [E, H, I], biases to match."""
+    gate_up, bias = experts.gate_up_proj.detach().transpose(1, 2), experts.gate_up_proj_bias.detach()
+    gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+    return gate_up, bias, experts.down_proj.detach().transpose(1, 2), experts.down_proj_bias.detach()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
+    """gpt-oss's experts (clamped SwiGLU, a bias on each projection) in the float op and on int8
+    tiles in ``quant_moe``: equal to transformers' GptOssExperts on the same weights (the tiles'
+    dequantized weights, and the activations rounded as the kernel rounds them)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from hyprefix.models.fused_moe import ExpertActivation, activate, moe_experts
+    from hyprefix.models.quant import QuantTiles, int8_part, quantize_activations, quantize_int8
+
+    if quantized and not quant_linear.available():
+        pytest.skip("the quant kernels do not run on this CPU")
+    config = GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=6, swiglu_limit=2.0)
+    reference = GptOssExperts(config)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(9, 64, generator=gen)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
+    weights = torch.softmax(torch.randn(9, 2, generator=gen), dim=-1)
+    gate_up, up_bias, down, down_bias = _gpt_oss_stacks(reference)
+    act = ExpertActivation("swiglu_oai", config.swiglu_alpha, config.swiglu_limit)
+    if not quantized:
+        ours = moe_experts(x, chosen, weights, gate_up, down, act.name, up_bias, down_bias, act.alpha, act.limit)
+        torch.testing.assert_close(ours, reference(x, chosen, weights), rtol=1e-5, atol=1e-5)
+        return
+    tiles = [int8_part(quantize_int8(w.reshape(-1, w.shape[-1]), group=32)) for w in (gate_up, down)]
+    ours = quant_linear.quant_moe(x, chosen, weights, tiles[0], 64, tiles[1], 64, act.name, up_bias, down_bias,
+                                  act.alpha, act.limit)
+    with torch.no_grad():  # the reference on the tiles' weights, activations rounded per 32 as the kernel does
+        deq = [QuantTiles(part, 6 * 64, w.shape[-1]).dequantize(torch.float32)
+               for part, w in zip(tiles, (gate_up, down), strict=True)]
+        expected = torch.zeros_like(x)
+        for t in range(9):
+            for slot in range(2):
+                e = int(chosen[t, slot])
+                h = activate(quantize_activations(x[t:t + 1]) @ deq[0][e * 64:(e + 1) * 64].T + up_bias[e], act)
+                h = quantize_activations(h) @ deq[1][e * 64:(e + 1) * 64].T + down_bias[e]
+                expected[t] += weights[t, slot] * h[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    assert (reference(x, chosen, weights) - ours).abs().max() < 0.2  # and near the float experts
