@@ -45,10 +45,14 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend.
 
     q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+    ``sinks`` [H] (gpt-oss): a logit per head that joins every softmax's denominator and
+    attends to nothing; applied once to each row's whole attention, after any split of its
+    keys is merged (``_sunk``), so a cached prefix or a cascade segment never counts it twice.
     Returns [T, H, D] in the batch's token order (decodes first, then prefills).
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -65,9 +69,9 @@ def paged_attention(
         flat_v.index_copy_(0, slot_mapping, v.index_select(0, batch.write_index))
     if batch.batch_invariant:
         tables, context_lens, first_pos = batch.query_tables(window)
-        out, _ = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
-                                                run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size))
-        return out
+        out, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
+                                                  run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size))
+        return out if sinks is None else _sunk(out, lse, sinks)
 
     outs: list[torch.Tensor] = []
     if batch.num_decode:
@@ -79,19 +83,23 @@ def paged_attention(
         cascade = batch.decode_cascade if window is None else None
         tables = view.decode_block_tables if view is not None else batch.decode_block_tables
         assert tables is not None and batch.decode_context_lens is not None
+        lse = None
         if cascade is not None and (not in_place or cascade.shares_prefix):
-            od = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
+            od, lse = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
         elif in_place:  # every row's blocks read where they lie, through its table
-            od, _ = decode_kernel.decode_attention(q[:n], k_cache, v_cache, tables, batch.decode_context_lens, scale,
-                                                   window, view.decode_first_pos if view is not None else None)
+            od, lse = decode_kernel.decode_attention(q[:n], k_cache, v_cache, tables, batch.decode_context_lens,
+                                                     scale, window, view.decode_first_pos if view is not None else None)
         else:
             kd, vd = _gather_blocks(k_cache, v_cache, tables)
-            if torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
+            if sinks is not None:
+                od, lse = math_attention_with_lse(qd, kd, vd, _additive(batch.decode_mask(window), q.dtype), scale)
+            elif torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
                 od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)
             else:
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
-        outs.append(od.reshape(n, -1, head_dim))
-    flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
+        od = od.reshape(n, -1, head_dim)
+        outs.append(od if sinks is None else _sunk(od, lse.reshape(n, -1), sinks))
+    flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype) and sinks is None
     for i, span in enumerate(batch.prefills):
         paged: tuple[torch.Tensor, int] | tuple[()] = ()  # (block table, keys): the kernel reads the caches
         if span.start_pos == 0:
@@ -110,12 +118,40 @@ def paged_attention(
                                                          first_pos, window, *paged))
             continue
         mask = batch.prefill_mask(i, window)
+        if sinks is not None:
+            outs.append(_sunk_prefill(q[span.token_slice], ks, vs, mask, scale, sinks))
+            continue
         os_ = F.scaled_dot_product_attention(
             q[span.token_slice].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
             vs.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=group > 1)
         outs.append(os_[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` [T, H, D] whose softmax over the keys had log-sum-exp ``lse`` [T, H], as
+    if each head's sink logit had joined the denominator: exp(lse) / (exp(lse) + exp(sink))."""
+    return (out.float() * torch.sigmoid(lse.float() - sinks.float())[..., None]).to(out.dtype)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask (True: attend) as an additive one."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _sunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  sinks: torch.Tensor) -> torch.Tensor:
+    """A prefill span's attention with sinks: q [n, H, D] over k, v [L, KVH, D] (the keys its
+    ``mask`` [n, L] shows, plain causal where None), through the log-sum-exp path."""
+    n, heads = q.shape[0], q.shape[1]
+    if mask is None:
+        mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - n)
+    group = heads // k.shape[1]
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    out, lse = attention_with_lse(q.transpose(0, 1)[None], kh, vh, _additive(mask, q.dtype)[None, None], scale)
+    return _sunk(out[0].transpose(0, 1), lse[0].transpose(0, 1), sinks)
 
 
 def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -166,11 +202,11 @@ def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    plan: DecodeCascade, scale: float, in_place: bool) -> torch.Tensor:
-    """qd [D, KVH, G, Dh] -> [D, KVH, G, Dh]: the tails of every row (read in place through
-    ``kernels/decode_attention.cpp`` where ``in_place``, else gathered and padded), then each
-    segment (a shared prefix, or a row's private blocks) in one call for its rows, merged
-    into the running result through the log-sum-exp."""
+                    plan: DecodeCascade, scale: float, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """qd [D, KVH, G, Dh] -> ([D, KVH, G, Dh], its log-sum-exp [D, KVH, G]): the tails of every
+    row (read in place through ``kernels/decode_attention.cpp`` where ``in_place``, else gathered
+    and padded), then each segment (a shared prefix, or a row's private blocks) in one call for
+    its rows, merged into the running result through the log-sum-exp."""
     n, kvh, group, dim = qd.shape
     if in_place:
         out, lse = decode_kernel.decode_attention(qd.reshape(n, kvh * group, dim), k_cache, v_cache,
@@ -200,4 +236,4 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         merged = acc * torch.exp(acc_lse - total)[..., None] + o * torch.exp(seg_lse - total)[..., None]
         out.index_copy_(0, g.rows, merged)
         lse.index_copy_(0, g.rows, total)
-    return out.to(qd.dtype)
+    return out.to(qd.dtype), lse

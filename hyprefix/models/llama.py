@@ -17,10 +17,11 @@ from hyprefix.models.weights import MatrixForms
 
 class Attention(nn.Module):
     """``output_gate`` (Qwen3.5, Qwen3-Next): the output is multiplied by sigmoid of a
-    per-channel gate that ``qkv`` computes after v ([q | k | v | gate])."""
+    per-channel gate that ``qkv`` computes after v ([q | k | v | gate]). ``sinks`` (gpt-oss): a
+    learned logit per head in every softmax's denominator (``paged_attention``)."""
 
     def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device,
-                 qk_norm: bool, qkv_bias: bool, o_bias: bool, output_gate: bool = False) -> None:
+                 qk_norm: bool, qkv_bias: bool, o_bias: bool, output_gate: bool = False, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         self.qk_norm_eps = getattr(cfg, "rms_norm_eps", 1e-6)
         self.qk_norm_weight = nn.Parameter(torch.ones(
             self.num_heads + self.num_kv_heads, self.head_dim, dtype=dtype, device=device)) if qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device)) if sinks else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
@@ -52,7 +54,8 @@ class Attention(nn.Module):
         if rope is not None:
             qk = kernels.qk_norm_rope(qk, self.qk_norm_weight, rope.cos, rope.sin, self.qk_norm_eps, rope.rotary_dim)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window).reshape(t, -1)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window,
+                              self.sinks).reshape(t, -1)
         if rows is not None:
             out, qkv = out[rows], qkv[rows]
         if self.output_gate:
@@ -109,6 +112,7 @@ class DecoderLayer(nn.Module):
         every matmul, SiLU, no output gate, a head dim of a multiple of 16."""
         attn, mlp = self.attn, self.mlp
         return (isinstance(mlp, GatedMLP) and self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
+                and attn.sinks is None
                 and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
                 and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
                         for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))

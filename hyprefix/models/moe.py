@@ -79,25 +79,27 @@ class SparseMoE(nn.Module):
     MLP module), scaled by sigmoid(shared_gate(x)) where ``shared_gate``. ``latent``: the experts
     work in a smaller width, between a projection down from the hidden size and one back up
     (NemotronH's latent MoE). ``router_bias``: the correction bias sigmoid routing adds to choose.
+    ``biases`` (gpt-oss): the router's logits and each expert's projections have biases.
     Expert weights are stacked: gate_up [E * 2I, width] (each expert's gate rows, then its up rows;
     [E * I, width], up alone, for "relu2"), down [E * width, I]."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: Routing, shared: nn.Module | None,
                  shared_gate: bool, dtype: torch.dtype, device: torch.device,
                  activation: ExpertActivation = SILU, latent: int | None = None,
-                 router_bias: bool = False, latent_bias: bool = False) -> None:
+                 router_bias: bool = False, latent_bias: bool = False, biases: bool = False) -> None:
         super().__init__()
         width = latent or hidden
         self.hidden, self.width, self.num_experts, self.inter = hidden, width, num_experts, intermediate
         self.routing, self.activation = routing, activation
-        self.router = Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)
+        self.router = Linear(hidden, num_experts, bias=biases, dtype=dtype, device=device)
         self.router.quantizable = False
         self.router_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
             if router_bias else None
         self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None
         self.latent_out = Linear(width, hidden, bias=latent_bias, dtype=dtype, device=device) if latent else None
-        self.experts_gate_up = Experts(num_experts, (1 if self.ungated else 2) * intermediate, width, dtype, device)
-        self.experts_down = Experts(num_experts, width, intermediate, dtype, device)
+        self.experts_gate_up = Experts(num_experts, (1 if self.ungated else 2) * intermediate, width, dtype, device,
+                                       biases)
+        self.experts_down = Experts(num_experts, width, intermediate, dtype, device, biases)
         self.shared = shared
         self.shared_gate = Linear(hidden, 1, bias=False, dtype=dtype, device=device) if shared and shared_gate else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hyprefix.models import gguf_config, granite, phi3, smollm3
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
+from hyprefix.models.gpt_oss import GptOssForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
 from hyprefix.models.lfm2 import Lfm2ForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the language model; images are not supported
     "NemotronHForCausalLM": HybridForCausalLM,

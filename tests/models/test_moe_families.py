@@ -23,7 +23,8 @@ from tests.support.models import hub_layer_types, save_tiny_checkpoint, tiny_moe
 # test case -> the GGUF architecture the converter writes
 ARCHS = {"qwen3_moe": "qwen3moe", "granite_moe_hybrid": "granitehybrid", "granite_hybrid_dense": "granitehybrid",
          "nemotron_h_moe": "nemotron_h_moe"}
-MOE_CASES = ["qwen3_moe", "granite_moe_hybrid", "nemotron_h_moe"]  # those with experts
+MOE_CASES = ["qwen3_moe", "granite_moe_hybrid", "nemotron_h_moe"]  # those with experts in a GGUF file
+HF_ONLY = ("gpt_oss",)  # its GGUF files (MXFP4 experts) are not read yet
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 needs_quant = pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
 
@@ -35,14 +36,16 @@ def moe_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
 
     root = tmp_path_factory.mktemp("tiny-moe")
     out = {}
-    for case in ARCHS:
+    for case in (*ARCHS, *HF_ONLY):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_moe_config(case), dtype=torch.float32).eval()
         with torch.no_grad():  # HF leaves these at 1 (the correction bias at 0); vary them so a wrong index shows
             for name, p in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(("dt_bias", ".D")) or "mamba.norm" in name or ".mixer.norm" in name:
                     p.uniform_(0.5, 1.5)
-                elif name.endswith("e_score_correction_bias"):
+                elif name.endswith("sinks"):  # large enough to take a good share of every softmax
+                    p.uniform_(1.0, 3.0)
+                elif name.endswith("e_score_correction_bias") or (case == "gpt_oss" and "bias" in name):
                     p.normal_(0, 0.3)
         save_tiny_checkpoint(model, root / case)
         if case.startswith("granite"):
@@ -65,8 +68,8 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
-@pytest.mark.parametrize("case", list(ARCHS))
+@pytest.mark.parametrize(("case", "source"), [(c, s) for c in ARCHS for s in ("hf", "gguf")] +
+                         [(c, "hf") for c in HF_ONLY])
 def test_greedy_matches_transformers(moe_models, moe_ggufs, case, source):
     """float32 greedy tokens equal transformers' on the HF model, from the checkpoint and from
     the f32 GGUF; a repeated prompt hits the prefix cache and decodes the same."""
@@ -235,3 +238,53 @@ def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
                 expected[t] += weights[t, slot] * h[0]
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
     assert (reference(x, chosen, weights) - ours).abs().max() < 0.2  # and near the float experts
+
+
+def test_gpt_oss_hits_across_its_window(moe_models):
+    """gpt-oss (sinks, a 16-token window on every other layer): a conversation's later turns hit
+    the prefix cache far past the window, with prompts chunked across steps and the sliding
+    layers in their own pool; the tokens equal transformers' and those of an engine without the
+    cache (sinks counted once however the keys were split between cache and step)."""
+    path, hf = moe_models["gpt_oss"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(dtype="float32", num_kv_blocks=96, log_stats_interval=0, max_num_batched_tokens=24)
+    cached, plain = LLM(str(path), **kwargs), LLM(str(path), **kwargs, enable_prefix_caching=False)
+    prompt = random_prompts((50,), seed=13)[0]
+    for turn in range(3):
+        out = cached.generate([prompt], params, use_tqdm=False)[0]
+        tokens = out.outputs[0].token_ids
+        assert tokens == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert tokens == hf_greedy(hf, prompt, params.max_tokens)
+        if turn:  # every full 16-token block of the earlier turns (48 of 67, 64 of 84): far past the window
+            assert out.num_cached_tokens >= len(prompt) - 20
+        prompt = [*prompt, *tokens, *random_prompts((9,), seed=20 + turn)[0]]
+
+
+def test_gpt_oss_sinks_through_the_cascade(moe_models):
+    """Decodes that share a prefix read it once (the cascade: segments merged by log-sum-exp, the
+    sink applied after the merge) and give the tokens of an engine that reads every row whole."""
+    from tests.support.models import TINY_CASCADE
+
+    path, _ = moe_models["gpt_oss"]
+    shared = random_prompts((40,), seed=17)[0]
+    prompts = [[*shared, *random_prompts((5,), seed=30 + i)[0]] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(dtype="float32", num_kv_blocks=96, log_stats_interval=0)
+    cascade = LLM(str(path), **kwargs, **TINY_CASCADE, enforce_eager=True)
+    model = cascade.engine.runner.model
+    forward, plans = model.forward, []
+    model.forward = lambda batch, *rest: plans.append(batch.decode_cascade) or forward(batch, *rest)
+    plain = LLM(str(path), **kwargs, enable_prefix_caching=False)
+    assert _tokens(cascade, prompts) == _tokens(plain, prompts)
+    assert any(g.rows.numel() == 4 for plan in plans if plan is not None for g in plan.segments)
+
+
+def test_gpt_oss_decodes_through_the_graph_without_a_window_pool(moe_models):
+    """With its window layers' K/V in the main pool (``disable_hybrid_swa_memory``) every decode
+    step of gpt-oss runs compiled (the experts and the sinks inside the graph), as transformers."""
+    path, hf = moe_models["gpt_oss"]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, disable_hybrid_swa_memory=True)
+    for prompt in random_prompts((3, 40), seed=5):
+        assert _tokens(llm, [prompt])[0] == hf_greedy(hf, prompt, PARAMS.max_tokens)
+    steps = llm.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] == 2 * (PARAMS.max_tokens - 1)

@@ -100,7 +100,7 @@ def _tiny_hybrid_config(arch: str):
 def tiny_moe_config(arch: str):
     """Tiny mixture-of-experts configs (``tests/models/test_moe_families.py``): 8 experts, top 2,
     expert rows whole 16-row tiles so a GGUF's stacks stay in their blocks."""
-    from transformers import GraniteMoeHybridConfig, NemotronHConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, GraniteMoeHybridConfig, NemotronHConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=4096, hidden_size=64, eos_token_id=2, bos_token_id=0, pad_token_id=0,
                   initializer_range=0.2, max_position_embeddings=1024, num_attention_heads=4, num_key_value_heads=2,
@@ -128,6 +128,12 @@ def tiny_moe_config(arch: str):
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=1, topk_group=1,
             norm_topk_prob=True, routed_scaling_factor=2.5, intermediate_size=64)
+    if arch == "gpt_oss":
+        # sliding (a window of 16, which test prompts cross) and full layers alternating, attention
+        # sinks, biases on q/k/v/o, the router and the experts, YaRN RoPE, clamped SwiGLU
+        return GptOssConfig(**common, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
+                            num_experts_per_tok=2, sliding_window=16, swiglu_limit=3.0,
+                            layer_types=["sliding_attention", "full_attention"] * 2)
     raise ValueError(arch)
 
 
