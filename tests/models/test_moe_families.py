@@ -268,7 +268,6 @@ def test_gpt_oss_sinks_through_the_cascade(moe_models):
     path, _ = moe_models["gpt_oss"]
     shared = random_prompts((40,), seed=17)[0]
     prompts = [[*shared, *random_prompts((5,), seed=30 + i)[0]] for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     kwargs = dict(dtype="float32", num_kv_blocks=96, log_stats_interval=0)
     cascade = LLM(str(path), **kwargs, **TINY_CASCADE, enforce_eager=True)
     model = cascade.engine.runner.model
