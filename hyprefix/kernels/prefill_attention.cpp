@@ -18,6 +18,8 @@
 //   diagonal block, and a window's first block) get probability 0. The running max / sum
 //   (float32) rescale the float32 output accumulator, which P x V adds into.
 // - Tasks are taken heaviest first from a shared counter by ATen's intra-op threads.
+// - sinks [H] (gpt-oss): each query head's logit joins its softmax's denominator at the end,
+//   exp(sink - running max), once per query row over all of its keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -49,6 +51,7 @@ struct Shape {
   float scale;
   const int64_t* table = nullptr;  // paged keys: the block of every block_size keys
   int64_t block_size = 0, k_b = 0, v_b = 0;  // and the caches' block strides
+  const float* sinks = nullptr;  // a logit per query head in each softmax's denominator (gpt-oss)
 
   // Offsets (elements) of key j's row in k and in v, before the head's.
   int64_t k_row(int64_t j) const { return table ? table[j / block_size] * k_b + j % block_size * k_t : j * k_t; }
@@ -229,7 +232,8 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t gi = m / qn, r = m % qn;
         T* dst = out + ((t0 + r) * s.heads + h * g + gi) * d;
-        const float inv = run_sum[m] > 0.0f ? 1.0f / run_sum[m] : 0.0f;
+        const float total = run_sum[m] + (s.sinks ? std::exp(s.sinks[h * g + gi] - run_max[m]) : 0.0f);
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         const Vec by(inv);
         float* orow = obuf.data() + m * ld;
         at::vec::map([&](Vec x) { return x * by; }, orow, orow, d);
@@ -242,7 +246,8 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                              int64_t q_pos0, int64_t k_pos0, int64_t window,
-                             const std::optional<at::Tensor>& block_table, int64_t keys) {
+                             const std::optional<at::Tensor>& block_table, int64_t keys,
+                             const std::optional<at::Tensor>& sinks) {
   const bool paged = block_table.has_value();
   const int64_t kd = paged ? 4 : 3;  // [blocks, block_size, KVH, D] or [S, KVH, D]
   TORCH_CHECK(q.dim() == 3 && k.dim() == kd && v.dim() == kd,
@@ -270,6 +275,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     s.k_b = k.stride(0);
     s.v_b = v.stride(0);
   }
+  at::Tensor sink_values;
+  if (sinks) {
+    sink_values = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == s.heads, "prefill_attention: sinks must be [heads]");
+    s.sinks = sink_values.const_data_ptr<float>();
+  }
   at::Tensor out = at::empty({s.tokens, s.heads, s.dim}, q.options());
   if (s.tokens == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
@@ -288,7 +299,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int q_pos0, int k_pos0, int window, "
-        "Tensor? block_table=None, int keys=-1) -> Tensor");
+        "Tensor? block_table=None, int keys=-1, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

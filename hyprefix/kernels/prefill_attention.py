@@ -49,18 +49,20 @@ def _tries(dtype: torch.dtype) -> bool:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos0: int,
                       k_pos0: int, window: int | None, block_table: torch.Tensor | None = None,
-                      keys: int = -1) -> torch.Tensor:
+                      keys: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of q [T, H, D] over k, v [S, KVH, D] (the head dim contiguous; H a
     multiple of KVH) -> [T, H, D] in q's dtype. Query t sits at position ``q_pos0 + t``, key j at
     ``k_pos0 + j``; a key is visible when it is not after the query and, with a ``window``,
     fewer than ``window`` positions before it. With ``block_table`` (int64 [n]), k and v are
     paged caches [blocks, block_size, KVH, D] and the ``keys`` keys are what
-    ``k.index_select(0, block_table).flatten(0, 1)[:keys]`` would gather, read in place. Call
-    only where ``available(q.dtype)``."""
-    return torch.ops.hyprefix.prefill_attention(q, k, v, scale, q_pos0, k_pos0, window or 0, block_table, keys)
+    ``k.index_select(0, block_table).flatten(0, 1)[:keys]`` would gather, read in place.
+    ``sinks`` [H]: a logit per head added to each softmax's denominator (gpt-oss). Call only where
+    ``available(q.dtype)``."""
+    return torch.ops.hyprefix.prefill_attention(q, k, v, scale, q_pos0, k_pos0, window or 0, block_table, keys, sinks)
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos0: int, k_pos0: int,
-          window: int, block_table: torch.Tensor | None = None, keys: int = -1) -> torch.Tensor:
+          window: int, block_table: torch.Tensor | None = None, keys: int = -1,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The output's shape and dtype, for torch.compile."""
     return q.new_empty(q.shape)

@@ -99,7 +99,7 @@ def paged_attention(
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
         od = od.reshape(n, -1, head_dim)
         outs.append(od if sinks is None else _sunk(od, lse.reshape(n, -1), sinks))
-    flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype) and sinks is None
+    flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
     for i, span in enumerate(batch.prefills):
         paged: tuple[torch.Tensor, int] | tuple[()] = ()  # (block table, keys): the kernel reads the caches
         if span.start_pos == 0:
@@ -114,8 +114,9 @@ def paged_attention(
                 ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
                 vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
         if flash:
+            table, keys = paged or (None, -1)
             outs.append(prefill_kernel.prefill_attention(q[span.token_slice], ks, vs, scale, span.start_pos,
-                                                         first_pos, window, *paged))
+                                                         first_pos, window, table, keys, sinks))
             continue
         mask = batch.prefill_mask(i, window)
         if sinks is not None:

@@ -150,3 +150,34 @@ def test_model_prefill_uses_the_kernel_where_it_runs(monkeypatch, qwen3_dir):
         assert 0 in calls and 32 in calls  # first positions of a whole prompt and of a later chunk
     else:
         assert not calls
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5]], ids=lambda c: "x".join(map(str, c)))
+def test_sinks_join_every_softmax_once(case):
+    """gpt-oss's sinks: a logit per query head in each row's softmax denominator, with keys after
+    cached context and a window: equal to float64 attention with the sink as one more column of
+    scores whose value row is zero; the same through the block table."""
+    if not kernel.available(torch.float32):
+        pytest.skip("the prefill attention kernel does not run here")
+    q, k, v = _inputs(case, torch.float32, seed=3)
+    scale, (q_pos0, k_pos0, window) = case[3] ** -0.5, case[5:8]
+    sinks = torch.linspace(-1.0, 3.0, q.shape[1])
+    mask = _visible(q, k, q_pos0, k_pos0, window)
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().transpose(0, 1).repeat_interleave(group, 0)
+    vv = v.double().transpose(0, 1).repeat_interleave(group, 0)
+    scores = (q.double().transpose(0, 1) @ kk.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    expected = (torch.softmax(scores, dim=-1)[..., :-1] @ vv).transpose(0, 1)
+    got = kernel.prefill_attention(q, k, v, scale, q_pos0, k_pos0, window or None, sinks=sinks)
+    assert (got.double() - expected).abs().max().item() < 1e-5
+    assert (got - kernel.prefill_attention(q, k, v, scale, q_pos0, k_pos0, window or None)).abs().max() > 1e-3
+    blocks = (k.shape[0] + 15) // 16
+    k_cache = torch.zeros(blocks + 3, 16, *k.shape[1:])
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.randperm(blocks + 3)[:blocks]
+    k_cache.view(-1, *k.shape[1:])[(table[:, None] * 16 + torch.arange(16)).flatten()[:k.shape[0]]] = k
+    v_cache.view(-1, *k.shape[1:])[(table[:, None] * 16 + torch.arange(16)).flatten()[:k.shape[0]]] = v
+    paged = kernel.prefill_attention(q, k_cache, v_cache, scale, q_pos0, k_pos0, window or None, table, k.shape[0],
+                                     sinks)
+    torch.testing.assert_close(paged, got, rtol=0, atol=0)
