@@ -56,7 +56,6 @@ def paged_attention(
     Returns [T, H, D] in the batch's token order (decodes first, then prefills).
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    group = q.shape[1] // num_kv_heads
     view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
     slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -72,62 +71,80 @@ def paged_attention(
         out, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
                                                   run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size))
         return out if sinks is None else _sunk(out, lse, sinks)
-
     outs: list[torch.Tensor] = []
     if batch.num_decode:
-        n = batch.num_decode
-        # One query token per sequence: fold the query heads of a KV group into the
-        # "query length" axis so no K/V repeat is needed.
-        qd = q[:n].view(n, num_kv_heads, group, head_dim)
-        in_place = q.device.type == "cpu" and decode_kernel.available(q.dtype)
-        cascade = batch.decode_cascade if window is None else None
-        tables = view.decode_block_tables if view is not None else batch.decode_block_tables
-        assert tables is not None and batch.decode_context_lens is not None
-        lse = None
-        if cascade is not None and (not in_place or cascade.shares_prefix):
-            od, lse = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
-        elif in_place:  # every row's blocks read where they lie, through its table
-            od, lse = decode_kernel.decode_attention(q[:n], k_cache, v_cache, tables, batch.decode_context_lens,
-                                                     scale, window, view.decode_first_pos if view is not None else None)
+        outs.append(_decode_rows(q[:batch.num_decode], k_cache, v_cache, batch, window, scale, sinks))
+    outs += _prefill_spans(q, k, v, k_cache, v_cache, batch, window, scale, sinks)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                 window: int | None, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The decode rows' attention (q [n, H, D], one query token a row) through their block
+    tables: in place by the decode kernel, by a cascade plan's segments, or gathered and padded."""
+    n, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    view = batch.kv_view(window)
+    # One query token per sequence: fold the query heads of a KV group into the
+    # "query length" axis so no K/V repeat is needed.
+    qd = q.view(n, num_kv_heads, q.shape[1] // num_kv_heads, head_dim)
+    in_place = q.device.type == "cpu" and decode_kernel.available(q.dtype)
+    cascade = batch.decode_cascade if window is None else None
+    tables = view.decode_block_tables if view is not None else batch.decode_block_tables
+    assert tables is not None and batch.decode_context_lens is not None
+    lse = None
+    if cascade is not None and (not in_place or cascade.shares_prefix):
+        od, lse = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
+    elif in_place:  # every row's blocks read where they lie, through its table
+        od, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, batch.decode_context_lens,
+                                                 scale, window, view.decode_first_pos if view is not None else None)
+    else:
+        kd, vd = _gather_blocks(k_cache, v_cache, tables)
+        if sinks is not None:
+            od, lse = math_attention_with_lse(qd, kd, vd, _additive(batch.decode_mask(window), q.dtype), scale)
+        elif torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
+            od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)
         else:
-            kd, vd = _gather_blocks(k_cache, v_cache, tables)
-            if sinks is not None:
-                od, lse = math_attention_with_lse(qd, kd, vd, _additive(batch.decode_mask(window), q.dtype), scale)
-            elif torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
-                od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)
-            else:
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
-        od = od.reshape(n, -1, head_dim)
-        outs.append(od if sinks is None else _sunk(od, lse.reshape(n, -1), sinks))
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
+    od = od.reshape(n, -1, head_dim)
+    return od if sinks is None else _sunk(od, lse.reshape(n, -1), sinks)
+
+
+def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   batch: ForwardBatch, window: int | None, scale: float,
+                   sinks: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each prefill span's attention over its own tokens and, after a cached prefix, its context:
+    the flash kernel (cached keys read through the span's block table), else torch's SDPA."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    view = batch.kv_view(window)
     flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
+    outs = []
     for i, span in enumerate(batch.prefills):
-        paged: tuple[torch.Tensor, int] | tuple[()] = ()  # (block table, keys): the kernel reads the caches
+        table, keys = None, -1  # the kernel reads the caches through the block table, where given
         if span.start_pos == 0:
             ks, vs, first_pos = k[span.token_slice], v[span.token_slice], 0
         else:
-            table = view.prefill_block_tables[i] if view is not None else span.block_table
+            blocks = view.prefill_block_tables[i] if view is not None else span.block_table
             first_pos = batch.prefill_first_pos(i, window)
             keys = span.context_len - first_pos
             if flash:  # the cached keys read where they lie, through the table
-                ks, vs, paged = k_cache, v_cache, (table, keys)
+                ks, vs, table = k_cache, v_cache, blocks
             else:
-                ks = k_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
-                vs = v_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[:keys]
+                ks = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:keys]
+                vs = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:keys]
+        qs = q[span.token_slice]
         if flash:
-            table, keys = paged or (None, -1)
-            outs.append(prefill_kernel.prefill_attention(q[span.token_slice], ks, vs, scale, span.start_pos,
-                                                         first_pos, window, table, keys, sinks))
+            outs.append(prefill_kernel.prefill_attention(qs, ks, vs, scale, span.start_pos, first_pos, window, table,
+                                                         keys, sinks))
             continue
         mask = batch.prefill_mask(i, window)
         if sinks is not None:
-            outs.append(_sunk_prefill(q[span.token_slice], ks, vs, mask, scale, sinks))
+            outs.append(_sunk_prefill(qs, ks, vs, mask, scale, sinks))
             continue
         os_ = F.scaled_dot_product_attention(
-            q[span.token_slice].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-            vs.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=group > 1)
+            qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] > num_kv_heads)
         outs.append(os_[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return outs
 
 
 def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
