@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from hyprefix.errors import RequestError
@@ -37,7 +38,9 @@ class ChatPrompt:
     chat arguments): ``tools`` (OpenAI tool definitions, given to the template as ``tools``),
     ``add_generation_prompt``, ``continue_final_message`` (the last message, an assistant's,
     stays open for the model to continue), ``chat_template`` (a Jinja template instead of
-    the tokenizer's) and ``template_kwargs`` (more variables, e.g. ``enable_thinking``)."""
+    the tokenizer's), ``template_kwargs`` (more variables, e.g. ``enable_thinking``) and
+    ``reasoning_effort`` (OpenAI's request field, the template's ``reasoning_effort``: only a
+    template that reads that variable can honour it)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -45,6 +48,7 @@ class ChatPrompt:
     continue_final_message: bool = False
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_effort: str | None = None
 
 
 # Template variables a request may not set through ``template_kwargs``: the renderer's own.
@@ -79,11 +83,19 @@ def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_genera
         raise RequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     if chat.chat_template is None and tokenizer.chat_template is None:
         raise RequestError("this model's tokenizer has no chat template", param="messages")
+    kwargs = dict(chat.template_kwargs)
+    if chat.reasoning_effort is not None:
+        if "reasoning_effort" in kwargs:
+            raise RequestError("reasoning_effort is given both as a field and in chat_template_kwargs",
+                               param="reasoning_effort")
+        if "reasoning_effort" not in template_variables(chat.chat_template or tokenizer.chat_template):
+            raise RequestError("this model's chat template takes no reasoning_effort", param="reasoning_effort")
+        kwargs["reasoning_effort"] = chat.reasoning_effort
     try:
         rendered = tokenizer.apply_chat_template(
             chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
             continue_final_message=chat.continue_final_message, chat_template=chat.chat_template,
-            tokenize=not add_special_tokens, return_dict=False, **chat.template_kwargs)
+            tokenize=not add_special_tokens, return_dict=False, **kwargs)
     except TemplateError as exc:
         raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
     except ValueError as exc:  # e.g. continue_final_message on a template that cannot
@@ -91,6 +103,23 @@ def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_genera
     if add_special_tokens:  # rendered as text: tokenized as a completion prompt would be
         return list(tokenizer.encode(rendered, add_special_tokens=True))
     return list(rendered)
+
+
+@lru_cache(maxsize=16)
+def _variables_of(source: str) -> frozenset[str]:
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(Environment().parse(source)))
+    except TemplateSyntaxError:  # apply_chat_template names the error when it renders
+        return frozenset()
+
+
+def template_variables(template: str | dict | None) -> frozenset[str]:
+    """The variables a chat template reads from its caller (every template of a named set)."""
+    if isinstance(template, dict):
+        return frozenset().union(*(_variables_of(t) for t in template.values() if isinstance(t, str)))
+    return _variables_of(template) if isinstance(template, str) else frozenset()
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

@@ -49,7 +49,8 @@ log = logging.getLogger("hyprefix.server")
 _PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache", "/tokenize", "/detokenize", *CONTROL_PATHS)
 _TOKENIZE_BODY = ("vLLM's TokenizeCompletionRequest {model?, prompt, add_special_tokens, return_token_strs} or "
                   "TokenizeChatRequest {model?, messages, add_generation_prompt, continue_final_message, "
-                  "add_special_tokens, chat_template, chat_template_kwargs, tools, return_token_strs}")
+                  "add_special_tokens, chat_template, chat_template_kwargs, reasoning_effort, tools, "
+                  "return_token_strs}")
 
 
 def build_app(engine: Engine, model_names: list[str] | None = None, api_key: str | list[str] | None = None,

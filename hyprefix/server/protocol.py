@@ -311,6 +311,8 @@ class _ChatTemplate(_Request):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field (gpt-oss reads it in its template): a 400 where the template does not take it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or ()]
@@ -322,7 +324,7 @@ class _ChatTemplate(_Request):
             self.tool_dicts() or None,
             add_generation_prompt=self.add_generation_prompt is not False,
             continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
-            template_kwargs=dict(self.chat_template_kwargs or {}))
+            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort)
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplate):

@@ -561,3 +561,27 @@ def test_tokenize_needs_no_engine_thread_and_sits_behind_the_api_key(app_client)
         assert http.post(path, json=body).status_code == 401
         response = http.post(path, json=body, headers={"Authorization": "Bearer k3y"})
         assert response.status_code == 200, response.text
+
+
+EFFORT_TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+                   "<|im_start|>assistant\nReasoning: {{ reasoning_effort | default('medium') }}\n")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_a_400_elsewhere(app_client):
+    """OpenAI's ``reasoning_effort`` is the template's ``reasoning_effort`` (gpt-oss's template reads
+    it); where the template does not read it, or it is also given in chat_template_kwargs, or it is
+    not low / medium / high, the request is a 400 naming the field."""
+    engine, http = app_client
+    messages = [{"role": "user", "content": "Hi"}]
+    tokens = _tokenize(http, model=MODEL, messages=messages, chat_template=EFFORT_TEMPLATE, reasoning_effort="high")
+    assert engine.tokenizer.decode(tokens["tokens"]).rstrip().endswith("Reasoning: high")
+    out = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True,
+                                                  "chat_template": EFFORT_TEMPLATE, "reasoning_effort": "high"})
+    assert out.status_code == 200 and out.json()["prompt_token_ids"] == tokens["tokens"]
+    for extra in ({"reasoning_effort": "low"},  # the demo model's template takes none
+                  {"reasoning_effort": "low", "chat_template": EFFORT_TEMPLATE,
+                   "chat_template_kwargs": {"reasoning_effort": "high"}},
+                  {"reasoning_effort": "extreme", "chat_template": EFFORT_TEMPLATE}):
+        response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "reasoning_effort"
