@@ -40,7 +40,9 @@ class ChatPrompt:
     stays open for the model to continue), ``chat_template`` (a Jinja template instead of
     the tokenizer's), ``template_kwargs`` (more variables, e.g. ``enable_thinking``) and
     ``reasoning_effort`` (OpenAI's request field, the template's ``reasoning_effort``: only a
-    template that reads that variable can honour it)."""
+    template that reads that variable can honour it). ``tools_must_render``: the tools reach the
+    model only through the template (tool_choice "auto"), so a template that reads no ``tools``
+    cannot honour them."""
 
     messages: list[dict]
     tools: list[dict] | None = None
@@ -49,6 +51,7 @@ class ChatPrompt:
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
+    tools_must_render: bool = False
 
 
 # Template variables a request may not set through ``template_kwargs``: the renderer's own.
@@ -83,12 +86,16 @@ def chat_token_ids(tokenizer: Any, messages: list[dict] | ChatPrompt, add_genera
         raise RequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     if chat.chat_template is None and tokenizer.chat_template is None:
         raise RequestError("this model's tokenizer has no chat template", param="messages")
-    kwargs = dict(chat.template_kwargs)
+    kwargs, template = dict(chat.template_kwargs), chat.chat_template or tokenizer.chat_template
+    if chat.tools and chat.tools_must_render and "tools" not in template_variables(template):
+        raise RequestError("this model's chat template takes no tools, so the model cannot see them; send "
+                           'tool_choice "required" or a named function (the output is then held to the tools), or '
+                           "a chat_template that renders tools", param="tools")
     if chat.reasoning_effort is not None:
         if "reasoning_effort" in kwargs:
             raise RequestError("reasoning_effort is given both as a field and in chat_template_kwargs",
                                param="reasoning_effort")
-        if "reasoning_effort" not in template_variables(chat.chat_template or tokenizer.chat_template):
+        if "reasoning_effort" not in template_variables(template):
             raise RequestError("this model's chat template takes no reasoning_effort", param="reasoning_effort")
         kwargs["reasoning_effort"] = chat.reasoning_effort
     try:

@@ -324,7 +324,9 @@ class _ChatTemplate(_Request):
             self.tool_dicts() or None,
             add_generation_prompt=self.add_generation_prompt is not False,
             continue_final_message=bool(self.continue_final_message), chat_template=self.chat_template,
-            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort)
+            template_kwargs=dict(self.chat_template_kwargs or {}), reasoning_effort=self.reasoning_effort,
+            # with tool_choice "auto" (the default) only the template tells the model the tools exist
+            tools_must_render=bool(self.tools) and getattr(self, "tool_choice", None) in (None, "auto"))
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplate):

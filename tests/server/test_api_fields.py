@@ -300,8 +300,12 @@ def test_auto_tool_calls_are_parsed_whole_and_streamed(app_client, client, parse
             reasons.append(chunk.choices[0].finish_reason)
         assert names == ["get_weather"] and len(ids) == 1 and json.loads(arguments) == {"city": "Oslo"}
         assert content == ("Checking." if parser == "hermes" else "") and reasons[-1] == "tool_calls"
-        text = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=5, **GREEDY).choices[0]
+        text = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=5, **GREEDY,
+                                              extra_body={"chat_template": TOOL_TEMPLATE}).choices[0]
         assert text.finish_reason == "length" and not text.message.tool_calls  # plain text stays text
+        with pytest.raises(openai.BadRequestError, match="takes no tools") as refused:  # the demo template
+            client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=5, **GREEDY)
+        assert refused.value.body["param"] == "tools"
 
 
 def test_required_and_named_tool_choice_are_valid_for_the_schema_whatever_the_model(app_client, client):
