@@ -16,7 +16,7 @@ from hyprefix.kernels import invariant_linear as invariant_kernel
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.kernels import recurrent_decode
 from hyprefix.models import fused
-from hyprefix.models.fused_moe import Experts
+from hyprefix.models.fused_moe import Experts, flat_experts
 from hyprefix.models.layers import Embedding, GatedMLP, Linear, RMSNorm, Rotary, drop_plain
 from hyprefix.models.quant import Int8Weight, quantize_low_bit
 from hyprefix.models.weights import MatrixForms
@@ -126,10 +126,10 @@ class CausalLM(nn.Module):
             hidden = fused.rms_norm(hidden.float(), self.norm.weight.float(), self.norm.eps)
             # aten's matmul (an extern call in both compiled graphs); the batch-invariant mode's own kernel there
             logits = forms.matmul(hidden, fp32, None) if forms.invariant else F.linear(hidden, fp32)
-            return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
-        hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
-        head = self.lm_head if self.lm_head is not None else self.embed.logits
-        logits = head(hidden).float()
+        else:
+            hidden = fused.rms_norm(hidden.to(self.dtype), self.norm.weight, self.norm.eps)
+            head = self.lm_head if self.lm_head is not None else self.embed.logits
+            logits = head(hidden).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def use_fp32_head(self) -> bool:
@@ -357,8 +357,9 @@ class CausalLM(nn.Module):
         layout differs from transformers' (split or regrouped rows, norms stored as ``1 + w``),
         the tensors it makes of each. Row moves must be torch ops along the first dimension only,
         whatever the other dimensions hold: ``gguf_blocks`` passes tag columns through them to
-        follow a quantized matrix's rows. The identity here."""
-        return weights
+        follow a quantized matrix's rows. Here: MoE expert stacks [E, rows, cols] flattened to the
+        experts' [E * rows, cols] (``fused_moe.flat_experts``), every other tensor as it is."""
+        return ((name, flat_experts(name, t)) for name, t in weights)
 
     def map_layer(self, idx: int, rest: str) -> Target:
         """Our parameter for tensor ``rest`` (``self_attn.q_proj.weight``, ...) of layer ``idx``."""

@@ -80,6 +80,17 @@ class Experts(nn.Module):
         return plain.view(self.num_experts, self.rows, self.cols)
 
 
+def flat_experts(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Expert stacks [E, rows, cols] (transformers 5's fused ``experts.gate_up_proj`` /
+    ``down_proj``, NemotronH's ungated ``experts.up_proj``, Granite's ``input_linear`` /
+    ``output_linear``) as our [E * rows, cols]; any other tensor as it is (a row move only:
+    ``CausalLM.converted``'s contract)."""
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.up_proj")) or (
+            t.dim() == 3 and name.endswith(("input_linear.weight", "output_linear.weight"))):
+        return t.reshape(-1, t.shape[-1])
+    return t
+
+
 @dataclass(frozen=True)
 class ExpertActivation:
     """What each expert computes between its projections (module docstring): ``name`` "silu",

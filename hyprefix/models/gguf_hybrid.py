@@ -291,13 +291,21 @@ def _qwen_tensors(file: HybridFile, cfg) -> list[_Tensor]:
 def _qk_norm_attention(sa: str, b: str, bias: bool, norm: Callable[[torch.Tensor], torch.Tensor]) -> list[_Tensor]:
     """A Qwen attention layer's tensors (``sa``: its transformers prefix, ``b``: the file's
     ``blk.N.``): q/k/v/o as they are, QK-norm weights through ``norm``."""
+    return [*_attention_projections(sa, b, bias), _Tensor(sa + "q_norm.weight", (b + "attn_q_norm.weight",), norm),
+            _Tensor(sa + "k_norm.weight", (b + "attn_k_norm.weight",), norm)]
+
+
+def _attention_projections(sa: str, b: str, bias: bool,
+                           builds: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> list[_Tensor]:
+    """q/k/v/o (weights, and biases where ``bias``) of the attention at transformers prefix ``sa``
+    from the file's ``blk.N.`` tensors ``b``, each through its ``builds`` entry (default as it is)."""
     out = []
     for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
-        out.append(_Tensor(f"{sa}{ours}.weight", (f"{b}{theirs}.weight",)))
+        build = (builds or {}).get(ours, _same)
+        out.append(_Tensor(f"{sa}{ours}.weight", (f"{b}{theirs}.weight",), build))
         if bias:
-            out.append(_Tensor(f"{sa}{ours}.bias", (f"{b}{theirs}.bias",)))
-    return [*out, _Tensor(sa + "q_norm.weight", (b + "attn_q_norm.weight",), norm),
-            _Tensor(sa + "k_norm.weight", (b + "attn_k_norm.weight",), norm)]
+            out.append(_Tensor(f"{sa}{ours}.bias", (f"{b}{theirs}.bias",), build))
+    return out
 
 
 def _qwen3moe_tensors(file: HybridFile, cfg) -> list[_Tensor]:
@@ -396,13 +404,8 @@ def _mamba_mixer(m: str, b: str, conv_bias: bool, proj_bias: bool) -> list[_Tens
 def _permuted_attention(m: str, b: str, cfg) -> list[_Tensor]:
     """Attention whose q/k rows the converter permuted to ggml's RoPE order (``_unpermute``)."""
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    out = []
-    for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
-        build = _same if ours not in heads else (lambda t, n=heads[ours]: _unpermute(t, n))
-        out.append(_Tensor(f"{m}{ours}.weight", (f"{b}{theirs}.weight",), build))
-        if cfg.attention_bias:
-            out.append(_Tensor(f"{m}{ours}.bias", (f"{b}{theirs}.bias",), build))
-    return out
+    return _attention_projections(m, b, cfg.attention_bias,
+                                  {ours: (lambda t, n=n: _unpermute(t, n)) for ours, n in heads.items()})
 
 
 def _granite_tensors(file: HybridFile, cfg) -> list[_Tensor]:

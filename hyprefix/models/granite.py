@@ -34,13 +34,12 @@ class GraniteDecoderLayer(DecoderLayer):
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    """Granite 3.x dense models. Refuses an activation other than SiLU."""
+    """Granite 3.x dense models (an activation other than SiLU is refused, as for every family of
+    Llama's layout)."""
 
     layer_class = GraniteDecoderLayer
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"Granite config sets hidden_act={hf_config.hidden_act!r}: only silu is supported")
         super().__init__(hf_config, dtype, device, max_positions)
         self.embedding_multiplier = float(hf_config.embedding_multiplier)
         self.logits_scaling = float(hf_config.logits_scaling)

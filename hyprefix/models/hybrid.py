@@ -19,8 +19,6 @@ mixer, an attention layer (paged KV cache) or an MLP:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +29,7 @@ from hyprefix.models.fused_moe import ExpertActivation
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm
 from hyprefix.models.llama import Attention, map_attention_or_mlp
 from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims
-from hyprefix.models.moe import Routing, SparseMoE, flat_experts, map_expert
+from hyprefix.models.moe import Routing, SparseMoE, map_expert
 from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
 
 
@@ -180,10 +178,6 @@ class HybridForCausalLM(CausalLM):
                 h = block.ff(block.ff_norm(residual, kernels))
                 residual = residual + (h if scale == 1.0 else h * scale).to(residual.dtype)
         return residual
-
-    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in weights:
-            yield name, flat_experts(name, t)
 
     def map_name(self, name: str) -> Target | None:
         name = strip_prefix(name)

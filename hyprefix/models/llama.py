@@ -141,6 +141,9 @@ class LlamaForCausalLM(CausalLM):
         cfg = hf_config
         arch = (getattr(cfg, "architectures", None) or [""])[0]
         model_type = getattr(cfg, "model_type", "")
+        activation = getattr(cfg, "hidden_act", "silu")
+        if activation != "silu":  # every MLP of Llama's layout is gated SiLU (``DecoderLayer.build_mlp``)
+            raise ValueError(f"{arch or model_type} config sets hidden_act={activation!r}: only silu is supported")
         qk_norm = model_type.startswith("qwen3") or arch.startswith("Qwen3")
         qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
         attention_bias = bool(getattr(cfg, "attention_bias", False))

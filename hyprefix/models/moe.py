@@ -5,7 +5,7 @@ read) and, where the family has one, a shared expert (optionally scaled by a sig
 The routing function is the family's (``Routing``); ``map_sparse_moe`` maps transformers'
 names of such a block onto ours, for every family that names it as Qwen does (``mlp.gate``,
 ``mlp.experts.*``, ``mlp.shared_expert*``), per-expert tensors and transformers 5's fused
-``[E, rows, cols]`` stacks alike (``flat_experts``).
+``[E, rows, cols]`` stacks alike (``fused_moe.flat_experts``, which ``CausalLM.converted`` applies).
 """
 
 from __future__ import annotations
@@ -145,17 +145,6 @@ def is_moe_layer(cfg, i: int) -> bool:
     if i in (getattr(cfg, "mlp_only_layers", None) or []):
         return False
     return (i + 1) % (getattr(cfg, "decoder_sparse_step", 1) or 1) == 0
-
-
-def flat_experts(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Expert stacks [E, rows, cols] (transformers 5's fused ``experts.gate_up_proj`` /
-    ``down_proj``, NemotronH's ungated ``experts.up_proj``, Granite's ``input_linear`` /
-    ``output_linear``) as our [E * rows, cols]; any
-    other tensor as it is (a row move only: ``CausalLM.converted``'s contract)."""
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.up_proj")) or (
-            t.dim() == 3 and name.endswith(("input_linear.weight", "output_linear.weight"))):
-        return t.reshape(-1, t.shape[-1])
-    return t
 
 
 def map_gated_mlp(prefix: str, mlp: GatedMLP, rest: str) -> Target:

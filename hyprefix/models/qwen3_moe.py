@@ -10,14 +10,12 @@ their blocks (``fused_moe``'s ``quant_moe``); transformers' own GGUF reader misn
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 from torch import nn
 
 from hyprefix.models.base import Target
 from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
-from hyprefix.models.moe import SparseMoE, flat_experts, is_moe_layer, map_sparse_moe
+from hyprefix.models.moe import SparseMoE, is_moe_layer, map_sparse_moe
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):
@@ -28,18 +26,10 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3MoeForCausalLM. Refuses an activation other than SiLU."""
+    """Qwen3MoeForCausalLM (an activation other than SiLU is refused, as for every family of
+    Llama's layout)."""
 
     layer_class = Qwen3MoeDecoderLayer
-
-    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"Qwen3-MoE config sets hidden_act={hf_config.hidden_act!r}: only silu is supported")
-        super().__init__(hf_config, dtype, device, max_positions)
-
-    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in weights:
-            yield name, flat_experts(name, t)
 
     def map_layer(self, idx: int, rest: str) -> Target:
         mlp = self.layers[idx].mlp

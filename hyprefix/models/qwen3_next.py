@@ -20,10 +20,11 @@ from torch import nn
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, language_model_name, select_rows
 from hyprefix.models.fused import Kernels
+from hyprefix.models.fused_moe import flat_experts
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
 from hyprefix.models.layers import GatedMLP, RMSNorm, RopeTables
 from hyprefix.models.llama import Attention
-from hyprefix.models.moe import SparseMoE, flat_experts, is_moe_layer, map_gated_mlp, map_sparse_moe
+from hyprefix.models.moe import SparseMoE, is_moe_layer, map_gated_mlp, map_sparse_moe
 from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
 
 LINEAR, FULL = "linear_attention", "full_attention"
