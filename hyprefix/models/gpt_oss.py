@@ -25,8 +25,11 @@ from hyprefix.models.fused_moe import ExpertActivation
 from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
 from hyprefix.models.moe import Routing, SparseMoE
 
-_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
-            "mlp.experts.down_proj_bias")
+
+def _gate_then_up(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate / up entries along dim 1 ([E, 2I, ...]: gate, up, gate, ...) as every gate
+    entry, then every up one (the experts op's order)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
 class GptOssDecoderLayer(DecoderLayer):
@@ -44,7 +47,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """GptOssForCausalLM from float checkpoints (module docstring)."""
 
     layer_class = GptOssDecoderLayer
-    selects_output_rows = True
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
         if getattr(hf_config, "quantization_config", None):
@@ -55,12 +57,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
-            if name.endswith(_EXPERTS[0]):  # [E, H, 2I], gate / up columns interleaved
-                t = t.transpose(1, 2)
-                yield name, torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).reshape(-1, t.shape[-1])
-            elif name.endswith(_EXPERTS[1]):
-                yield name, torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
-            elif name.endswith(_EXPERTS[2]):  # [E, I, H]
+            if name.endswith("mlp.experts.gate_up_proj"):  # [E, H, 2I], gate / up columns interleaved
+                yield name, _gate_then_up(t.transpose(1, 2)).reshape(-1, t.shape[1])
+            elif name.endswith("mlp.experts.gate_up_proj_bias"):  # [E, 2I], interleaved
+                yield name, _gate_then_up(t)
+            elif name.endswith("mlp.experts.down_proj"):  # [E, I, H]
                 yield name, t.transpose(1, 2).reshape(-1, t.shape[1])
             else:
                 yield name, t

@@ -74,7 +74,7 @@ def _nemotron_moe(cfg, dtype: torch.dtype, device: torch.device) -> SparseMoE:
                       groups_kept=cfg.topk_group, scale=float(cfg.routed_scaling_factor))
     shared = ReluSquaredMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, dtype, device)
     return SparseMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, routing, shared, False, dtype,
-                     device, activation=ExpertActivation("relu2"), latent=cfg.moe_latent_size, router_bias=True,
+                     device, activation=ExpertActivation("relu2"), latent=cfg.moe_latent_size, correction_bias=True,
                      latent_bias=cfg.mlp_bias)
 
 
@@ -235,7 +235,7 @@ def _map_nemotron_moe(prefix: str, moe: SparseMoE, rest: str) -> Target:
     expert's ``experts.{e}.*``), ``shared_experts.*``, ``fc1_latent_proj`` / ``fc2_latent_proj``."""
     module, leaf = rest.rsplit(".", 1)
     if module == "gate":
-        return f"{prefix}.{'router.weight' if leaf == 'weight' else 'router_bias'}", None, None
+        return f"{prefix}.{'router.weight' if leaf == 'weight' else 'correction_bias'}", None, None
     if module == "experts":
         return f"{prefix}.experts_{'gate_up' if leaf == 'up_proj' else 'down'}.weight", None, None
     if module.startswith("experts."):

@@ -78,23 +78,24 @@ class SparseMoE(nn.Module):
     MLPs, ungated ReLU^2 ones, gpt-oss's clamped SwiGLU), plus an optional ``shared`` expert (any
     MLP module), scaled by sigmoid(shared_gate(x)) where ``shared_gate``. ``latent``: the experts
     work in a smaller width, between a projection down from the hidden size and one back up
-    (NemotronH's latent MoE). ``router_bias``: the correction bias sigmoid routing adds to choose.
-    ``biases`` (gpt-oss): the router's logits and each expert's projections have biases.
+    (NemotronH's latent MoE). ``correction_bias``: the bias sigmoid routing adds to the scores to
+    choose (not to weigh). ``biases`` (gpt-oss): the router's logits and each expert's
+    projections have biases.
     Expert weights are stacked: gate_up [E * 2I, width] (each expert's gate rows, then its up rows;
     [E * I, width], up alone, for "relu2"), down [E * width, I]."""
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: Routing, shared: nn.Module | None,
                  shared_gate: bool, dtype: torch.dtype, device: torch.device,
                  activation: ExpertActivation = SILU, latent: int | None = None,
-                 router_bias: bool = False, latent_bias: bool = False, biases: bool = False) -> None:
+                 correction_bias: bool = False, latent_bias: bool = False, biases: bool = False) -> None:
         super().__init__()
         width = latent or hidden
         self.hidden, self.width, self.num_experts, self.inter = hidden, width, num_experts, intermediate
         self.routing, self.activation = routing, activation
         self.router = Linear(hidden, num_experts, bias=biases, dtype=dtype, device=device)
         self.router.quantizable = False
-        self.router_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
-            if router_bias else None
+        self.correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
+            if correction_bias else None
         self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None
         self.latent_out = Linear(width, hidden, bias=latent_bias, dtype=dtype, device=device) if latent else None
         self.experts_gate_up = Experts(num_experts, (1 if self.ungated else 2) * intermediate, width, dtype, device,
@@ -126,7 +127,7 @@ class SparseMoE(nn.Module):
         return stacks * min(self.routing.top_k, self.num_experts) // self.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.routing(self.router(x), x.dtype, self.router_bias)
+        weights, chosen = self.routing(self.router(x), x.dtype, self.correction_bias)
         h = x if self.latent_in is None else self.latent_in(x)
         out = moe_forward(h, chosen, weights, self.experts_gate_up, self.experts_down, self.activation)
         if self.latent_out is not None:
