@@ -68,6 +68,11 @@ def test_an_idle_engine_thread_maps_the_kv_pool_without_writing_it():
             assert await ae.call(lambda: mapper.done)
             assert await ae.call(lambda: all(not t.any() for pair in fresh.runner.kv_caches for t in pair))
             iterations = ae.iterations
+            for _ in range(20):  # the loop counts the iteration that ran that call after its result is back
+                await asyncio.sleep(0.05)
+                if ae.iterations == iterations:
+                    break
+                iterations = ae.iterations
             await asyncio.sleep(0.2)
             assert ae.iterations == iterations  # mapped, then asleep: no spinning
             out = await collect_one(ae, "after", [5, 6, 7, 8], GREEDY)
