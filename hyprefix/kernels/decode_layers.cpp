@@ -38,7 +38,7 @@
 //
 // Not traced by torch.compile: the K/V caches it writes are held here, not arguments.
 #include "decode_attention.h"
-#include "quant_tiles.h"
+#include "quant_codes.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>

@@ -17,229 +17,13 @@
 //     limit): a MoE block's experts on their stacked tiles (models/fused_moe.py), only the chosen
 //     experts' tiles read.
 // Packing and unpacking run over ATen's threads, a tile per task.
-#include "quant_tiles.h"
+#include "quant_codes.h"
 
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <map>
 
 namespace {
-
-constexpr int64_t kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ5_K = 13, kTypeQ4_K = 12, kTypeQ6_K = 14;
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-inline uint16_t half_bits(float v) { return c10::Half(v).x; }
-
-// One row unpacked: q per column, and per group (Q4: s, o as float16 bits; Q4K: sc, m codes) or per
-// run of 16 (Q6: int8 scales) and per 256 (Q6: float16 d bits; Q4K: d and dmin bits).
-struct RowCodes {
-  std::vector<uint8_t> q;
-  std::vector<uint16_t> s, o;    // Q4 per 32
-  std::vector<uint8_t> sc4, m4;  // Q4K per 32
-  std::vector<int8_t> sc;        // Q6 per 16
-  std::vector<uint16_t> d, dmin;  // Q6 (d) and Q4K per 256
-};
-
-// The tile format a GGUF type is packed into.
-inline TileFormat format_of_type(int64_t type) {
-  return type == kTypeQ6_K ? TileFormat::kQ6 : type == kTypeQ4_K ? TileFormat::kQ4K : TileFormat::kQ4;
-}
-
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes.
-inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Group g of a row (32 values s * q5 + o with q5 < 32) to 4 bits: the span of its codes mapped onto 0..15.
-inline void round_q5_group(uint8_t* q, float s, float o, RowCodes& out, int64_t g) {
-  int lo = 31, hi = 0;
-  for (int i = 0; i < 32; ++i) {
-    lo = std::min<int>(lo, q[i]);
-    hi = std::max<int>(hi, q[i]);
-  }
-  const float step = hi - lo <= 15 ? 1.0f : static_cast<float>(hi - lo) / 15.0f;
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(std::lround((q[i] - lo) / step));
-  out.s[g] = half_bits(s * step);
-  out.o[g] = half_bits(o + s * static_cast<float>(lo));
-}
-
-// Decodes one GGUF row of k values of `type` into codes (q, s, o for Q4; q, sc, d for Q6).
-void decode_row(const uint8_t* row, int64_t type, int64_t k, RowCodes& out) {
-  uint8_t* q = out.q.data();
-  if (type == kTypeQ4_0 || type == kTypeQ4_1) {
-    const int64_t bytes = type == kTypeQ4_0 ? 18 : 20;
-    for (int64_t b = 0; b < k / 32; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      const float d = half_at(blk);
-      const uint8_t* qs = blk + (type == kTypeQ4_0 ? 2 : 4);
-      for (int j = 0; j < 16; ++j) {
-        q[b * 32 + j] = qs[j] & 0xF;
-        q[b * 32 + j + 16] = qs[j] >> 4;
-      }
-      out.s[b] = half_bits(d);
-      out.o[b] = type == kTypeQ4_0 ? half_bits(-8.0f * d) : half_bits(half_at(blk + 2));
-    }
-    return;
-  }
-  if (type == kTypeQ4_K || type == kTypeQ5_K) {
-    const int64_t bytes = type == kTypeQ4_K ? 144 : 176;
-    for (int64_t b = 0; b < k / 256; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      const float d = half_at(blk), dmin = half_at(blk + 2);
-      if (type == kTypeQ4_K) {
-        std::memcpy(&out.d[b], blk, 2);
-        std::memcpy(&out.dmin[b], blk + 2, 2);
-      }
-      const uint8_t* scales = blk + 4;
-      const uint8_t* qh = blk + 16;  // Q5_K only
-      const uint8_t* qs = blk + (type == kTypeQ4_K ? 16 : 48);
-      for (int c = 0; c < 4; ++c) {
-        for (int half = 0; half < 2; ++half) {
-          const int j = 2 * c + half;
-          int sc, m;
-          scale_min_k4(j, scales, &sc, &m);
-          uint8_t* dst = q + b * 256 + j * 32;
-          for (int l = 0; l < 32; ++l) {
-            int v = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0xF;
-            if (type == kTypeQ5_K) v += ((qh[l] >> j) & 1) << 4;
-            dst[l] = static_cast<uint8_t>(v);
-          }
-          const int64_t g = b * 8 + j;
-          if (type == kTypeQ4_K) {
-            out.sc4[g] = static_cast<uint8_t>(sc);
-            out.m4[g] = static_cast<uint8_t>(m);
-          } else {
-            round_q5_group(dst, d * static_cast<float>(sc), -dmin * static_cast<float>(m), out, g);
-          }
-        }
-      }
-    }
-    return;
-  }
-  TORCH_CHECK(type == kTypeQ6_K, "quant_pack_gguf: ggml type ", type, " is not one of Q4_0, Q4_1, Q4_K, Q5_K, Q6_K");
-  for (int64_t b = 0; b < k / 256; ++b) {
-    const uint8_t* blk = row + b * 210;
-    const uint8_t *ql = blk, *qh = blk + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    out.d[b] = half_bits(half_at(blk + 208));
-    for (int j = 0; j < 16; ++j) out.sc[b * 16 + j] = sc[j];
-    uint8_t* y = q + b * 256;
-    for (int n = 0; n < 2; ++n) {  // halves of 128: ql 64 bytes, qh 32 bytes each
-      for (int l = 0; l < 32; ++l) {
-        y[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
-        y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-        y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-        y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-      }
-      y += 128;
-      ql += 64;
-      qh += 32;
-    }
-  }
-}
-
-// Row r of a tile (of format Q4, Q4K or Q6) from its codes: the data bytes of the row, and its
-// scales and extras into the tile's (scales, extra).
-void place_row(const RowCodes& codes, TileFormat format, int64_t k, int64_t r, uint8_t* tile, void* tile_scales,
-               uint16_t* tile_extra) {
-  const int64_t groups = k / kGroup;
-  const bool q6 = format == TileFormat::kQ6;
-  const uint8_t* q = codes.q.data();
-  for (int64_t g = 0; g < groups; ++g) {
-    uint8_t* wg = tile + g * (q6 ? 384 : 256);
-    const uint8_t* qg = q + g * kGroup;
-    for (int p = 0; p < 4; ++p)
-      for (int b = 0; b < 4; ++b)
-        wg[p * 64 + r * 4 + b] = (qg[8 * p + b] & 0xF) | ((qg[8 * p + 4 + b] & 0xF) << 4);
-    if (q6) {
-      for (int c = 0; c < 2; ++c)
-        for (int b = 0; b < 4; ++b) {
-          uint8_t v = 0;
-          for (int i = 0; i < 4; ++i) v |= ((qg[16 * c + 4 * i + b] >> 4) & 3) << (2 * i);
-          wg[(4 + c) * 64 + r * 4 + b] = v;
-        }
-      int8_t* sc = static_cast<int8_t*>(tile_scales);
-      sc[(2 * g) * 16 + r] = codes.sc[2 * g];
-      sc[(2 * g + 1) * 16 + r] = codes.sc[2 * g + 1];
-    } else if (format == TileFormat::kQ4K) {
-      uint8_t* sm = static_cast<uint8_t*>(tile_scales) + g * 32;
-      sm[r] = codes.sc4[g];
-      sm[16 + r] = codes.m4[g];
-    } else {
-      static_cast<uint16_t*>(tile_scales)[g * 16 + r] = codes.s[g];
-      tile_extra[g * 16 + r] = codes.o[g];
-    }
-  }
-  if (q6)
-    for (int64_t b = 0; b < k / 256; ++b) tile_extra[b * 16 + r] = codes.d[b];
-  if (format == TileFormat::kQ4K)
-    for (int64_t b = 0; b < k / 256; ++b) {
-      tile_extra[b * 32 + r] = codes.d[b];
-      tile_extra[b * 32 + 16 + r] = codes.dmin[b];
-    }
-}
-
-struct PackedPart {
-  at::Tensor data, scales, extra;
-};
-
-PackedPart allocate(int64_t n, int64_t k, TileFormat format) {
-  const int64_t tiles = (n + 15) / 16, groups = k / kGroup;
-  auto bytes = at::TensorOptions().dtype(at::kByte);
-  PackedPart p;
-  p.data = at::zeros({tiles, groups, format == TileFormat::kQ6 ? 6 : 4, 64}, bytes);
-  if (format == TileFormat::kQ6) {
-    p.scales = at::zeros({tiles, 2 * groups, 16}, bytes.dtype(at::kChar));
-    p.extra = at::zeros({tiles, k / 256, 16}, bytes.dtype(at::kHalf));
-  } else if (format == TileFormat::kQ4K) {
-    p.scales = at::zeros({tiles, groups, 32}, bytes);
-    p.extra = at::zeros({tiles, k / 256, 32}, bytes.dtype(at::kHalf));
-  } else {
-    p.scales = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
-    p.extra = at::zeros({tiles, groups, 16}, bytes.dtype(at::kHalf));
-  }
-  return p;
-}
-
-// Fills p's tiles, a task per tile, with decode(row, codes) giving each row's codes.
-template <typename Decode>
-void fill(PackedPart& p, int64_t n, int64_t k, TileFormat format, const Decode& decode) {
-  const int64_t groups = k / kGroup;
-  uint8_t* data = p.data.mutable_data_ptr<uint8_t>();
-  uint8_t* scales = static_cast<uint8_t*>(p.scales.mutable_data_ptr());
-  uint16_t* extra = reinterpret_cast<uint16_t*>(p.extra.mutable_data_ptr<at::Half>());
-  at::parallel_for(0, p.data.size(0), 1, [&](int64_t t0, int64_t t1) {
-    RowCodes codes;
-    codes.q.resize(k);
-    codes.s.resize(groups);
-    codes.o.resize(groups);
-    codes.sc4.resize(groups);
-    codes.m4.resize(groups);
-    codes.sc.resize(2 * groups);
-    codes.d.resize(k / 256 + 1);
-    codes.dmin.resize(k / 256 + 1);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
-        decode(t * 16 + r, codes);
-        place_row(codes, format, k, r, data + t * groups * group_bytes(format),
-                  scales + t * scale_bytes_per_tile(format, k), extra + t * extra_per_tile(format, k));
-      }
-    }
-  });
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack_gguf(const at::Tensor& raw, int64_t type, int64_t k,
                                                                const at::Tensor& rows) {
@@ -250,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack_gguf(const at::Tensor&
   const bool k_quant = type == kTypeQ4_K || type == kTypeQ5_K || type == kTypeQ6_K;
   TORCH_CHECK(k % (k_quant ? 256 : 32) == 0, "quant_pack_gguf: ", k, " columns do not fill whole blocks");
   const int64_t block_bytes = type == kTypeQ4_0 ? 18 : type == kTypeQ4_1 ? 20 : type == kTypeQ4_K ? 144
-                              : type == kTypeQ5_K ? 176 : 210;
+                              : type == kTypeQ5_K ? 176 : type == kTypeMXFP4 ? 17 : 210;
   TORCH_CHECK(raw.size(1) == k / (k_quant ? 256 : 32) * block_bytes, "quant_pack_gguf: rows of ", raw.size(1),
               " bytes for ", k, " columns of type ", type);
   const int64_t n = rows.numel(), stride = raw.stride(0);
@@ -268,13 +52,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack(const at::Tensor& q, c
                                                           const at::Tensor& extra) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "quant_pack: q must be uint8 [n, K]");
   const int64_t n = q.size(0), k = q.size(1), groups = k / kGroup;
-  const TileFormat format = scales.scalar_type() == at::kChar   ? TileFormat::kQ6
-                            : scales.scalar_type() == at::kByte ? TileFormat::kQ4K
-                                                                : TileFormat::kQ4;
+  const TileFormat format = scales.scalar_type() == at::kChar                         ? TileFormat::kQ6
+                            : scales.scalar_type() == at::kByte && scales.dim() == 2 ? TileFormat::kMX4
+                            : scales.scalar_type() == at::kByte                      ? TileFormat::kQ4K
+                                                                                     : TileFormat::kQ4;
   const bool q6 = format == TileFormat::kQ6;
-  TORCH_CHECK(k % kGroup == 0 && (format == TileFormat::kQ4 || k % 256 == 0),
+  TORCH_CHECK(k % kGroup == 0 && (format == TileFormat::kQ4 || format == TileFormat::kMX4 || k % 256 == 0),
               "quant_pack: K must be a multiple of 32 (Q4K, Q6: 256)");
-  if (format == TileFormat::kQ4K) {
+  if (format == TileFormat::kMX4) {
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, groups}) && extra.numel() == 0,
+                "quant_pack: MX4 takes uint8 E8M0 scales [n, K/32] and an empty extra");
+  } else if (format == TileFormat::kQ4K) {
     TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, groups, 2}) && extra.scalar_type() == at::kHalf &&
                     extra.sizes() == at::IntArrayRef({n, k / 256, 2}),
                 "quant_pack: Q4K takes uint8 (sc, m) [n, K/32, 2] and float16 (d, dmin) [n, K/256, 2]");
@@ -292,7 +80,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_pack(const at::Tensor& q, c
   fill(p, n, k, format, [&](int64_t r, RowCodes& codes) {
     std::copy_n(qc.const_data_ptr<uint8_t>() + r * k, k, codes.q.data());
     const uint16_t* e = reinterpret_cast<const uint16_t*>(ec.const_data_ptr<at::Half>());
-    if (format == TileFormat::kQ4K) {
+    if (format == TileFormat::kMX4) {
+      std::copy_n(sc.const_data_ptr<uint8_t>() + r * groups, groups, codes.sc4.data());
+    } else if (format == TileFormat::kQ4K) {
       const uint8_t* sm = sc.const_data_ptr<uint8_t>() + r * groups * 2;
       for (int64_t g = 0; g < groups; ++g) {
         codes.sc4[g] = sm[2 * g];

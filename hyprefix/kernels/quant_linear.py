@@ -1,7 +1,7 @@
 """``torch.ops.hyprefix.quant_linear`` and its packing: 4- and 6-bit weight tiles (GGUF's Q4_0,
-Q4_1, Q4_K, Q5_K and Q6_K blocks) multiplied by activations quantized to int8 per 32, on
-AVX512-VNNI or AVX2. ``quant_tiles.h`` has the formats and the arithmetic, ``quant_linear.cpp``
-the ops.
+Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 blocks) multiplied by activations quantized to int8 per 32, on
+AVX512-VNNI or AVX2. ``quant_tiles.h`` has the formats and the arithmetic, ``quant_codes.h`` the
+packing, ``quant_linear.cpp`` the ops.
 
 Built on first use, one build per ISA of the int8 kernel (``int8_linear.FLAGS``); ``available()``
 says whether it runs here (the int8 kernel's ISA check, and this build worked). Without it a
@@ -21,7 +21,10 @@ from hyprefix.kernels.build import load_kernel
 SOURCE = Path(__file__).with_suffix(".cpp")
 
 # ggml's type ids of the blocks ``pack_gguf`` takes (gguf.GGMLQuantizationType).
-GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
+
+# MXFP4's E2M1 values doubled, as ggml keeps them (the E8M0 scale is halved to match).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 _available: bool | None = None
 
@@ -68,8 +71,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[to
     """Unpacked codes -> one part: Q4 from q uint8 [n, K] (< 16) with float16 scales and offsets
     [n, K/32] (value s * q + o); Q4K from q (< 16) with uint8 codes (sc, m) [n, K/32, 2] and float16
     (d, dmin) [n, K/256, 2] (value d * sc * q - dmin * m); Q6 from q (< 64) with int8 scales
-    [n, K/16] and float16 d [n, K/256] (value d * scale * (q - 32)). The scales' dtype names the
-    format."""
+    [n, K/16] and float16 d [n, K/256] (value d * scale * (q - 32)); MX4 from q (< 16, E2M1 codes)
+    with uint8 E8M0 scales [n, K/32] and an empty extra (value ``MXFP4_VALUES[q] * 2^(e - 128)``).
+    The scales' dtype (and for uint8 their rank) names the format."""
     return torch.ops.hyprefix.quant_pack(q, scales, extra)
 
 

@@ -21,6 +21,10 @@
 //      low 4 bits as Q4's 4 nibble lines, then 2 lines of the high 2 bits: line c, byte r * 4 + b,
 //      bits 2i and 2i + 1 are those of column 16c + 4i + b. scales int8 [tiles, k/16, 16], d
 //      float16 [tiles, k/256, 16].
+//   MX4 (GGUF MXFP4, OCP's MX FP4, exactly): per group of 32 columns of a row a 4-bit E2M1 code
+//      and an E8M0 scale e: the value is kMxfp4Values[code] * 2^(e - 128) (the code's E2M1 value
+//      doubled, as ggml writes it). Q4's data (the codes' nibble lines); scales uint8
+//      [tiles, K/32, 16] (e per row), no extra. 4.25 bits a weight, as the file.
 //   Int8 (GGUF Q8_0): int8_tiles.h's tiles with float16 scales per group.
 //
 // The four bytes of each row a 64-byte line holds are the columns one broadcast activation word
@@ -29,15 +33,32 @@
 // the unsigned weights and signed activations; AVX2: VPMADDUBSW, whose pairs cannot saturate as the
 // weights are below 64, then VPMADDWD), then scaled in float: Q4 adds s * x_scale * sum(q x) and
 // o * x_scale * sum(x) (Q4K the same, its s and o made from the two levels); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
-// adds d * scale * x_scale * sum. Up to 4 activation rows share each weight load (prefill).
+// adds d * scale * x_scale * sum; MX4 looks each code up (VPSHUFB) as its value plus 12, an unsigned
+// byte below 25, and adds 2^(e - 128) * x_scale * (sum - 12 * sum(x)). Up to 4 activation rows share
+// each weight load (prefill).
 #pragma once
 #include "int8_tiles.h"
 
 #include <c10/util/Half.h>
 
+#include <cstring>
+
 namespace {
 
-enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2, kQ4K = 3 };
+enum class TileFormat : int { kInt8 = 0, kQ4 = 1, kQ6 = 2, kQ4K = 3, kMX4 = 4 };
+
+// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4), and their lookup bytes (value + 12).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kMxfp4Lift = 12;
+#define HYPREFIX_MXFP4_LIFTED 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+
+// 2^(e - 128), an E8M0 scale halved (kMxfp4Values are doubled); 0 for e = 0.
+inline float e8m0_half(uint8_t e) {
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return 0.5f * v;
+}
 
 // Bytes of one tile's group of 32 columns, per format.
 constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kInt8 ? 512 : 256; }
@@ -45,24 +66,27 @@ constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 
 // Bytes of scales (Q4: float16; Q4K, Q6: one-byte codes) and elements of extra (float16) per tile,
 // per low-bit format.
 constexpr int64_t scale_bytes_per_tile(TileFormat f, int64_t k) {
-  return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32 : (k / 32) * 16 * 2;
+  return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32
+         : f == TileFormat::kMX4 ? (k / 32) * 16 : (k / 32) * 16 * 2;
 }
 constexpr int64_t extra_per_tile(TileFormat f, int64_t k) {
-  return f == TileFormat::kQ6 ? (k / 256) * 16 : f == TileFormat::kQ4K ? (k / 256) * 32 : (k / 32) * 16;
+  return f == TileFormat::kQ6 ? (k / 256) * 16 : f == TileFormat::kQ4K ? (k / 256) * 32
+         : f == TileFormat::kMX4 ? 0 : (k / 32) * 16;
 }
 
 struct TilePart {  // tiles [tile0, tile0 + tiles) of a matrix in one format
   TileFormat format;
   const uint8_t* data;
-  const void* scales;  // Int8: float16 per group; Q4: float16 s; Q6: int8 per 16; Q4K: uint8 sc, m per group
-  const void* extra;   // Q4: float16 offsets; Q6: float16 d per 256; Q4K: float16 d, dmin per 256; Int8: unused
+  const void* scales;  // Int8: float16 per group; Q4: float16 s; Q6: int8 per 16; Q4K: uint8 sc, m per group;
+                       // MX4: uint8 e per group
+  const void* extra;   // Q4: float16 offsets; Q6: float16 d per 256; Q4K: float16 d, dmin per 256; Int8, MX4: unused
   int64_t tile0, tiles;
 
   int64_t tile_bytes(int64_t k) const { return (k / kGroup) * group_bytes(format); }
 };
 
 // The format of a part's data tensor (its third dimension: 16 for int8 tiles [T, K/4, 16, 4], 4 for
-// Q4 and Q4K (float16 or uint8 scales), 6 for Q6) and checks of its shapes and dtypes for an `rows`-row part of k columns.
+// Q4, Q4K and MX4 (float16 scales; uint8 codes, 32 or 16 a group), 6 for Q6) and checks of its shapes and dtypes for an `rows`-row part of k columns.
 inline TileFormat check_part(const at::Tensor& data, const at::Tensor& scales, const at::Tensor& extra, int64_t rows,
                              int64_t k, const char* op) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 4 && data.is_contiguous() && scales.is_contiguous() &&
@@ -77,6 +101,10 @@ inline TileFormat check_part(const at::Tensor& data, const at::Tensor& scales, c
   }
   const int64_t groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && data.size(1) == groups && data.size(3) == 64, op, ": tiles of ", k, " columns");
+  if (data.size(2) == 4 && scales.scalar_type() == at::kByte && scales.numel() == tiles * groups * 16) {
+    TORCH_CHECK(extra.numel() == 0, op, ": MX4 tiles take uint8 scales [tiles, K/32, 16] and no extra");
+    return TileFormat::kMX4;
+  }
   if (data.size(2) == 4 && scales.scalar_type() == at::kByte) {
     TORCH_CHECK(k % 256 == 0 && extra.scalar_type() == at::kHalf && scales.numel() == tiles * groups * 32 &&
                     extra.numel() == tiles * (k / 256) * 32,
@@ -135,6 +163,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
   const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+  const __m512i lifted = _mm512_broadcast_i32x4(_mm_setr_epi8(HYPREFIX_MXFP4_LIFTED));
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
@@ -169,6 +198,9 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
         const int s = 2 * (p % 2);  // line 2p's crumb sits at bits 2 * (2p % 4) = 2s
         lo = _mm512_or_si512(lo, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 4) : c, high2));
         hi = _mm512_or_si512(hi, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 2) : _mm512_srli_epi16(c, 2), high2));
+      } else if constexpr (F == TileFormat::kMX4) {
+        lo = _mm512_shuffle_epi8(lifted, lo);
+        hi = _mm512_shuffle_epi8(lifted, hi);
       }
       for (int i = 0; i < MB; ++i) {
         __m512i& sum = (F == TileFormat::kQ6 && p >= 2) ? second[i] : first[i];
@@ -180,7 +212,17 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
         }
       }
     }
-    if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
+    if constexpr (F == TileFormat::kMX4) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(tile_scales) + g * 16)));
+      const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t at = (m0 + i) * groups + g;
+        const __m512i lift = _mm512_set1_epi32(kMxfp4Lift * (q.halves[2 * at] + q.halves[2 * at + 1]));
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(first[i], second[i]), lift));
+        acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(q.scales[at])), acc[i]);
+      }
+    } else if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
       __m512 s, o;
       if constexpr (F == TileFormat::kQ4K) {
         if (g % 8 == 0) {
@@ -237,6 +279,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
                             const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  const __m256i lifted = _mm256_broadcastsi128_si256(_mm_setr_epi8(HYPREFIX_MXFP4_LIFTED));
   for (int h0 = 0; h0 < 2; h0 += NH) {
     __m256 acc[MB][NH];
     for (int i = 0; i < MB; ++i)
@@ -264,9 +307,10 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
       }
       for (int j = 0; j < NH; ++j) {
         const int h = h0 + j;
-        // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a sum)
+        // Q4: all 8 lines' pairs summed in int16 (8 * 2 * 15 * 127 < 2^15); Q6: per run of 16 (2 lines a
+        // sum); MX4 (bytes to 24): each pair of lines widened to int32 (2 * 2 * 24 * 127 < 2^15)
         __m256i pairs[MB];
-        __m256i run[MB][2];  // Q6's int32 sums per run
+        __m256i run[MB][2];  // Q6's int32 sums per run; MX4's in run[i][0]
         for (int i = 0; i < MB; ++i) pairs[i] = run[i][0] = run[i][1] = _mm256_setzero_si256();
         __m256i crumbs[2];
         if constexpr (F == TileFormat::kQ6) {
@@ -283,18 +327,33 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
             lo = _mm256_or_si256(lo, _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 4) : c, high2));
             hi = _mm256_or_si256(hi,
                                  _mm256_and_si256(s == 0 ? _mm256_slli_epi16(c, 2) : _mm256_srli_epi16(c, 2), high2));
+          } else if constexpr (F == TileFormat::kMX4) {
+            lo = _mm256_shuffle_epi8(lifted, lo);
+            hi = _mm256_shuffle_epi8(lifted, hi);
           }
           for (int i = 0; i < MB; ++i) {
             const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[i][2 * p])),
                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[i][2 * p + 1])));
             if constexpr (F == TileFormat::kQ6) {
               run[i][p / 2] = _mm256_add_epi32(run[i][p / 2], _mm256_madd_epi16(pair, ones));
+            } else if constexpr (F == TileFormat::kMX4) {
+              run[i][0] = _mm256_add_epi32(run[i][0], _mm256_madd_epi16(pair, ones));
             } else {
               pairs[i] = _mm256_add_epi16(pairs[i], pair);
             }
           }
         }
-        if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
+        if constexpr (F == TileFormat::kMX4) {
+          const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(tile_scales) + g * 16 + h * 8)));
+          const __m256 s = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
+          for (int i = 0; i < MB; ++i) {
+            const int64_t at = (m0 + i) * groups + g;
+            const __m256i lift = _mm256_set1_epi32(kMxfp4Lift * (q.halves[2 * at] + q.halves[2 * at + 1]));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(run[i][0], lift));
+            acc[i][j] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(q.scales[at])), acc[i][j]);
+          }
+        } else if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
           __m256 s, o;
           if constexpr (F == TileFormat::kQ4K) {
             const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32 + h * 8;
@@ -377,6 +436,8 @@ void part_span(const TilePart& part, const GroupedActivations& q, int64_t rows, 
         HYPREFIX_QUANT_ROWS(TileFormat::kQ6)
       } else if (part.format == TileFormat::kQ4K) {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ4K)
+      } else if (part.format == TileFormat::kMX4) {
+        HYPREFIX_QUANT_ROWS(TileFormat::kMX4)
       } else {
         HYPREFIX_QUANT_ROWS(TileFormat::kQ4)
       }
@@ -391,61 +452,6 @@ template <typename T>
 void parts_span(const std::vector<TilePart>& parts, const GroupedActivations& q, int64_t rows, int64_t n, int64_t k,
                 T* out, int64_t t0, int64_t t1) {
   for (const TilePart& part : parts) part_span(part, q, rows, n, k, out, t0, t1);
-}
-
-// Row r of a part (counted from the part's first row), dequantized into dst (k values).
-inline void dequantize_row(const TilePart& part, int64_t r, int64_t k, float* dst) {
-  const int64_t groups = k / kGroup, t = r / 16, rr = r % 16;
-  if (part.format == TileFormat::kInt8) {
-    const uint8_t* tile = part.data + t * 16 * k;
-    const uint16_t* s = static_cast<const uint16_t*>(part.scales) + t * groups * 16;
-#if defined(__AVX512VNNI__)
-    const int bias = 128;
-#else
-    const int bias = 0;
-#endif
-    for (int64_t c = 0; c < k; ++c) {
-      const uint8_t byte = tile[(c / 4) * 64 + rr * 4 + c % 4];
-      const int v = bias ? static_cast<int>(byte) - bias : static_cast<int>(static_cast<int8_t>(byte));
-      dst[c] = static_cast<float>(v) * static_cast<float>(c10::Half(s[(c / kGroup) * 16 + rr], c10::Half::from_bits()));
-    }
-    return;
-  }
-  const bool q6 = part.format == TileFormat::kQ6;
-  const uint8_t* tile = part.data + t * part.tile_bytes(k);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = tile + g * (q6 ? 384 : 256);
-    for (int c = 0; c < 32; ++c) {
-      const int line = c / 4, b = c % 4;
-      int v = (wg[(line / 2) * 64 + rr * 4 + b] >> (4 * (line % 2))) & 0xF;
-      if (q6) v |= ((wg[(4 + line / 4) * 64 + rr * 4 + b] >> (2 * (line % 4))) & 3) << 4;
-      float value;
-      if (q6) {
-        const int8_t sc = static_cast<const int8_t*>(part.scales)[t * 2 * groups * 16 + (2 * g + c / 16) * 16 + rr];
-        const uint16_t d = static_cast<const uint16_t*>(part.extra)[t * (k / 256) * 16 + (g / 8) * 16 + rr];
-        value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * static_cast<float>(sc) *
-                static_cast<float>(v - 32);
-      } else if (part.format == TileFormat::kQ4K) {
-        const uint8_t* sm = static_cast<const uint8_t*>(part.scales) + t * groups * 32 + g * 32;
-        const uint16_t* dd = static_cast<const uint16_t*>(part.extra) + t * (k / 256) * 32 + (g / 8) * 32;
-        value = static_cast<float>(c10::Half(dd[rr], c10::Half::from_bits())) * static_cast<float>(sm[rr]) *
-                    static_cast<float>(v) -
-                static_cast<float>(c10::Half(dd[16 + rr], c10::Half::from_bits())) * static_cast<float>(sm[16 + rr]);
-      } else {
-        const uint16_t s = static_cast<const uint16_t*>(part.scales)[t * groups * 16 + g * 16 + rr];
-        const uint16_t o = static_cast<const uint16_t*>(part.extra)[t * groups * 16 + g * 16 + rr];
-        value = static_cast<float>(c10::Half(s, c10::Half::from_bits())) * static_cast<float>(v) +
-                static_cast<float>(c10::Half(o, c10::Half::from_bits()));
-      }
-      dst[g * kGroup + c] = value;
-    }
-  }
-}
-
-// Row `row` of the matrix of `parts`, dequantized into dst (k values).
-inline void matrix_row(const std::vector<TilePart>& parts, int64_t row, int64_t k, float* dst) {
-  for (const TilePart& part : parts)
-    if (row < (part.tile0 + part.tiles) * 16) return dequantize_row(part, row - part.tile0 * 16, k, dst);
 }
 
 }  // namespace

@@ -113,7 +113,7 @@ class Int8Tiles:
 @dataclass
 class QuantTiles:
     """A matrix in ``kernels/quant_tiles.h``'s low-bit tiles: a list of parts (a GGUF's Q4_0 /
-    Q4_1 / Q5_K blocks as Q4 tiles, Q4_K as Q4K, Q6_K as Q6, Q8_0 as int8 tiles), each a run of
+    Q4_1 / Q5_K blocks as Q4 tiles, Q4_K as Q4K, Q6_K as Q6, MXFP4 as MX4, Q8_0 as int8 tiles), each a run of
     whole 16-row tiles but the last, so a fused matrix keeps each shard's own format. Multiplied
     by ``quant_linear`` (activations quantized per 32, as the int8 kernel); lookups and the
     portable path dequantize rows (``quant_rows``)."""
@@ -149,10 +149,13 @@ def int8_part(weight: Int8Weight) -> list[torch.Tensor]:
 
 
 def part_format(part: list[torch.Tensor]) -> str:
-    """A part's format ([data, scales, extra]): the data's third dimension (16 int8, 4 Q4 or Q4K,
-    6 Q6), Q4 and Q4K told apart by their scales (float16 or uint8 codes)."""
+    """A part's format ([data, scales, extra]): the data's third dimension (16 int8, 4 Q4, Q4K or
+    MX4, 6 Q6), Q4 told apart by its float16 scales, Q4K and MX4 by their uint8 codes' count (32
+    or 16 a group)."""
     data, scales = part[0], part[1]
-    return {16: "int8", 6: "q6"}.get(data.shape[2]) or ("q4k" if scales.dtype == torch.uint8 else "q4")
+    if data.shape[2] != 4:
+        return {16: "int8", 6: "q6"}[data.shape[2]]
+    return "q4" if scales.dtype != torch.uint8 else "mxfp4" if scales.shape[2] == 16 else "q4k"
 
 
 def join_parts(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -207,6 +210,21 @@ def quantize_low_bit(weight: torch.Tensor) -> list[torch.Tensor]:
     return quantize_q4k(weight) if weight.shape[1] % 256 == 0 else quantize_q4(weight)
 
 
+def quantize_mxfp4(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A float matrix [n, K] (K a multiple of 32) as an MX4 part, as ggml quantizes MXFP4: per
+    group of 32 the E8M0 scale 2^(floor(log2(max |w|)) - 2) (the largest E2M1 value is 6, about
+    2^2.6) and each value's nearest E2M1 code."""
+    w = weight.detach().float().unflatten(1, (-1, GROUP))
+    amax = w.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-38))) - 2 + 127, torch.zeros_like(amax))
+    e = e.clamp(0, 254)
+    unit = torch.where(e > 0, torch.exp2(e - 128), torch.zeros_like(e))  # the doubled values' unit
+    values = torch.tensor(quant_kernel.MXFP4_VALUES, dtype=torch.float32)
+    scaled = torch.where(unit[..., None] > 0, w / unit[..., None].clamp(min=1e-38), torch.zeros_like(w))
+    q = (scaled[..., None] - values).abs().argmin(-1).to(torch.uint8).flatten(1)
+    return list(quant_kernel.pack(q, e.to(torch.uint8), torch.empty(0, dtype=torch.float16)))
+
+
 def quantize_q6(weight: torch.Tensor) -> list[torch.Tensor]:
     """A float matrix [n, K] (K a multiple of 256) as a Q6 part, as GGUF's Q6_K lays it out: per
     run of 16 a 6-bit code q - 32 times an int8 scale, times a float16 d per 256."""
@@ -233,7 +251,7 @@ def requantize_like(weight: torch.Tensor, tiles: QuantTiles) -> list[torch.Tenso
         piece = weight[start:start + rows]
         start += rows
         quantize = {"int8": lambda w: int8_part(quantize_int8(w, GROUP)), "q4": quantize_q4, "q4k": quantize_q4k,
-                    "q6": quantize_q6}[part_format(tiles.tensors[i:i + 3])]
+                    "q6": quantize_q6, "mxfp4": quantize_mxfp4}[part_format(tiles.tensors[i:i + 3])]
         out.append(quantize(piece))
     return [t for part in out for t in part]
 

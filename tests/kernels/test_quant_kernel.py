@@ -1,10 +1,10 @@
-"""``kernels/quant_linear``: GGUF's Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks packed into the Q4, Q4K
-and Q6 tiles hold the file's numbers (``gguf``'s own dequantization is the reference), and the
+"""``kernels/quant_linear``: GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 blocks packed into the
+Q4, Q4K, Q6 and MX4 tiles hold the file's numbers (``gguf``'s own dequantization is the reference), and the
 matmul equals the dequantized matrix times the activations rounded to int8 per 32 (what every
 quantized matmul of the engine computes), for float32 and bfloat16 inputs, every batch size the
 kernel blocks rows by, a row permutation applied while packing, and a matrix of parts in
-different formats. The blocks are random bytes with sane float16 scales: every bit pattern of
-the codes is a valid block."""
+different formats. The blocks are random bytes with sane float16 (MXFP4: E8M0) scales: every bit
+pattern of the codes is a valid block."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hyprefix.models.quant import (
     part_format,
     quantize_activations,
     quantize_int8,
+    quantize_mxfp4,
     quantize_q4,
     quantize_q4k,
     quantize_q6,
@@ -30,7 +31,7 @@ from hyprefix.models.quant import (
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="quant_linear does not build or run here")
 
-TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 T = gguf.GGMLQuantizationType
 
 
@@ -49,6 +50,9 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     offsets = {"Q4_0": [(0, 0.001, 0.02)], "Q5_0": [(0, 0.001, 0.02)], "Q4_1": [(0, 0.001, 0.02), (2, -0.1, 0.0)],
                "Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
                "Q6_K": [(208, 1e-4, 2e-3)]}
+    if type_name == "MXFP4":  # E8M0 scales 2^(e - 128) of 2^-13 to 2^-5
+        blocks[:, :, 0] = rng.integers(115, 124, size=blocks.shape[:2], dtype=np.uint8)
+        return raw
     for offset, low, high in offsets[type_name]:
         put(offset, low, high)
     return raw
@@ -71,7 +75,7 @@ def test_packed_blocks_hold_the_files_values(type_name):
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     parts, reference = packed(type_name, rows, cols, order)
     values = kernel.rows(parts, rows, cols, torch.arange(rows))
-    assert part_format(parts) == {"Q4_K": "q4k", "Q6_K": "q6"}.get(type_name, "q4")
+    assert part_format(parts) == {"Q4_K": "q4k", "Q6_K": "q6", "MXFP4": "mxfp4"}.get(type_name, "q4")
     if type_name != "Q5_K":
         assert torch.equal(values, reference)
     else:
@@ -128,8 +132,9 @@ def test_a_matrix_of_parts_in_three_formats():
 
 def test_quantizers_round_trip_within_their_step():
     """``quantize_q4`` / ``quantize_q4k`` / ``quantize_q6`` (``--quantization int4``, and a weight
-    update of a GGUF model) keep each value within about half a step of its group, and
-    ``requantize_like`` keeps every part's format."""
+    update of a GGUF model) keep each value within about half a step of its group,
+    ``quantize_mxfp4`` gives gguf-py's MXFP4 values exactly, and ``requantize_like`` keeps every
+    part's format."""
     w = torch.randn(48, 512)
     q4 = QuantTiles(quantize_q4(w), 48, 512).dequantize(torch.float32)
     groups = w.unflatten(1, (-1, 32))
@@ -147,8 +152,14 @@ def test_quantizers_round_trip_within_their_step():
     assert ((q4k - w).unflatten(1, (-1, 32)).abs() <= bound[..., None]).all()
     q6 = QuantTiles(quantize_q6(w), 48, 512).dequantize(torch.float32)
     assert (q6 - w).abs().max() < 0.05 * w.abs().max()
-    mixed = QuantTiles(join_parts([quantize_q4(w[:16]), quantize_q4k(w[16:32]), quantize_q6(w[32:])]), 48, 512)
+    mx_parts = quantize_mxfp4(w)
+    assert part_format(mx_parts) == "mxfp4" and sum(t.nbytes for t in mx_parts) * 8 / w.numel() == 4.25
+    mx = QuantTiles(mx_parts, 48, 512).dequantize(torch.float32)
+    blocks = gguf.quants.quantize(w.numpy(), T.MXFP4)  # gguf-py's own MXFP4, the reference
+    assert torch.equal(mx, torch.from_numpy(gguf.dequantize(blocks, T.MXFP4)))
+    mixed = QuantTiles(join_parts([quantize_q4(w[:16]), quantize_q4k(w[16:32]), quantize_mxfp4(w[32:])]), 48, 512)
     again = requantize_like(w * 2, mixed)
     assert [(t.shape, t.dtype) for t in again] == [(t.shape, t.dtype) for t in mixed.tensors]
     torch.testing.assert_close(QuantTiles(again, 48, 512).dequantize(torch.float32),
-                               2 * torch.cat([q4[:16], q4k[16:32], q6[32:]]), rtol=0, atol=0.05 * w.abs().max().item())
+                               2 * torch.cat([q4[:16], q4k[16:32], mx[32:]]), rtol=0, atol=0.05 * w.abs().max().item())
+    assert (q6 - w).abs().max() < 0.05 * w.abs().max()
