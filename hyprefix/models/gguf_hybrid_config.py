@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe",
-                 "granitehybrid")
+                 "granitehybrid", "gpt-oss")
 QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
@@ -122,6 +122,8 @@ def load_config(path: str | Path):
         return _qwen3moe_config(file)
     if file.arch == "granitehybrid":
         return _granite_config(file)
+    if file.arch == "gpt-oss":
+        return _gpt_oss_config(file)
     return _nemotron_config(file)
 
 
@@ -385,3 +387,32 @@ def _granite_config(file: HybridFile):
         residual_multiplier=file.float_value("residual_scale", 0.0) or 1.0,
         attention_multiplier=file.float_value("attention.scale", 0.0) or head_dim ** -0.5,
         logits_scaling=file.float_value("logit_scale", 0.0) or 1.0, **fields)
+
+
+def _gpt_oss_config(file: HybridFile):
+    """gpt-oss: sliding-window layers first and every other one after (llama.cpp's pattern, and
+    transformers' default ``layer_types``), the expert width ``expert_feed_forward_length``. The
+    converter writes neither the clamped SwiGLU's alpha and limit (llama.cpp fixes them at
+    gpt-oss's 1.702 and 7.0, GptOssConfig's defaults; a ``swiglu_clamp_exp`` key, where a file
+    has one, gives the limit) nor YaRN's ``truncate``, which is False in every gpt-oss checkpoint."""
+    from transformers import GptOssConfig
+
+    layers = _layers(file)
+    head_dim = file.int_value("attention.key_length")
+    rope = _rope_parameters(file, head_dim)
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    limits = {float(v) for v in file.arch_value("swiglu_clamp_exp", [7.0])}
+    if len(limits) != 1:
+        raise file.error(f"swiglu_clamp_exp differs between layers ({sorted(limits)}), which gpt-oss does not")
+    return GptOssConfig(
+        swiglu_limit=limits.pop(),
+        architectures=["GptOssForCausalLM"], num_hidden_layers=layers, head_dim=head_dim,
+        num_attention_heads=file.int_value("attention.head_count"),
+        num_key_value_heads=file.int_value("attention.head_count_kv"),
+        rms_norm_eps=file.float_value("attention.layer_norm_rms_epsilon"), rope_parameters=rope,
+        sliding_window=file.int_value("attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        attention_bias=file.has("blk.0.attn_q.bias"), tie_word_embeddings=not file.has("output.weight"),
+        num_local_experts=file.int_value("expert_count"), num_experts_per_tok=file.int_value("expert_used_count"),
+        intermediate_size=file.int_value("expert_feed_forward_length"), **_common(file))

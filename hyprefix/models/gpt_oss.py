@@ -9,8 +9,10 @@
 
 transformers keeps the experts as [E, hidden, 2I] with gate and up columns interleaved and
 [E, I, hidden]; ``converted`` turns them into the experts op's stacks (gate rows, then up rows, per
-expert). Checkpoints whose experts are MXFP4 blocks (``*_blocks`` / ``*_scales``, as the hub's
-are) and GGUF files are not read yet: refused at load.
+expert). The hub's MXFP4 checkpoints (``mxfp4_checkpoint``) and GGUF files (``gguf_hybrid``) give
+them rows-first (``experts.gate_up_proj.weight`` [E, 2I, hidden], rows interleaved;
+``experts.down_proj.weight`` [E, hidden, I]), so MXFP4 blocks stay MX4 tiles
+(``quant_moe``). Other quantization methods are refused at load.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hyprefix.models.base import Target
 from hyprefix.models.fused_moe import ExpertActivation
 from hyprefix.models.llama import DecoderLayer, LlamaForCausalLM
 from hyprefix.models.moe import Routing, SparseMoE
+from hyprefix.models.mxfp4_checkpoint import is_mxfp4
 
 
 def _gate_then_up(t: torch.Tensor) -> torch.Tensor:
@@ -44,25 +47,30 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    """GptOssForCausalLM from float checkpoints (module docstring)."""
+    """GptOssForCausalLM from float or MXFP4 checkpoints and GGUF files (module docstring)."""
 
     layer_class = GptOssDecoderLayer
 
     def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
-        if getattr(hf_config, "quantization_config", None):
-            raise ValueError("gpt-oss checkpoint with quantized experts (quantization_config "
-                             f"{hf_config.quantization_config.get('quant_method', '?')!r}): MXFP4 experts are not "
-                             "supported yet; a checkpoint with float experts loads")
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant and not is_mxfp4(hf_config):
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(f"gpt-oss checkpoint quantized with {method!r}: only MXFP4 experts (the hub's) or "
+                             "float checkpoints load")
         super().__init__(hf_config, dtype, device, max_positions)
 
     def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
             if name.endswith("mlp.experts.gate_up_proj"):  # [E, H, 2I], gate / up columns interleaved
                 yield name, _gate_then_up(t.transpose(1, 2)).reshape(-1, t.shape[1])
+            elif name.endswith("mlp.experts.gate_up_proj.weight"):  # rows-first: [E, 2I, H], rows interleaved
+                yield name, _gate_then_up(t).reshape(-1, t.shape[2])
             elif name.endswith("mlp.experts.gate_up_proj_bias"):  # [E, 2I], interleaved
                 yield name, _gate_then_up(t)
             elif name.endswith("mlp.experts.down_proj"):  # [E, I, H]
                 yield name, t.transpose(1, 2).reshape(-1, t.shape[1])
+            elif name.endswith("mlp.experts.down_proj.weight"):  # rows-first: [E, H, I]
+                yield name, t.reshape(-1, t.shape[2])
             else:
                 yield name, t
 

@@ -18,6 +18,7 @@ import torch
 from hyprefix.hardware import DTYPES, resolve_dtype
 from hyprefix.models import gguf_blocks, gguf_config, gguf_hybrid
 from hyprefix.models.gguf_weights import GGUFWeights
+from hyprefix.models.mxfp4_checkpoint import Mxfp4Checkpoint, is_mxfp4
 from hyprefix.models.registry import GGUF_CONFIGS, GGUF_LLAMA_ROWS, model_class
 from hyprefix.progress import progress_bar
 
@@ -226,9 +227,11 @@ def iter_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     yield from gguf_source(path, hf_config).floats(set())
 
 
-def load_gguf(net: torch.nn.Module, source: GGUFWeights | gguf_hybrid.HybridGGUF, path: Path,
-              quantization: str | None) -> None:
-    """Fill ``net`` from a GGUF file (``source``, its reader) read from its memory map: with
+BlockSource = GGUFWeights | gguf_hybrid.HybridGGUF | Mxfp4Checkpoint
+
+
+def load_block_source(net: torch.nn.Module, source: BlockSource, path: Path, quantization: str | None) -> None:
+    """Fill ``net`` from a GGUF file or an MXFP4 checkpoint (``source``, its reader): with
     ``quantization`` None the quantized matrices stay in their blocks (``gguf_blocks``; where
     ``kernels/quant_linear`` runs), "int8" keeps Q8_0 and Q5_0 matrices as int8 and reads the rest
     as floats (quantized per channel afterwards), "none" dequantizes all."""
@@ -244,7 +247,8 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
                revision: str | None = None, quantization: str | None = None,
                compiled_decode: bool = False, lm_head_fp32: bool = False,
                batch_invariant: bool = False) -> LoadedModel:
-    """``quantization`` None: a GGUF's quantized matrices stay quantized on a CPU (``load_gguf``),
+    """``quantization`` None: a GGUF's or MXFP4 checkpoint's quantized matrices stay quantized on a CPU
+    (``load_block_source``),
     an HF checkpoint's weights float; "none": floats throughout; "int8": int8 linears
     (``quant.py``; a GGUF's Q8_0 blocks kept); "int4": an HF checkpoint's linears quantized to 4
     bits per group of 32 (Q4 tiles, ``CausalLM.quantize_weights_q4``). ``lm_head_fp32``: the final norm and
@@ -260,14 +264,18 @@ def load_model(model: str, dtype: str, device: torch.device, max_positions: int 
     max_pos = int(getattr(hf_config.get_text_config(), "max_position_embeddings", 0) or 4096)
     # Built on the meta device so no time is spent initialising weights we overwrite.
     net = cls(hf_config, torch_dtype, torch.device("meta"), max_positions or max_pos)
-    source = gguf_source(path, hf_config) if path.suffix == ".gguf" else None
+    source: BlockSource | None = None
+    if path.suffix == ".gguf":
+        source = gguf_source(path, hf_config)
+    elif is_mxfp4(hf_config):
+        source = Mxfp4Checkpoint(path)
     if source is not None:
         source.check(net)  # a bad file is refused before anything is allocated
     net.materialize(device)
     if source is not None:
         # the kept blocks run on the CPU kernels only, and have no batch-invariant matmul
         as_floats = quantization is None and (batch_invariant or device.type != "cpu")
-        load_gguf(net, source, path, "none" if as_floats else quantization)
+        load_block_source(net, source, path, "none" if as_floats else quantization)
     else:
         net.load_weights(_loading(iter_safetensors(path), path, _tensor_count(path)))
     net.eval()

@@ -24,7 +24,7 @@ from tests.support.models import hub_layer_types, save_tiny_checkpoint, tiny_moe
 ARCHS = {"qwen3_moe": "qwen3moe", "granite_moe_hybrid": "granitehybrid", "granite_hybrid_dense": "granitehybrid",
          "nemotron_h_moe": "nemotron_h_moe"}
 MOE_CASES = ["qwen3_moe", "granite_moe_hybrid", "nemotron_h_moe"]  # those with experts in a GGUF file
-HF_ONLY = ("gpt_oss",)  # its GGUF files (MXFP4 experts) are not read yet
+HF_ONLY = ("gpt_oss",)  # its GGUF files: test_gpt_oss_mxfp4_checkpoint_and_gguf (a GGUF cannot state the 3.0 limit)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 needs_quant = pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
 
@@ -195,16 +195,16 @@ def _gpt_oss_stacks(experts) -> tuple[torch.Tensor, ...]:
     return gate_up, bias, experts.down_proj.detach().transpose(1, 2), experts.down_proj_bias.detach()
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "int8", "mxfp4"])
 def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
     """gpt-oss's experts (clamped SwiGLU, a bias on each projection) in the float op and on int8
-    tiles in ``quant_moe``: equal to transformers' GptOssExperts on the same weights (the tiles'
+    or MX4 tiles in ``quant_moe``: equal to transformers' GptOssExperts on the same weights (the tiles'
     dequantized weights, and the activations rounded as the kernel rounds them)."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from hyprefix.models.fused_moe import ExpertActivation, activate, moe_experts
-    from hyprefix.models.quant import QuantTiles, int8_part, quantize_activations, quantize_int8
+    from hyprefix.models.quant import QuantTiles, int8_part, quantize_activations, quantize_int8, quantize_mxfp4
 
     if quantized and not quant_linear.available():
         pytest.skip("the quant kernels do not run on this CPU")
@@ -223,7 +223,8 @@ def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
         ours = moe_experts(x, chosen, weights, gate_up, down, act.name, up_bias, down_bias, act.alpha, act.limit)
         torch.testing.assert_close(ours, reference(x, chosen, weights), rtol=1e-5, atol=1e-5)
         return
-    tiles = [int8_part(quantize_int8(w.reshape(-1, w.shape[-1]), group=32)) for w in (gate_up, down)]
+    tiles = [int8_part(quantize_int8(w.reshape(-1, w.shape[-1]), group=32)) if quantized == "int8" else
+             quantize_mxfp4(w.reshape(-1, w.shape[-1])) for w in (gate_up, down)]
     ours = quant_linear.quant_moe(x, chosen, weights, tiles[0], 64, tiles[1], 64, act.name, up_bias, down_bias,
                                   act.alpha, act.limit)
     with torch.no_grad():  # the reference on the tiles' weights, activations rounded per 32 as the kernel does
@@ -237,7 +238,8 @@ def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
                 h = quantize_activations(h) @ deq[1][e * 64:(e + 1) * 64].T + down_bias[e]
                 expected[t] += weights[t, slot] * h[0]
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
-    assert (reference(x, chosen, weights) - ours).abs().max() < 0.2  # and near the float experts
+    if quantized == "int8":
+        assert (reference(x, chosen, weights) - ours).abs().max() < 0.2  # and near the float experts
 
 
 def test_gpt_oss_hits_across_its_window(moe_models):
@@ -287,3 +289,74 @@ def test_gpt_oss_decodes_through_the_graph_without_a_window_pool(moe_models):
         assert _tokens(llm, [prompt])[0] == hf_greedy(hf, prompt, PARAMS.max_tokens)
     steps = llm.engine.runner.decode_steps
     assert steps["eager"] == 0 and steps["graph"] == 2 * (PARAMS.max_tokens - 1)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4(llama_converter, tmp_path_factory) -> tuple[Path, Path, object]:
+    """(the hub-style MXFP4 checkpoint, the GGUF llama.cpp's converter writes of it, the HF model
+    holding the MXFP4 values as floats). The SwiGLU limit is gpt-oss's 7.0: a GGUF file does not
+    state it (the HF cases clamp at 3.0)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.models import save_mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    config = tiny_moe_config("gpt_oss")
+    config.swiglu_limit = 7.0
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("sinks"):
+                p.uniform_(1.0, 3.0)
+            elif "bias" in name:
+                p.normal_(0, 0.3)
+    save_mxfp4_checkpoint(hf, root / "hf")
+    args = ["--outtype", "f32", "--outfile", str(root / "mxfp4.gguf"), str(root / "hf")]
+    run_converter(llama_converter, [(args, [])])
+    return root / "hf", root / "mxfp4.gguf", hf
+
+
+def test_gpt_oss_mxfp4_checkpoint_and_gguf(gpt_oss_mxfp4):
+    """The hub's MXFP4 checkpoint and llama.cpp's GGUF of it: read as floats, greedy tokens equal
+    transformers'; by default every expert stack stays MXFP4 (MX4 tiles, 4.25 bits a weight, as
+    on disk), and both sources then give the same tokens (the same tiles, the same arithmetic)."""
+    from hyprefix.models.quant import part_format
+
+    checkpoint, gguf_file, hf = gpt_oss_mxfp4
+    assert gguf_architecture(gguf_file) == "gpt-oss"
+    prompts = random_prompts((3, 40), seed=5)
+    expected = [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
+    tiled = []
+    for path in (checkpoint, gguf_file):
+        floats = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, quantization="none")
+        assert _tokens(floats, prompts) == expected
+        if not quant_linear.available():
+            continue
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+        experts = _experts(llm)
+        assert len(experts) == 2 * hf.config.num_hidden_layers
+        for e in experts:
+            assert part_format(e.forms.quant.tensors) == "mxfp4" and not e.weight.numel()
+            assert e.forms.quant.nbytes * 8 == e.forms.rows * e.forms.cols * 4.25
+        tiled.append(_tokens(llm, prompts))
+    if tiled:
+        assert tiled[0] == tiled[1]
+
+
+@needs_quant
+def test_gpt_oss_mxfp4_cache_on_and_off_and_compiled(gpt_oss_mxfp4):
+    """MX4 experts: prefix hits on and off give the same greedy tokens; with the window layers
+    in the main pool every batch-1 decode step runs compiled (the MX4 experts one extern op)."""
+    _, gguf_file, _ = gpt_oss_mxfp4
+    prompts = random_prompts((3, 40), seed=7)
+    kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    cached = LLM(str(gguf_file), **kwargs)
+    first = _tokens(cached, prompts)
+    again = cached.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
+    assert _tokens(LLM(str(gguf_file), **kwargs, enable_prefix_caching=False), prompts) == first
+    graph = LLM(str(gguf_file), **kwargs, disable_hybrid_swa_memory=True)
+    assert [_tokens(graph, [p])[0] for p in prompts] == first
+    steps = graph.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] == len(prompts) * (PARAMS.max_tokens - 1)

@@ -203,6 +203,39 @@ def save_tiny_checkpoint(model, out: Path) -> None:
     }))
 
 
+def save_mxfp4_checkpoint(model, out: Path) -> None:
+    """A gpt-oss model's checkpoint as the hub has it: every expert stack MXFP4 (``<name>_blocks``
+    [E, rows, cols / 32, 16], ``<name>_scales`` [E, rows, cols / 32], rows-first, quantized by
+    gguf-py's own MXFP4 quantizer) and ``quantization_config`` saying so. The model's float
+    stacks become the MXFP4 values, so transformers' model is the reference for the file."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    hub: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
+            rows_first = param.detach().transpose(1, 2).contiguous()  # [E, rows, cols]
+            experts, rows, cols = rows_first.shape
+            blocks = gguf.quants.quantize(rows_first.reshape(-1, cols).numpy(), mxfp4)
+            values = torch.from_numpy(gguf.quants.dequantize(blocks, mxfp4)).reshape(rows_first.shape)
+            param.copy_(values.transpose(1, 2))
+            ggml = torch.from_numpy(blocks).view(experts, rows, cols // 32, 17)
+            codes = torch.cat([ggml[..., 1:] & 0xF, ggml[..., 1:] >> 4], dim=-1)  # elements 0-31 in order
+            hub[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)  # the hub's: 2j low, 2j + 1 high
+            hub[name + "_scales"] = ggml[..., 0].contiguous()
+    save_tiny_checkpoint(model, out)
+    weights = load_file(out / "model.safetensors")
+    weights = {k: v for k, v in weights.items() if k + "_blocks" not in hub} | hub
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 # Tiny test prompts share only a few blocks. With these engine arguments decodes take
 # the cascade path whenever they share any block, and read private runs of two or more
 # blocks in place. Engines run the production thresholds unless a test passes these;
