@@ -49,9 +49,12 @@ class ServerArgs:
                "with tools); needs --tool-call-parser", _CHAT)
     tool_call_parser: str | None = _opt(
         None, "how the model writes tool calls: hermes (<tool_call>JSON</tool_call>: Qwen2.5, Qwen3), qwen3_coder "
-              "(<function=...><parameter=...>: Qwen3-Coder, Qwen3.5), llama3_json", _CHAT, choices=TOOL_CALL_PARSERS)
+              "(<function=...><parameter=...>: Qwen3-Coder, Qwen3.5), llama3_json, openai (gpt-oss's harmony messages "
+              "to functions.NAME; its analysis channel is reasoning_content)", _CHAT, choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _opt(
-        None, "return the reply's reasoning as reasoning_content: qwen3 (<think>...</think>)", _CHAT,
+        None, "return the reply's reasoning as reasoning_content: qwen3 (<think>...</think>), openai_gptoss "
+              "(gpt-oss's harmony analysis channel; tool-call messages are left out without --tool-call-parser "
+              "openai)", _CHAT,
         choices=REASONING_PARSERS)
     replicas: int = _opt(0, "serve with N engine replicas on Ray Serve behind one app (0: one engine in this "
                             "process, no Ray)", _REPLICAS, metavar="N")

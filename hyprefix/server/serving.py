@@ -271,7 +271,9 @@ class OpenAIServing:
         def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             ids = engine.encode_chat(chat)
             room = min(engine.max_model_len, engine.max_pool_tokens)
-            params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **req.sampling_kwargs())
+            # the rules' overrides: a harmony reply decoded with its special tokens, its tool grammar
+            kwargs = {**req.sampling_kwargs(), **rules.sampling_overrides()}
+            params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **kwargs)
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
             ((_, fed),) = engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
                                               max_total_tokens=self.limits.max_request_tokens)

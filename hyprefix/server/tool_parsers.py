@@ -4,7 +4,9 @@
 * ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``
   (Qwen3-Coder, Qwen3.5), each value converted by the tool's parameter schema;
 * ``llama3_json``: the reply is ``{"name": ..., "parameters": {...}}`` (after an optional
-  ``<|python_tag|>``), several separated by ``;``.
+  ``<|python_tag|>``), several separated by ``;``;
+* ``openai``: gpt-oss's harmony messages to ``functions.NAME`` (``harmony.py``, which reads the
+  reasoning and content of such replies too, so ``chat_output.py`` takes them there).
 
 ``parse(text, final)`` reads the text so far: the content before the first call (less any
 partial markup at its end while the text is still growing) and each call with its name once
@@ -21,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "openai")
 
 
 @dataclass
@@ -206,7 +208,8 @@ class ToolCallStreamer:
     """Turns a growing text into OpenAI stream deltas: content pieces, then each call's id,
     type and name once and its arguments in pieces."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser | None = None) -> None:
+        """``parser``: what ``deltas`` reads the text with (None: only ``parsed_deltas``)."""
         self.parser = parser
         self.content_sent = 0
         self.ids: list[str] = []
@@ -215,7 +218,10 @@ class ToolCallStreamer:
 
     def deltas(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """(new content, tool-call deltas) since the last call."""
-        parsed = self.parser.parse(text, final)
+        return self.parsed_deltas(self.parser.parse(text, final))
+
+    def parsed_deltas(self, parsed: Parsed) -> tuple[str, list[dict[str, Any]]]:
+        """``deltas`` of a reply already parsed (its content and calls so far)."""
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
         out: list[dict[str, Any]] = []
