@@ -264,8 +264,8 @@ class ChatMessage(_Request):
                 for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        if self.reasoning_content is not None:  # Qwen's templates read it as such, gpt-oss's as ``thinking``
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 

@@ -318,3 +318,23 @@ def test_the_harmony_tool_grammar_compiles_for_the_tokenizer(harmony_app):
         call = CALL_IN_ROLE.removeprefix("<|start|>assistant").replace(WEATHER, '{"city":"Oslo"}')
         ids = engine.tokenizer.encode(call)
         assert all(grammar.accept(i) for i in ids) and grammar.is_stopped()
+
+
+def test_an_earlier_turns_reasoning_reaches_the_template_as_thinking():
+    """A replayed assistant turn's ``reasoning_content`` is the template's ``thinking`` (what
+    gpt-oss's template renders as the analysis before a tool call) and stays
+    ``reasoning_content`` (what Qwen's templates read)."""
+    import jinja2
+
+    from hyprefix.server.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({
+        "role": "assistant", "content": None, "reasoning_content": "Need weather.",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]})
+    rendered = message.template_dict()
+    assert rendered["thinking"] == rendered["reasoning_content"] == "Need weather."
+    gpt_oss_line = ('{%- if message.thinking %}<|start|>assistant<|channel|>analysis<|message|>'
+                    '{{ message.thinking }}<|end|>{%- endif %}')  # gpt-oss's template, for a turn with a call
+    text = jinja2.Template(gpt_oss_line).render(message=rendered)
+    assert text == "<|start|>assistant<|channel|>analysis<|message|>Need weather.<|end|>"

@@ -7,6 +7,11 @@ speed benchmarks (random weights decode at the speed of real ones).
         --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp --types Q4_K_M Q8_0
     python tools/models/make_random_gguf.py --shape smollm3-3b --out /tmp/m --llama-cpp ... --types Q4_K_M
     python tools/models/make_random_gguf.py --shape qwen3-30b-a3b-16l --out /tmp/m --llama-cpp ... --types Q4_K_M
+    python tools/models/make_random_gguf.py --shape gpt-oss-20b-12l --out /tmp/m
+
+``gpt-oss-20b-12l`` is written as llama.cpp's MXFP4 files of gpt-oss are laid out (``llama-quantize``'s
+``MXFP4_MOE``: experts MXFP4, every other matrix Q8_0) directly, random blocks without an F16 file
+(which would be four times the size), so it needs no ``--llama-cpp``.
 
 ``--llama-cpp`` is llama.cpp's source tree (from the llama-cpp-python sdist) with
 ``llama-quantize`` built in ``build/bin`` (``cmake --build build --target llama-quantize``).
@@ -37,6 +42,13 @@ SHAPES = {
                               num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0,
                               max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=64,
                               num_experts_per_tok=8, moe_intermediate_size=768),
+    # gpt-oss-20b's layer (hidden 2880, 64 / 8 heads of 64, 32 experts of 2880, top 4, a 128-token
+    # window every other layer, sinks, YaRN) with 12 layers instead of 24 (10.8B parameters, 1.9B
+    # active a token; the file 5.4 GB)
+    "gpt-oss-20b-12l": dict(arch="gpt-oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=12,
+                            num_attention_heads=64, num_key_value_heads=8, head_dim=64, rope_theta=150000.0,
+                            max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts=32,
+                            num_experts_per_tok=4, moe_intermediate_size=2880, sliding_window=128),
 }
 
 
@@ -104,16 +116,95 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     return path
 
 
+def _random_blocks(rng, kind: str, shape: tuple[int, ...]):
+    """Random blocks of ``kind`` for a matrix of ``shape`` (uint8 [..., rows, bytes a row]) whose
+    values have a standard deviation near 0.02: Q8_0 a float16 scale of 2.7e-4 for uniform int8
+    codes, MXFP4 the E8M0 scale 2^-7 for uniform E2M1 codes (rms 2.9 units of 2^-7)."""
+    import numpy as np
+
+    *lead, cols = shape
+    size = {"Q8_0": 34, "MXFP4": 17}[kind]
+    raw = rng.integers(0, 256, size=(*lead, cols // 32, size), dtype=np.uint8)
+    if kind == "Q8_0":
+        raw[..., :2] = np.array([2.7e-4], dtype=np.float16).view(np.uint8)
+    else:
+        raw[..., 0] = 120
+    return raw.reshape(*lead, cols // 32 * size)
+
+
+def write_gpt_oss(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
+    """A gpt-oss file as ``MXFP4_MOE`` quantizes one (module docstring), with the converter's
+    gpt-oss metadata and SmolLM2's tokenizer fields."""
+    import gguf
+    import numpy as np
+
+    cfg = SHAPES[shape]
+    source = gguf.GGUFReader(str(tokenizer_gguf))
+    vocab = len(source.get_field("tokenizer.ggml.tokens").contents())
+    path = out / f"{shape}-MXFP4.gguf"
+    w = gguf.GGUFWriter(str(path), cfg["arch"])
+    w.add_name(f"random {shape}")
+    hidden, heads, kv, dim = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_context_length, 131072),
+                       (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
+                       (w.add_head_count, heads), (w.add_head_count_kv, kv), (w.add_rope_freq_base, cfg["rope_theta"]),
+                       (w.add_layer_norm_rms_eps, cfg["rms_norm_eps"]), (w.add_expert_count, experts),
+                       (w.add_expert_used_count, cfg["num_experts_per_tok"]), (w.add_key_length, dim),
+                       (w.add_value_length, dim), (w.add_sliding_window, cfg["sliding_window"]),
+                       (w.add_expert_feed_forward_length, inter), (w.add_rope_scaling_factor, 32.0),
+                       (w.add_rope_scaling_orig_ctx_len, 4096), (w.add_rope_scaling_yarn_beta_fast, 32.0),
+                       (w.add_rope_scaling_yarn_beta_slow, 1.0)):
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    rng = np.random.default_rng(0)
+    q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+    w.add_tensor("token_embd.weight", _random_blocks(rng, "Q8_0", (vocab, hidden)), raw_dtype=q8)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.add_tensor("output.weight", _random_blocks(rng, "Q8_0", (vocab, hidden)), raw_dtype=q8)
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"blk.{i}."
+        for name, rows, cols in (("attn_q", heads * dim, hidden), ("attn_k", kv * dim, hidden),
+                                 ("attn_v", kv * dim, hidden), ("attn_output", hidden, heads * dim)):
+            w.add_tensor(f"{b}{name}.weight", _random_blocks(rng, "Q8_0", (rows, cols)), raw_dtype=q8)
+            w.add_tensor(f"{b}{name}.bias", (rng.standard_normal(rows, dtype=np.float32) * 0.02))
+        for name, rows, cols in (("ffn_gate_exps", inter, hidden), ("ffn_up_exps", inter, hidden),
+                                 ("ffn_down_exps", hidden, inter)):
+            w.add_tensor(f"{b}{name}.weight", _random_blocks(rng, "MXFP4", (experts, rows, cols)), raw_dtype=mx)
+            w.add_tensor(f"{b}{name}.bias", rng.standard_normal((experts, rows), dtype=np.float32) * 0.02)
+        w.add_tensor(f"{b}ffn_gate_inp.weight", rng.standard_normal((experts, hidden), dtype=np.float32) * 0.02)
+        w.add_tensor(f"{b}ffn_gate_inp.bias", rng.standard_normal(experts, dtype=np.float32) * 0.02)
+        w.add_tensor(f"{b}attn_sinks.weight", rng.standard_normal(heads, dtype=np.float32))
+        w.add_tensor(f"{b}attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(f"{b}post_attention_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree with build/bin")
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with build/bin (llama-quantize)")
     parser.add_argument("--tokenizer-gguf", type=Path,
                         default=catalog.cached_path(catalog.SMOLLM2))
     parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if SHAPES[args.shape]["arch"] == "gpt-oss":
+        print(write_gpt_oss(args.shape, args.tokenizer_gguf, args.out))
+        return
+    if args.llama_cpp is None:
+        parser.error(f"--llama-cpp is needed to quantize {args.shape}")
     f16 = write_f16(args.shape, args.tokenizer_gguf, args.out)
     for kind in args.types:
         subprocess.run([str(args.llama_cpp / "build" / "bin" / "llama-quantize"), str(f16),
