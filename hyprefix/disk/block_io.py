@@ -60,20 +60,26 @@ def _fill(targets: list[torch.Tensor], payload: bytes | memoryview) -> None:
 _PAGE = 4096  # bytes of the smallest memory page
 
 
-def _block_bytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(2 * k[0].numel() * k.element_size() for k, _ in layers)
+def _block_bytes(layers: list[tuple[torch.Tensor, ...]]) -> int:
+    return sum(t[0].numel() * t.element_size() for layer in layers for t in layer)
 
 
-def _block_layout(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    return ";".join(f"{tuple(k.shape[1:])}:{k.dtype}" for k, _ in layers)
+def _block_layout(layers: list[tuple[torch.Tensor, ...]]) -> str:
+    return ";".join(f"{tuple(layer[0].shape[1:])}:{layer[0].dtype}" for layer in layers)
+
+
+def _distinct(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A layer's cache tensors, each once: (K, V), or (latent,) where V is K (``KVLayout.latent``),
+    so a latent block is written to and read from disk once."""
+    return pair[:1] if pair[1] is pair[0] else pair
 
 
 class BlockIO:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], main_pool_layers: list[int],
                  recurrent_states: list[RecurrentLayerState], block_size: int,
                  window_pool_layers: list[int] = ()) -> None:
-        self._kv = [kv_caches[i] for i in main_pool_layers]
-        self._swa = [kv_caches[i] for i in window_pool_layers]
+        self._kv = [_distinct(kv_caches[i]) for i in main_pool_layers]
+        self._swa = [_distinct(kv_caches[i]) for i in window_pool_layers]
         self._states = recurrent_states
         self.kv_block_bytes = _block_bytes(self._kv)
         self.swa_block_bytes = _block_bytes(self._swa)

@@ -58,14 +58,14 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
     slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if batch.write_index is None:
-        flat_k.index_copy_(0, slot_mapping, k)
-        flat_v.index_copy_(0, slot_mapping, v)
-    elif slot_mapping.numel():
-        flat_k.index_copy_(0, slot_mapping, k.index_select(0, batch.write_index))
-        flat_v.index_copy_(0, slot_mapping, v.index_select(0, batch.write_index))
+    # A latent cache (``KVLayout.latent``) is its own V: written once.
+    flats = [(k_cache, k)] if v_cache is k_cache else [(k_cache, k), (v_cache, v)]
+    for cache, rows in flats:
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        if batch.write_index is None:
+            flat.index_copy_(0, slot_mapping, rows)
+        elif slot_mapping.numel():
+            flat.index_copy_(0, slot_mapping, rows.index_select(0, batch.write_index))
     if batch.batch_invariant:
         tables, context_lens, first_pos = batch.query_tables(window)
         out, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,

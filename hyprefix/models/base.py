@@ -30,12 +30,20 @@ Target = tuple[str, int | None, list[int] | None]
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of one attention layer's K (or V) cache per token, for pool sizing, and
-    each attention layer's sliding window (None: full attention), in layer order."""
+    each attention layer's sliding window (None: full attention), in layer order. ``latent``
+    (multi-head latent attention, ``models/deepseek.py``): one tensor a layer, its K and V the
+    same (a block's bytes counted once)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     windows: tuple[int | None, ...] = ()
+    latent: bool = False
+
+    @property
+    def tensors_per_layer(self) -> int:
+        """Cache tensors a layer holds: K and V, or the latent alone."""
+        return 1 if self.latent else 2
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None

@@ -25,7 +25,9 @@ class Routing:
     """How a router's logits choose experts.
 
     - ``scoring`` "softmax": softmax over every expert, then the ``top_k`` largest (Qwen,
-      Mixtral), their weights renormalised to sum to one where ``renormalize``; or, with
+      Mixtral; with ``groups``, DeepSeek-V2's group-limited greedy: within the ``groups_kept``
+      groups whose best score is highest), their weights renormalised to sum to one where
+      ``renormalize``; or, with
       ``softmax_after_topk``, the ``top_k`` largest logits and a softmax over those alone
       (Granite MoE, gpt-oss).
     - ``scoring`` "sigmoid" (DeepSeek-V3, Nemotron 3): sigmoid scores; the choice ranks them plus
@@ -53,7 +55,13 @@ class Routing:
             top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
         else:
-            weights, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+            scores = torch.softmax(logits.float(), dim=-1)
+            choice = scores
+            if self.groups > 1:  # DeepSeek-V2's groups, ranked by their best score
+                best = scores.unflatten(-1, (self.groups, -1)).amax(-1)
+                choice = _within_groups(scores, best, self.groups, self.groups_kept)
+            chosen = torch.topk(choice, self.top_k, dim=-1)[1]
+            weights = scores.gather(-1, chosen)
             if self.renormalize:
                 weights = weights / weights.sum(-1, keepdim=True)
         return (weights if self.scale == 1.0 else weights * self.scale).to(dtype), chosen
@@ -62,15 +70,21 @@ class Routing:
         scores = logits.sigmoid()
         choice = scores if bias is None else scores + bias.float()
         if self.groups > 1:
-            grouped = choice.unflatten(-1, (self.groups, -1))
-            kept = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), self.groups_kept, dim=-1)[1]
-            mask = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, kept, True)
-            choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
+            group_scores = choice.unflatten(-1, (self.groups, -1)).topk(2, dim=-1)[0].sum(-1)
+            choice = _within_groups(choice, group_scores, self.groups, self.groups_kept)
         chosen = torch.topk(choice, self.top_k, dim=-1)[1]
         weights = scores.gather(-1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights, chosen
+
+
+def _within_groups(choice: torch.Tensor, group_scores: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
+    """``choice`` [T, E] with every expert outside the ``kept`` best-scoring of ``groups`` equal
+    groups set to -inf (so top-k picks within the kept groups)."""
+    best = torch.topk(group_scores, kept, dim=-1)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+    return choice.unflatten(-1, (groups, -1)).masked_fill(~mask[..., None], float("-inf")).flatten(-2)
 
 
 class SparseMoE(nn.Module):

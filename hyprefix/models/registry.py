@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hyprefix.models import gguf_config, granite, phi3, smollm3
+from hyprefix.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.gpt_oss import GptOssForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
@@ -18,6 +19,8 @@ MODEL_CLASSES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # the language model; images are not supported
     "NemotronHForCausalLM": HybridForCausalLM,

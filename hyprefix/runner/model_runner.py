@@ -93,11 +93,13 @@ class ModelRunner:
                    block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
         # On a CPU, the weights in transparent huge pages where the OS gives them; the K/V
         # mapped as blocks are first written (``huge_pages``: huge-page faults are slow).
-        kv = lazy_zeros([s for shape in shapes for s in (shape, shape)], dtype, device)
+        per_layer = layout.tensors_per_layer
+        kv = lazy_zeros([s for shape in shapes for s in (shape,) * per_layer], dtype, device)
         self.huge_page_bytes = move_weights(model)
         if self.huge_page_bytes:
             log.info("transparent huge pages: weights %.1f MiB", self.huge_page_bytes / 2**20)
-        self.kv_caches = list(zip(kv[::2], kv[1::2], strict=True))
+        # (K, V) a layer; a latent layer's V is its K (``KVLayout.latent``)
+        self.kv_caches = list(zip(kv[::per_layer], kv[per_layer - 1::per_layer], strict=True))
         self.kv_pages = PageMapper(kv)  # an idle server maps the pool ahead of use (``map_kv_pages``)
         # One per recurrent layer (Mamba2, Gated DeltaNet): live and checkpoint slots.
         state_layout = model.state_layout
@@ -141,7 +143,7 @@ class ModelRunner:
         layout = model.kv_layout
         windowed = sum(layout.window(i) is not None for i in range(layout.num_layers))
         count = {"all": layout.num_layers, "full": layout.num_layers - windowed, "window": windowed}[layers]
-        return 2 * count * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
+        return layout.tensors_per_layer * count * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
 
     @staticmethod
     def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype,

@@ -134,7 +134,32 @@ def tiny_moe_config(arch: str):
         return GptOssConfig(**common, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8,
                             num_experts_per_tok=2, sliding_window=16, swiglu_limit=3.0,
                             layer_types=["sliding_attention", "full_attention"] * 2)
+    if arch.startswith("deepseek"):
+        return tiny_deepseek_config(arch, common)
     raise ValueError(arch)
+
+
+def tiny_deepseek_config(arch: str, common: dict):
+    """DeepSeek's MLA (a 32-wide latent plus 16 rotary dims; value heads of another width than
+    the keys' nope part) and MoE with a shared expert after one dense layer. ``deepseek_v2_lite``:
+    q from one projection, greedy top-k, YaRN with both mscales (V2-Lite's); ``deepseek_v2``: q
+    through its low-rank bottleneck, group-limited routing; ``deepseek_v3``: sigmoid group routing
+    with a correction bias, renormalised and scaled."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, num_hidden_layers=3,
+               first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1)
+    common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    if arch == "deepseek_v2_lite":
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+                "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+        return DeepseekV2Config(**common, **mla, q_lora_rank=None, topk_method="greedy", rope_parameters=yarn)
+    if arch == "deepseek_v2":
+        return DeepseekV2Config(**common, **mla, q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2, routed_scaling_factor=2.0)
+    return DeepseekV3Config(**common, **mla, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True,
+                            routed_scaling_factor=2.5)
 
 
 def hub_layer_types(checkpoint: Path) -> None:

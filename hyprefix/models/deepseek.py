@@ -1,0 +1,214 @@
+"""DeepSeek-V2 / V2-Lite / V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``): multi-head
+latent attention (MLA) over a latent cache, and MoE layers with shared experts.
+
+MLA compresses each token's keys and values into one latent per layer: ``c`` (``kv_lora_rank``
+values, after ``kv_a_layernorm``) and one rotary key ``k_pe`` (``qk_rope_head_dim`` values) shared
+by every head. Head h's key is [W_UK[h] c, k_pe] and its value W_UV[h] c (``kv_b_proj`` holds
+W_UK and W_UV). The cache holds the latent alone, [c, k_pe] (576 values a token for DeepSeek's
+512 + 64), as one key head; V is that same tensor (``KVLayout.latent``), so a block costs the
+latent's bytes once, and hashing, mid-flight publication, eviction and the disk tier treat it as
+any block.
+
+Attention runs absorbed, exactly: head h's query [q_nope, q_pe] becomes [W_UK[h]^T q_nope, q_pe]
+(576 values), whose dot with the cached [c, k_pe] is q_nope . W_UK[h] c + q_pe . k_pe, the
+score transformers computes; the heads then attend as multi-query attention with one 576-wide
+key/value head (``paged_attention``: the paged decode kernel, the prefill kernel over a cached
+prefix, the cascade), and each head's output over the latent, its first ``kv_lora_rank`` values,
+is multiplied by W_UV[h]. Decode and chunked prefill over a cached prefix read the same latent
+blocks; nothing is ever up-projected into per-head K/V.
+
+DeepSeek rotates the rotary part in interleaved pairs (x0, x1), (x2, x3), ... (V2 always, V3
+where ``rope_interleave``); ``converted`` permutes those rows of q and of ``kv_a_proj_with_mqa``
+into the rotate-half order this engine's RoPE uses. q and k take the same permutation, so their
+dot products, the only use of k_pe, are unchanged.
+
+Routing: V2 softmax scores, top-k (``greedy``) or top-k within the ``topk_group`` groups of
+``n_group`` whose best score is highest (``group_limited_greedy``), times
+``routed_scaling_factor``; V3 sigmoid scores with a correction bias within groups ranked by
+their two best (``moe.Routing``). The first ``first_k_dense_replace`` layers are dense MLPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from hyprefix.forward import ForwardBatch
+from hyprefix.models.attention import paged_attention
+from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
+from hyprefix.models.fused import Kernels
+from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.llama import DecoderLayer, map_attention_or_mlp
+from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp, map_sparse_moe
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    import math
+
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(cfg) -> float:
+    """1 / sqrt(qk head dim), times YaRN's mscale squared where ``mscale_all_dim`` is set (as
+    transformers' DeepSeek attention)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        scale *= _mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """MLA over the latent cache (module docstring). ``q_lora_rank`` None: q from one
+    projection (V2-Lite); else through a rank-``q_lora_rank`` bottleneck with its norm."""
+
+    def __init__(self, cfg, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.rank = cfg.num_attention_heads, cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent_dim = self.rank + self.rope_dim
+        self.scale = softmax_scale(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        q_width = self.num_heads * (self.nope + self.rope_dim)
+        self.q_lora = cfg.q_lora_rank
+        if self.q_lora:
+            self.q_a = Linear(cfg.hidden_size, self.q_lora, bias=bias, dtype=dtype, device=device)
+            self.q_a_norm = RMSNorm(self.q_lora, cfg.rms_norm_eps, dtype, device)
+            self.q_b = Linear(self.q_lora, q_width, bias=False, dtype=dtype, device=device)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, q_width, bias=False, dtype=dtype, device=device)
+        self.kv_a = Linear(cfg.hidden_size, self.latent_dim, bias=bias, dtype=dtype, device=device)
+        self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps, dtype, device)
+        # kv_b_proj's rows per head: W_UK [nope, rank] then W_UV [v_dim, rank]
+        self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.rank, dtype=dtype, device=device))
+        self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, self.rank, dtype=dtype, device=device))
+        self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+        self.window = None
+        self.sinks = None
+        self.output_gate = False
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_b(self.q_a_norm(self.q_a(x), kernels)) if self.q_lora else self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
+        c = self.kv_a_norm(c, kernels)
+        pe = torch.cat([q_pe, k_pe[:, None, :]], dim=1)
+        pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
+        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, self.w_uk), pe[:, :-1]], dim=-1)
+        latent = torch.cat([c, pe[:, -1]], dim=-1)[:, None, :]
+        out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
+        if rows is not None:
+            out = out[rows]
+        out = torch.einsum("thr,hvr->thv", out[..., :self.rank], self.w_uv)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    """Pre-norm MLA, then a dense MLP (the first ``first_k_dense_replace`` layers) or the MoE block."""
+
+    def __init__(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        nn.Module.__init__(self)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.attn = LatentAttention(cfg, dtype, device)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = self.build_mlp(cfg, layer_idx, dtype, device)
+
+    def build_mlp(self, cfg, layer_idx: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        if layer_idx < cfg.first_k_dense_replace:
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, device)
+        v3 = cfg.model_type == "deepseek_v3"
+        groups = getattr(cfg, "n_group", None) or 1
+        if v3:
+            routing = Routing(cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), scoring="sigmoid", groups=groups,
+                              groups_kept=cfg.topk_group, scale=cfg.routed_scaling_factor)
+        else:  # greedy, or group_limited_greedy: the groups whose best softmax score is highest
+            limited = getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
+            routing = Routing(cfg.num_experts_per_tok, groups=groups if limited else 1,
+                              groups_kept=cfg.topk_group if limited else 1, scale=cfg.routed_scaling_factor)
+        shared_width = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
+        shared = GatedMLP(cfg.hidden_size, shared_width, False, dtype, device) if shared_width else None
+        return SparseMoE(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, routing, shared, False,
+                         dtype, device, correction_bias=v3)
+
+    def fits_decode_kernel(self) -> bool:
+        return False
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (module docstring)."""
+
+    selects_output_rows = True
+
+    def __init__(self, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        super().__init__()
+        cfg = hf_config
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"DeepSeek config sets hidden_act={cfg.hidden_act!r}: only silu is supported")
+        if cfg.model_type == "deepseek_v2" and getattr(cfg, "topk_method", "greedy") not in (
+                "greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 topk_method {cfg.topk_method!r} is not supported")
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        attn = self.layers[0].attn
+        self.kv_layout = KVLayout(cfg.num_hidden_layers, 1, attn.latent_dim, latent=True)
+        self.interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
+        self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.rope_dim)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                states=None) -> torch.Tensor:
+        x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary.tables(batch.positions)
+        for layer, kv, rows in zip(self.layers, kv_caches, last_layer_rows(batch, len(self.layers)), strict=True):
+            x, residual = layer(x, residual, batch, rope, kv, self.kernels, rows)
+        return x + residual
+
+    def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        attn = self.layers[0].attn
+        heads, nope, rope, rank = attn.num_heads, attn.nope, attn.rope_dim, attn.rank
+        for name, t in super().converted(weights):
+            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")) and self.interleaved:
+                per_head = t.view(heads, nope + rope, -1)
+                t = torch.cat([per_head[:, :nope], _deinterleave(per_head[:, nope:], 1)], dim=1).reshape(t.shape)
+            elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")) \
+                    and self.interleaved:  # [rank + rope, ...]: the rope rows last
+                t = torch.cat([t[:rank], _deinterleave(t[rank:], 0)])
+            elif name.endswith("self_attn.kv_b_proj.weight"):  # [H * (nope + v), rank]
+                per_head = t.view(heads, nope + attn.v_dim, rank)
+                stem = name.removesuffix("kv_b_proj.weight")
+                yield stem + "w_uk", per_head[:, :nope]
+                yield stem + "w_uv", per_head[:, nope:]
+                continue
+            yield name, t
+
+    def map_layer(self, idx: int, rest: str) -> Target:
+        prefix, layer = f"layers.{idx}", self.layers[idx]
+        attn_names = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b",
+                      "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm", "o_proj": "o_proj"}
+        if rest.startswith("self_attn."):
+            module, _, leaf = rest.removeprefix("self_attn.").rpartition(".")
+            if not module:  # w_uk, w_uv
+                return f"{prefix}.attn.{leaf}", None, None
+            return f"{prefix}.attn.{attn_names.get(module, module)}.{leaf}", None, None
+        if rest.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
+            inner = rest.split(".", 1)[1]
+            if inner.startswith("shared_experts."):
+                return map_gated_mlp(f"{prefix}.mlp.shared", layer.mlp.shared, inner.split(".", 1)[1])
+            if inner == "gate.e_score_correction_bias":
+                return f"{prefix}.mlp.correction_bias", None, None
+            return map_sparse_moe(f"{prefix}.mlp", layer.mlp, inner)
+        return map_attention_or_mlp(prefix, rest, None, self.config.intermediate_size)
+
+
+def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rotary rows along ``dim`` from interleaved pairs (x0, x1, x2, x3, ...) to rotate-half order
+    (x0, x2, ..., x1, x3, ...)."""
+    return torch.cat([t.narrow(dim, 0, t.shape[dim]).index_select(dim, torch.arange(0, t.shape[dim], 2)),
+                      t.index_select(dim, torch.arange(1, t.shape[dim], 2))], dim=dim)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepseekV3ForCausalLM: V2's layers with sigmoid group routing and its correction bias."""

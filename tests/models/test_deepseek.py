@@ -1,0 +1,75 @@
+"""DeepSeek-V2 / V2-Lite / V3 (``models/deepseek.py``): multi-head latent attention over a
+latent cache (a block holds each token's latent once) and MoE with shared experts. Tiny random
+models greedy-decode as transformers does in float32; prefix hits on and off give the same
+tokens when a prompt longer than the step's token budget follows a cached prefix (the case vLLM
+got wrong, issue 26042: chunks of a prompt attend over the cached latent and over earlier chunks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyprefix import LLM, SamplingParams
+from tests.support.compare import hf_greedy, random_prompts
+from tests.support.models import save_tiny_checkpoint, tiny_moe_config
+
+CASES = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def deepseek_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """case -> (HF checkpoint dir, HF model)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-deepseek")
+    out = {}
+    for case in CASES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_moe_config(case), dtype=torch.float32).eval()
+        with torch.no_grad():  # HF leaves the correction bias at 0: vary it so a wrong index shows
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    p.normal_(0, 0.3)
+        save_tiny_checkpoint(model, root / case)
+        out[case] = (root / case, model)
+    return out
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_matches_transformers(deepseek_models, case):
+    """float32 greedy tokens equal transformers'; a block of the cache holds the latent alone
+    (kv_lora_rank + rope dims a token and layer, counted once)."""
+    path, hf = deepseek_models[case]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    prompts = random_prompts((3, 40, 21), seed=5)
+    assert _tokens(llm, prompts) == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
+    runner = llm.engine.runner
+    cfg = hf.config
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert runner.kv_bytes_per_block(runner.model, torch.float32, 1) == cfg.num_hidden_layers * latent * 4
+    k, v = runner.kv_caches[0]
+    assert v is k and k.shape[2:] == (1, latent)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v2_lite", "deepseek_v3"])
+def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case):
+    """Prompts of 30-70 new tokens after a cached 48-token prefix, with 16 tokens a step: hits on
+    and off, and transformers, give the same greedy tokens."""
+    path, hf = deepseek_models[case]
+    shared = random_prompts((48,), seed=11)[0]
+    prompts = [[*shared, *tail] for tail in random_prompts((30, 70, 45), seed=12)]
+    kwargs = dict(dtype="float32", num_kv_blocks=96, log_stats_interval=0, max_num_batched_tokens=16)
+    cached, plain = LLM(str(path), **kwargs), LLM(str(path), **kwargs, enable_prefix_caching=False)
+    cached.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)
+    outs = cached.generate(prompts, PARAMS, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens == _tokens(plain, prompts)
+    assert tokens == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
