@@ -28,7 +28,7 @@ def test_every_registered_architecture_is_listed():
 
 def test_the_gguf_column_names_what_the_loader_reads():
     gguf_cells = [row[3] for row in model_table()]
-    named = {name for cell in gguf_cells for name in re.findall(r"`(\w+)`", cell)}
+    named = {name for cell in gguf_cells for name in re.findall(r"`([\w-]+)`", cell)}
     assert named == set(GGUF_ARCHITECTURES) | set(gguf_hybrid.ARCHITECTURES)
     for cell in gguf_cells:
-        assert cell.startswith("yes") == bool(re.findall(r"`(\w+)`", cell)), cell
+        assert cell.startswith("yes") == bool(re.findall(r"`([\w-]+)`", cell)), cell
