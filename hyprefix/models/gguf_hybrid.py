@@ -2,7 +2,8 @@
 (``convert_hf_to_gguf.py``) writes them: Qwen3.5 dense and MoE (``qwen35``, ``qwen35moe``),
 Qwen3-Next (``qwen3next``), NemotronH (``nemotron_h``, ``nemotron_h_moe``), Granite 4.0-H
 (``granitehybrid``) and pure Mamba2 (``mamba2``); and two MoE families transformers' reader gets
-wrong or does not read, Qwen3-MoE (``qwen3moe``) and gpt-oss (``gpt-oss``).
+wrong or does not read, Qwen3-MoE (``qwen3moe``) and gpt-oss (``gpt-oss``), and DeepSeek-V2 / V3
+(``deepseek2``).
 
 transformers' GGUF reader refuses most of these architectures, so this module rebuilds what the
 HF checkpoint held: ``load_config`` a transformers config from the file's metadata (and, where
@@ -85,7 +86,8 @@ class HybridGGUF:
     def __init__(self, path: str | Path, hf_config) -> None:
         self.file = file = HybridFile(Path(path))
         cfg = hf_config.get_text_config()
-        builders = {"qwen3moe": _qwen3moe_tensors, "granitehybrid": _granite_tensors, "gpt-oss": _gpt_oss_tensors}
+        builders = {"qwen3moe": _qwen3moe_tensors, "granitehybrid": _granite_tensors, "gpt-oss": _gpt_oss_tensors,
+                    "deepseek2": _deepseek_tensors}
         self.specs = (_qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else
                       builders.get(file.arch, _mamba_tensors)(file, cfg))
         needed = [name for spec in self.specs for name in spec.sources]
@@ -404,6 +406,45 @@ def _gpt_oss_tensors(file: HybridFile, cfg) -> list[FileTensor]:
                            interleave_rows),
                 FileTensor(m + "experts.down_proj.weight", (b + "ffn_down_exps.weight",)),
                 FileTensor(m + "experts.down_proj_bias", (b + "ffn_down_exps.bias",))]
+    return out
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """MLA's ``kv_b_proj`` [H * (nope + v), rank] from the converter's ``attn_k_b`` [H, rank, nope]
+    (transposed for llama.cpp's absorbed attention) and ``attn_v_b`` [H, v, rank]."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+
+
+def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
+    """DeepSeek-V2 / V3 (``deepseek2``): MLA with ``kv_b_proj`` split into ``attn_k_b`` and
+    ``attn_v_b`` (``_kv_b`` joins them), the rotary rows in the checkpoint's interleaved order
+    (the model's ``converted`` reorders them, as for an HF checkpoint); dense MLPs in the first
+    ``first_k_dense_replace`` layers, then experts, shared experts and (V3) the correction bias."""
+    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
+           FileTensor("model.norm.weight", ("output_norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    names = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
+             "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
+                FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",)),
+                FileTensor(p + "self_attn.kv_b_proj.weight", (b + "attn_k_b.weight", b + "attn_v_b.weight"), _kv_b)]
+        out += [FileTensor(f"{p}self_attn.{ours}.weight", (f"{b}{theirs}.weight",)) for ours, theirs in names.items()
+                if file.has(f"{b}{theirs}.weight")]
+        m = p + "mlp."
+        if i < cfg.first_k_dense_replace:
+            out += [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
+            continue
+        out += [FileTensor(m + "gate.weight", (b + "ffn_gate_inp.weight",)),
+                FileTensor(m + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
+                           cat_rows),
+                FileTensor(m + "experts.down_proj", (b + "ffn_down_exps.weight",))]
+        out += [FileTensor(f"{m}shared_experts.{proj}_proj.weight", (f"{b}ffn_{proj}_shexp.weight",))
+                for proj in ("gate", "up", "down") if cfg.n_shared_experts]
+        if cfg.model_type == "deepseek_v3":
+            out.append(FileTensor(m + "gate.e_score_correction_bias", (b + "exp_probs_b.bias",)))
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe",
-                 "granitehybrid", "gpt-oss")
+                 "granitehybrid", "gpt-oss", "deepseek2")
 QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
@@ -124,6 +124,8 @@ def load_config(path: str | Path):
         return _granite_config(file)
     if file.arch == "gpt-oss":
         return _gpt_oss_config(file)
+    if file.arch == "deepseek2":
+        return _deepseek_config(file)
     return _nemotron_config(file)
 
 
@@ -416,3 +418,47 @@ def _gpt_oss_config(file: HybridFile):
         attention_bias=file.has("blk.0.attn_q.bias"), tie_word_embeddings=not file.has("output.weight"),
         num_local_experts=file.int_value("expert_count"), num_experts_per_tok=file.int_value("expert_used_count"),
         intermediate_size=file.int_value("expert_feed_forward_length"), **_common(file))
+
+
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+
+
+def _deepseek_config(file: HybridFile):
+    """DeepSeek-V2 / V3 (``deepseek2``): the MLA widths from ``kv_lora_rank``, ``key_length_mla``
+    (nope + rope), ``value_length_mla`` and ``rope.dimension_count``; sigmoid gating
+    (``expert_gating_func``, as the converter writes from V3's ``scoring_func``) makes a V3, else
+    a V2 (llama.cpp's default, softmax), group-limited where the file has expert groups. YaRN's
+    ``mscale_all_dim`` is ``yarn_log_multiplier`` / 0.1 (the converter's), and ``mscale`` taken
+    equal to it, as in DeepSeek's checkpoints (the rotary tables then unscaled)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    layers = _layers(file)
+    rope_dim = file.int_value("rope.dimension_count")
+    params = _rope_parameters(file, rope_dim)
+    if params["rope_type"] == "yarn" and (log_mul := file.float_value("rope.scaling.yarn_log_multiplier", None)):
+        params["mscale_all_dim"] = params["mscale"] = log_mul / 0.1
+    sigmoid = file.int_value("expert_gating_func", 1) == SIGMOID_GATING
+    groups, kept = file.int_value("expert_group_count", 1), file.int_value("expert_group_used_count", 1)
+    biased = [i for i in range(layers) if file.has(f"blk.{i}.exp_probs_b.bias")]
+    if biased and not sigmoid:
+        raise file.error(f"layers {biased} have a routing correction bias (exp_probs_b) but the gating is softmax")
+    heads = file.int_value("attention.head_count")
+    fields = _common(file) | dict(
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        rms_norm_eps=file.float_value("attention.layer_norm_rms_epsilon"), rope_parameters=params,
+        q_lora_rank=file.int_value("attention.q_lora_rank", None),
+        kv_lora_rank=file.int_value("attention.kv_lora_rank"), qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=file.int_value("attention.key_length_mla") - rope_dim,
+        v_head_dim=file.int_value("attention.value_length_mla"),
+        intermediate_size=file.int_value("feed_forward_length"),
+        moe_intermediate_size=file.int_value("expert_feed_forward_length"),
+        n_routed_experts=file.int_value("expert_count"), num_experts_per_tok=file.int_value("expert_used_count"),
+        n_shared_experts=file.int_value("expert_shared_count", 0),
+        first_k_dense_replace=file.int_value("leading_dense_block_count", 0),
+        routed_scaling_factor=file.float_value("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(file.arch_value("expert_weights_norm", False)), n_group=groups, topk_group=kept,
+        tie_word_embeddings=not file.has("output.weight"), attention_bias=False)
+    if sigmoid:
+        return DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], **fields)
+    return DeepseekV2Config(architectures=["DeepseekV2ForCausalLM"], **fields,
+                            topk_method="group_limited_greedy" if groups > 1 else "greedy")

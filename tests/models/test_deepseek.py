@@ -1,6 +1,7 @@
 """DeepSeek-V2 / V2-Lite / V3 (``models/deepseek.py``): multi-head latent attention over a
 latent cache (a block holds each token's latent once) and MoE with shared experts. Tiny random
-models greedy-decode as transformers does in float32; prefix hits on and off give the same
+models greedy-decode as transformers does in float32, from their HF checkpoints and from the
+``deepseek2`` GGUF files llama.cpp's own converter writes; prefix hits on and off give the same
 tokens when a prompt longer than the step's token budget follows a cached prefix (the case vLLM
 got wrong, issue 26042: chunks of a prompt attend over the cached latent and over earlier chunks)."""
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.kernels import quant_linear
+from hyprefix.models.fused_moe import Experts
 from tests.support.compare import hf_greedy, random_prompts
+from tests.support.gguf_convert import run_converter
 from tests.support.models import save_tiny_checkpoint, tiny_moe_config
 
 CASES = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
@@ -38,16 +42,32 @@ def deepseek_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     return out
 
 
+@pytest.fixture(scope="session")
+def deepseek_ggufs(llama_converter, deepseek_models, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(case, outtype) -> the ``deepseek2`` file llama.cpp's converter writes, f32 and q8_0. V3's
+    checkpoint gets the hub config's ``scoring_func`` / ``topk_method`` (transformers' config does
+    not save them), from which the converter writes sigmoid gating."""
+    root = tmp_path_factory.mktemp("deepseek-gguf")
+    out = {(case, kind): root / f"{case}-{kind}.gguf" for case in CASES for kind in ("f32", "q8_0")}
+    hub_keys = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+    run_converter(llama_converter, [(["--outtype", kind, "--outfile", str(path), str(deepseek_models[case][0])], [],
+                                     hub_keys.get(case, {})) for (case, kind), path in out.items()])
+    return out
+
+
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_greedy_matches_transformers(deepseek_models, case):
-    """float32 greedy tokens equal transformers'; a block of the cache holds the latent alone
-    (kv_lora_rank + rope dims a token and layer, counted once)."""
+@pytest.mark.parametrize(("case", "source"), [(c, s) for c in CASES for s in ("hf", "gguf")])
+def test_greedy_matches_transformers(deepseek_models, deepseek_ggufs, case, source):
+    """float32 greedy tokens equal transformers', from the checkpoint and from the f32 GGUF; a
+    block of the cache holds the latent alone (kv_lora_rank + rope dims a token and layer, counted
+    once)."""
     path, hf = deepseek_models[case]
+    path = path if source == "hf" else deepseek_ggufs[case, "f32"]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    assert type(llm.engine.runner.model).__name__ == hf.config.architectures[0]
     prompts = random_prompts((3, 40, 21), seed=5)
     assert _tokens(llm, prompts) == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
     runner = llm.engine.runner
@@ -73,3 +93,21 @@ def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case):
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens == _tokens(plain, prompts)
     assert tokens == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
+
+
+@pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
+def test_q8_0_file_keeps_its_blocks_and_caches_the_latent(deepseek_ggufs):
+    """A Q8_0 ``deepseek2`` file: the expert stacks and the attention's projections stay in the
+    file's blocks, and prefix hits on and off give the same greedy tokens."""
+    path = deepseek_ggufs["deepseek_v2", "q8_0"]
+    kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0)
+    cached = LLM(str(path), **kwargs)
+    model = cached.engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    assert all(layer.attn.kv_a.forms.quantized is not None for layer in model.layers)
+    prompts = random_prompts((3, 40), seed=7)
+    first = _tokens(cached, prompts)
+    again = cached.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
+    assert _tokens(LLM(str(path), **kwargs, enable_prefix_caching=False), prompts) == first
