@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hyprefix.cache.coordinator import CacheCoordinator
+from hyprefix.models.deepseek import LatentAttention
 from hyprefix.models.llama import Attention
 from hyprefix.runner.model_runner import ModelRunner
 from hyprefix.scheduler import Scheduler
@@ -28,8 +29,8 @@ class ModelFacts:
     matmul_params: int  # weights of every linear layer but the LM head: multiply-adds per token
     lm_head_params: int
     attention_layers: int
-    attention_width: int  # query heads x head dim of one attention layer (0 without attention)
-    kv_bytes_per_token: int  # K + V of every attention layer
+    attention_width: int  # query heads x head dim of one attention layer (0 without attention; MLA: the latent's)
+    kv_bytes_per_token: int  # K + V of every attention layer (MLA: the latent, once)
     state_bytes_per_sequence: int  # state of every recurrent layer (Mamba2, Gated DeltaNet; 0 for dense models)
     decode_weight_bytes: int = 0  # weights one decode step reads (linears and LM head as stored, norms)
     quantization: str | None = None
@@ -39,11 +40,13 @@ def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vo
                 state_bytes: int, quantization: str | None) -> ModelFacts:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = getattr(model, "lm_head", None)
-    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    attention = [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
+    latent = [m for m in attention if isinstance(m, LatentAttention)]  # W_UK, W_UV: per-head matmuls, not linears
     return ModelFacts(
         dtype=str(dtype).replace("torch.", ""),
         vocab_size=vocab_size,
-        matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head),
+        matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head)
+        + sum(m.w_uk.numel() + m.w_uv.numel() for m in latent),
         lm_head_params=hidden_size * vocab_size,
         attention_layers=len(attention),
         attention_width=attention[0].q_size if attention else 0,

@@ -125,8 +125,9 @@ def _log_memory(plan: PoolPlan, memory: dict[str, int], block_size: int, num_liv
     if plan.window is not None:
         log.info("sliding-window layers (window %d) keep their K/V in a pool of their own: %d blocks = %.1f MiB",
                  plan.window, plan.num_window_blocks, memory["swa_pool"] / mib)
-    log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens = %.1f MiB | live recurrent states "
-             "%d x %.2f MiB = %.1f MiB | state checkpoints %d x %.2f MiB = %.1f MiB",
-             memory["weights"] / mib, plan.num_blocks, block_size, memory["kv_pool"] / mib,
+    per_token = memory["kv_pool"] // max(1, plan.num_blocks * block_size)  # a latent cache (MLA): the latent once
+    log.info("memory: weights %.1f MiB | KV pool %d blocks x %d tokens (%d B a token) = %.1f MiB | live recurrent "
+             "states %d x %.2f MiB = %.1f MiB | state checkpoints %d x %.2f MiB = %.1f MiB",
+             memory["weights"] / mib, plan.num_blocks, block_size, per_token, memory["kv_pool"] / mib,
              num_live, state_bytes / mib, memory["live_states"] / mib, plan.num_checkpoints, state_bytes / mib,
              memory["checkpoint_pool"] / mib)

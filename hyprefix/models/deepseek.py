@@ -69,6 +69,7 @@ class LatentAttention(nn.Module):
         self.num_heads, self.rank = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.latent_dim = self.rank + self.rope_dim
+        self.q_size = self.num_heads * self.latent_dim  # the absorbed query's width (``model_facts``)
         self.scale = softmax_scale(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
         q_width = self.num_heads * (self.nope + self.rope_dim)

@@ -111,3 +111,23 @@ def test_q8_0_file_keeps_its_blocks_and_caches_the_latent(deepseek_ggufs):
     again = cached.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
     assert _tokens(LLM(str(path), **kwargs, enable_prefix_caching=False), prompts) == first
+
+
+def test_latent_blocks_go_to_disk_once_and_come_back(deepseek_models, tmp_path):
+    """The disk tier writes a latent block once (its bytes: the latent of every layer, not K and
+    V), and a new engine over the directory hits the prompt from disk with the same tokens;
+    ``model_facts`` reports the latent's bytes a token."""
+    path, hf = deepseek_models["deepseek_v2"]
+    cfg = hf.config
+    latent_bytes = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    prompt = random_prompts((80,), seed=21)[0]
+    kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0, disk_cache_dir=str(tmp_path / "disk"))
+    first = LLM(str(path), **kwargs)
+    assert first.engine.model_facts.kv_bytes_per_token == latent_bytes
+    assert first.engine.disk.io.kv_block_bytes == 16 * latent_bytes
+    tokens = _tokens(first, [prompt])[0]
+    first.engine.close()
+    second = LLM(str(path), **kwargs)
+    out = second.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 64 and out.outputs[0].token_ids == tokens
+    assert second.get_stats()["disk_cache_hit_tokens"] >= 64
