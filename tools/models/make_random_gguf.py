@@ -8,6 +8,7 @@ speed benchmarks (random weights decode at the speed of real ones).
     python tools/models/make_random_gguf.py --shape smollm3-3b --out /tmp/m --llama-cpp ... --types Q4_K_M
     python tools/models/make_random_gguf.py --shape qwen3-30b-a3b-16l --out /tmp/m --llama-cpp ... --types Q4_K_M
     python tools/models/make_random_gguf.py --shape gpt-oss-20b-12l --out /tmp/m
+    python tools/models/make_random_gguf.py --shape deepseek-v2-lite-8l --out /tmp/m --llama-cpp ... --types Q4_K_M
 
 ``gpt-oss-20b-12l`` is written as llama.cpp's MXFP4 files of gpt-oss are laid out (``llama-quantize``'s
 ``MXFP4_MOE``: experts MXFP4, every other matrix Q8_0) directly, random blocks without an F16 file
@@ -49,7 +50,60 @@ SHAPES = {
                             num_attention_heads=64, num_key_value_heads=8, head_dim=64, rope_theta=150000.0,
                             max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts=32,
                             num_experts_per_tok=4, moe_intermediate_size=2880, sliding_window=128),
+    # DeepSeek-V2-Lite's layer (hidden 2048, 16 heads, MLA: a 512-wide latent plus 64 rotary dims,
+    # keys 128 + 64 and values 128 a head; 64 experts of 1408, top 6, 2 shared; the first layer
+    # dense, 10944 wide) with 8 layers instead of 27 (4.2B parameters, 0.9B active a token), and q
+    # through a rank-1536 bottleneck as V2 and V3 have it: llama.cpp reads a deepseek2 file without
+    # one only at V2-Lite's 26 or 27 layers
+    "deepseek-v2-lite-8l": dict(arch="deepseek2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=8,
+                                q_lora_rank=1536,
+                                num_attention_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                v_head_dim=128, rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                                num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+                                first_k_dense_replace=1),
 }
+
+
+def _deepseek_metadata(w, cfg: dict) -> None:
+    """The ``deepseek2`` keys llama.cpp's converter writes for V2-Lite (MLA widths as MQA)."""
+    rank, rope, nope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    w.add_key_length(rank + rope)
+    w.add_value_length(rank)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(1.0)
+    w.add_rope_dimension_count(rope)
+
+
+def _deepseek_tensors(cfg: dict, vocab: int) -> dict[str, tuple[int, ...]]:
+    hidden, heads, rank = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    moe = cfg["moe_intermediate_size"]
+    experts, shared = cfg["num_experts"], cfg["n_shared_experts"] * moe
+    tensors = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for i in range(cfg["num_hidden_layers"]):
+        q_rank = cfg["q_lora_rank"]
+        block = {"attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q_a": (q_rank, hidden),
+                 "attn_q_a_norm": (q_rank,), "attn_q_b": (heads * (nope + rope), q_rank),
+                 "attn_kv_a_mqa": (rank + rope, hidden), "attn_kv_a_norm": (rank,), "attn_k_b": (heads, rank, nope),
+                 "attn_v_b": (heads, v, rank), "attn_output": (hidden, heads * v)}
+        if i < cfg["first_k_dense_replace"]:
+            inter = cfg["intermediate_size"]
+            block.update(ffn_gate=(inter, hidden), ffn_up=(inter, hidden), ffn_down=(hidden, inter))
+        else:
+            block.update(ffn_gate_inp=(experts, hidden), ffn_gate_exps=(experts, moe, hidden),
+                         ffn_up_exps=(experts, moe, hidden), ffn_down_exps=(experts, hidden, moe),
+                         ffn_gate_shexp=(shared, hidden), ffn_up_shexp=(shared, hidden),
+                         ffn_down_shexp=(hidden, shared))
+        tensors.update({f"blk.{i}.{name}.weight": dims for name, dims in block.items()})
+    return tensors
 
 
 def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
@@ -69,14 +123,17 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads", 1))
+    if cfg["arch"] == "deepseek2":
+        _deepseek_metadata(w, cfg)
+    else:
+        w.add_rope_dimension_count(cfg["head_dim"])
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     experts = cfg.get("num_experts", 0)
-    if experts:
+    if experts and cfg["arch"] == "qwen3moe":
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
         w.add_expert_count(experts)
@@ -88,8 +145,24 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
             sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
     rng = np.random.default_rng(0)
+    tensors = _deepseek_tensors(cfg, vocab) if cfg["arch"] == "deepseek2" else _llama_tensors(cfg, vocab)
+    for name, shape_ in tensors.items():
+        if len(shape_) == 1:
+            w.add_tensor(name, np.ones(shape_, dtype=np.float32))
+        else:
+            w.add_tensor(name, (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _llama_tensors(cfg: dict, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Llama's and Qwen3-MoE's tensors and their shapes."""
     hidden, inter, heads, kv, dim = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
                                      cfg["num_key_value_heads"], cfg["head_dim"])
+    experts = cfg.get("num_experts", 0)
     tensors = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if experts:
         tensors["output.weight"] = (vocab, hidden)
@@ -104,16 +177,7 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
         else:
             block.update(ffn_gate=(inter, hidden), ffn_up=(inter, hidden), ffn_down=(hidden, inter))
         tensors.update({f"blk.{i}.{name}.weight": dims for name, dims in block.items()})
-    for name, shape_ in tensors.items():
-        if len(shape_) == 1:
-            w.add_tensor(name, np.ones(shape_, dtype=np.float32))
-        else:
-            w.add_tensor(name, (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return tensors
 
 
 def _random_blocks(rng, kind: str, shape: tuple[int, ...]):
