@@ -250,13 +250,19 @@ def _attention_projections(sa: str, b: str, bias: bool,
     return out
 
 
-def _qwen3moe_tensors(file: HybridFile, cfg) -> list[FileTensor]:
-    """Qwen3-MoE: Qwen3's attention layers (plain norms, q/k rows as transformers has them) and
-    Qwen's MLPs; the post-attention norm is ``ffn_norm``."""
+def _embed_and_head(cfg) -> list[FileTensor]:
+    """The embedding, the final norm (as the file has it) and, unless tied, the LM head."""
     out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
            FileTensor("model.norm.weight", ("output_norm.weight",))]
     if not cfg.tie_word_embeddings:
         out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    return out
+
+
+def _qwen3moe_tensors(file: HybridFile, cfg) -> list[FileTensor]:
+    """Qwen3-MoE: Qwen3's attention layers (plain norms, q/k rows as transformers has them) and
+    Qwen's MLPs; the post-attention norm is ``ffn_norm``."""
+    out = _embed_and_head(cfg)
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
@@ -358,10 +364,7 @@ def _granite_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     into transformers 5's ``experts.gate_up_proj``) plus the shared MLP (``ffn_*_shexp``), or the
     shared MLP alone (``ffn_gate`` / ``ffn_up`` / ``ffn_down``), gate rows first in
     ``shared_mlp.input_linear``."""
-    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
-           FileTensor("model.norm.weight", ("output_norm.weight",))]
-    if not cfg.tie_word_embeddings:
-        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    out = _embed_and_head(cfg)
     for i, kind in enumerate(cfg.layers_block_type):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
@@ -387,10 +390,7 @@ def _gpt_oss_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     (``experts.gate_up_proj.weight`` [E, 2I, H], gate and up rows interleaved;
     ``experts.down_proj.weight`` [E, H, I]), which ``GptOssForCausalLM.converted`` takes, so that
     MXFP4 stacks stay in their blocks (rows can move, columns cannot)."""
-    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
-           FileTensor("model.norm.weight", ("output_norm.weight",))]
-    if not cfg.tie_word_embeddings:
-        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    out = _embed_and_head(cfg)
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         m = p + "mlp."
@@ -420,10 +420,7 @@ def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     ``attn_v_b`` (``_kv_b`` joins them), the rotary rows in the checkpoint's interleaved order
     (the model's ``converted`` reorders them, as for an HF checkpoint); dense MLPs in the first
     ``first_k_dense_replace`` layers, then experts, shared experts and (V3) the correction bias."""
-    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
-           FileTensor("model.norm.weight", ("output_norm.weight",))]
-    if not cfg.tie_word_embeddings:
-        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    out = _embed_and_head(cfg)
     names = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
              "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
     for i in range(cfg.num_hidden_layers):

@@ -106,6 +106,22 @@ def _deepseek_tensors(cfg: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     return tensors
 
 
+def _writer(shape: str, tokenizer_gguf: Path, path: Path):
+    """(a GGUF writer of ``path`` for the shape's architecture, named, holding the tokenizer's
+    ``tokenizer.*`` fields; the vocabulary's size)."""
+    import gguf
+
+    source = gguf.GGUFReader(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(path), SHAPES[shape]["arch"])
+    w.add_name(f"random {shape}")
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    return w, len(source.get_field("tokenizer.ggml.tokens").contents())
+
+
 def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     """The F16 file: llama.* metadata of the shape, SmolLM2's tokenizer.* fields, random tensors
     (normal, std 0.02; norms 1)."""
@@ -113,11 +129,8 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     import numpy as np
 
     cfg = SHAPES[shape]
-    source = gguf.GGUFReader(str(tokenizer_gguf))
-    vocab = len(source.get_field("tokenizer.ggml.tokens").contents())
     path = out / f"{shape}-F16.gguf"
-    w = gguf.GGUFWriter(str(path), cfg["arch"])
-    w.add_name(f"random {shape}")
+    w, vocab = _writer(shape, tokenizer_gguf, path)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -139,11 +152,6 @@ def write_f16(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    for field in source.fields.values():
-        if field.name.startswith("tokenizer."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
     rng = np.random.default_rng(0)
     tensors = _deepseek_tensors(cfg, vocab) if cfg["arch"] == "deepseek2" else _llama_tensors(cfg, vocab)
     for name, shape_ in tensors.items():
@@ -203,11 +211,8 @@ def write_gpt_oss(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
     import numpy as np
 
     cfg = SHAPES[shape]
-    source = gguf.GGUFReader(str(tokenizer_gguf))
-    vocab = len(source.get_field("tokenizer.ggml.tokens").contents())
     path = out / f"{shape}-MXFP4.gguf"
-    w = gguf.GGUFWriter(str(path), cfg["arch"])
-    w.add_name(f"random {shape}")
+    w, vocab = _writer(shape, tokenizer_gguf, path)
     hidden, heads, kv, dim = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
     for add, value in ((w.add_block_count, cfg["num_hidden_layers"]), (w.add_context_length, 131072),
@@ -222,11 +227,6 @@ def write_gpt_oss(shape: str, tokenizer_gguf: Path, out: Path) -> Path:
         add(value)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    for field in source.fields.values():
-        if field.name.startswith("tokenizer."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
     rng = np.random.default_rng(0)
     q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
     w.add_tensor("token_embd.weight", _random_blocks(rng, "Q8_0", (vocab, hidden)), raw_dtype=q8)
