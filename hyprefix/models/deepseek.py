@@ -207,7 +207,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Rotary rows along ``dim`` from interleaved pairs (x0, x1, x2, x3, ...) to rotate-half order
     (x0, x2, ..., x1, x3, ...)."""
-    return torch.cat([t.narrow(dim, 0, t.shape[dim]).index_select(dim, torch.arange(0, t.shape[dim], 2)),
+    return torch.cat([t.index_select(dim, torch.arange(0, t.shape[dim], 2)),
                       t.index_select(dim, torch.arange(1, t.shape[dim], 2))], dim=dim)
 
 
