@@ -30,6 +30,7 @@ their two best (``moe.Routing``). The first ``first_k_dense_replace`` layers are
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -45,8 +46,6 @@ from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp, map_sparse_mo
 
 
 def _mscale(factor: float, mscale: float) -> float:
-    import math
-
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -86,9 +85,6 @@ class LatentAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.rank, dtype=dtype, device=device))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, self.rank, dtype=dtype, device=device))
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
-        self.window = None
-        self.sinks = None
-        self.output_gate = False
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,

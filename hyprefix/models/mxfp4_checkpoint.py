@@ -32,9 +32,14 @@ def is_mxfp4(hf_config) -> bool:
     return str(method) == "mxfp4"
 
 
+def _codes(blocks: torch.Tensor) -> torch.Tensor:
+    """The hub's blocks [..., G, 16] as E2M1 codes [..., G, 32] in element order."""
+    return torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)
+
+
 def ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The hub's blocks [..., G, 16] and scales [..., G] as GGUF MXFP4 rows: uint8 [n, G * 17]."""
-    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32] in element order
+    codes = _codes(blocks)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
     rows = torch.cat([scales.unsqueeze(-1), packed], dim=-1)
     return rows.reshape(-1, rows.shape[-2] * 17)
@@ -42,8 +47,7 @@ def ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The hub's blocks and scales as float32 [..., G * 32]."""
-    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2).long()
-    values = torch.tensor(quant_kernel.MXFP4_VALUES, dtype=torch.float32)[codes]
+    values = torch.tensor(quant_kernel.MXFP4_VALUES, dtype=torch.float32)[_codes(blocks).long()]
     return torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 128).flatten(-2)
 
 
@@ -56,10 +60,12 @@ class Mxfp4Checkpoint:
         from safetensors import safe_open
 
         self.files: dict[str, Path] = {}
+        self.shapes: dict[str, list[int]] = {}
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     self.files[name] = file
+                    self.shapes[name] = list(f.get_slice(name).get_shape())
         self.stacks = [name.removesuffix(BLOCKS) for name in self.files if name.endswith(BLOCKS)]
         lone = [s for s in self.stacks if s + SCALES not in self.files]
         if lone:
@@ -69,11 +75,15 @@ class Mxfp4Checkpoint:
             raise ValueError(f"MXFP4 checkpoint {path}: {elsewhere[0]} is quantized outside the experts; "
                              "only expert stacks are read as MXFP4")
 
-    def _tensor(self, name: str) -> torch.Tensor:
+    def _stack(self, stack: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stack's (blocks, scales) as the hub stores them."""
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        out = []
+        for name in (stack + BLOCKS, stack + SCALES):
+            with safe_open(str(self.files[name]), framework="pt") as f:
+                out.append(f.get_tensor(name))
+        return out[0], out[1]
 
     def check(self, net: torch.nn.Module) -> None:
         """Nothing to check before allocating: ``load_weights`` names any tensor that does not fit."""
@@ -88,27 +98,22 @@ class Mxfp4Checkpoint:
             return []
         out = []
         for stack in self.stacks:
-            with_blocks = self._shape(stack + BLOCKS)
-            experts, rows, groups = with_blocks[0], with_blocks[1], with_blocks[2]
+            experts, rows, groups = self.shapes[stack + BLOCKS][:3]
             out.append(BlockMatrix(f"{stack}.weight", "MXFP4", experts * rows, groups * 32,
-                                   lambda s=stack: ggml_rows(self._tensor(s + BLOCKS), self._tensor(s + SCALES)),
-                                   experts=experts))
+                                   lambda s=stack: ggml_rows(*self._stack(s)), experts=experts))
         return out
 
-    def _shape(self, name: str) -> list[int]:
+    def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor but the blocks and scales, each file opened once, and each stack not in
+        ``skip`` dequantized under its rows-first name."""
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return list(f.get_slice(name).get_shape())
-
-    def floats(self, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor but the blocks and scales, and each stack not in ``skip`` dequantized
-        under its rows-first name."""
         stacks = set(self.stacks)
-        for name in self.files:
-            base = name.removesuffix(BLOCKS).removesuffix(SCALES)
-            if base in stacks:
-                if name.endswith(BLOCKS) and f"{base}.weight" not in skip:
-                    yield f"{base}.weight", dequantize(self._tensor(name), self._tensor(base + SCALES))
-                continue
-            yield name, self._tensor(name)
+        for file in dict.fromkeys(self.files.values()):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    base = name.removesuffix(BLOCKS).removesuffix(SCALES)
+                    if base not in stacks:
+                        yield name, f.get_tensor(name)
+                    elif name.endswith(BLOCKS) and f"{base}.weight" not in skip:
+                        yield f"{base}.weight", dequantize(*self._stack(base))
