@@ -95,7 +95,8 @@ class LatentAttention(nn.Module):
         c, k_pe = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_norm(c, kernels)
         pe = torch.cat([q_pe, k_pe[:, None, :]], dim=1)
-        pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
+        if rope is not None:  # None: NoPE (Kimi-Linear's MLA uses its shared key part unrotated)
+            pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
         query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, self.w_uk), pe[:, :-1]], dim=-1)
         latent = torch.cat([c, pe[:, -1]], dim=-1)[:, None, :]
         out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
