@@ -2,8 +2,8 @@
 (``convert_hf_to_gguf.py``) writes them: Qwen3.5 dense and MoE (``qwen35``, ``qwen35moe``),
 Qwen3-Next (``qwen3next``), NemotronH (``nemotron_h``, ``nemotron_h_moe``), Granite 4.0-H
 (``granitehybrid``) and pure Mamba2 (``mamba2``); and two MoE families transformers' reader gets
-wrong or does not read, Qwen3-MoE (``qwen3moe``) and gpt-oss (``gpt-oss``), and DeepSeek-V2 / V3
-(``deepseek2``).
+wrong or does not read, Qwen3-MoE (``qwen3moe``) and gpt-oss (``gpt-oss``), DeepSeek-V2 / V3
+(``deepseek2``) and Kimi-Linear (``kimi-linear``, whose tensor map is ``gguf_kimi``).
 
 transformers' GGUF reader refuses most of these architectures, so this module rebuilds what the
 HF checkpoint held: ``load_config`` a transformers config from the file's metadata (and, where
@@ -58,6 +58,7 @@ from hyprefix.models.gguf_hybrid_config import (  # noqa: F401 - load_config and
     has_experts,
     load_config,
 )
+from hyprefix.models.gguf_kimi import kimi_tensors
 from hyprefix.models.gguf_transforms import (
     FileTensor,
     a_log,
@@ -66,6 +67,7 @@ from hyprefix.models.gguf_transforms import (
     conv,
     flat,
     interleave_rows,
+    join_kv_b,
     join_rows,
     minus_one,
     regroup_value_heads,
@@ -87,7 +89,7 @@ class HybridGGUF:
         self.file = file = HybridFile(Path(path))
         cfg = hf_config.get_text_config()
         builders = {"qwen3moe": _qwen3moe_tensors, "granitehybrid": _granite_tensors, "gpt-oss": _gpt_oss_tensors,
-                    "deepseek2": _deepseek_tensors}
+                    "deepseek2": _deepseek_tensors, "kimi-linear": kimi_tensors}
         self.specs = (_qwen_tensors(file, cfg) if file.arch in QWEN_ARCHS else
                       builders.get(file.arch, _mamba_tensors)(file, cfg))
         needed = [name for spec in self.specs for name in spec.sources]
@@ -409,15 +411,9 @@ def _gpt_oss_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     return out
 
 
-def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """MLA's ``kv_b_proj`` [H * (nope + v), rank] from the converter's ``attn_k_b`` [H, rank, nope]
-    (transposed for llama.cpp's absorbed attention) and ``attn_v_b`` [H, v, rank]."""
-    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
-
-
 def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     """DeepSeek-V2 / V3 (``deepseek2``): MLA with ``kv_b_proj`` split into ``attn_k_b`` and
-    ``attn_v_b`` (``_kv_b`` joins them), the rotary rows in the checkpoint's interleaved order
+    ``attn_v_b`` (``join_kv_b`` joins them), the rotary rows in the checkpoint's interleaved order
     (the model's ``converted`` reorders them, as for an HF checkpoint); dense MLPs in the first
     ``first_k_dense_replace`` layers, then experts, shared experts and (V3) the correction bias."""
     out = _embed_and_head(cfg)
@@ -427,7 +423,7 @@ def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
                 FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",)),
-                FileTensor(p + "self_attn.kv_b_proj.weight", (b + "attn_k_b.weight", b + "attn_v_b.weight"), _kv_b)]
+                FileTensor(p + "self_attn.kv_b_proj.weight", (b + "attn_k_b.weight", b + "attn_v_b.weight"), join_kv_b)]
         out += [FileTensor(f"{p}self_attn.{ours}.weight", (f"{b}{theirs}.weight",)) for ours, theirs in names.items()
                 if file.has(f"{b}{theirs}.weight")]
         m = p + "mlp."

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3moe",
-                 "granitehybrid", "gpt-oss", "deepseek2")
+                 "granitehybrid", "gpt-oss", "deepseek2", "kimi-linear")
 QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 LINEAR, FULL, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
@@ -126,6 +126,10 @@ def load_config(path: str | Path):
         return _gpt_oss_config(file)
     if file.arch == "deepseek2":
         return _deepseek_config(file)
+    if file.arch == "kimi-linear":
+        from hyprefix.models.gguf_kimi import kimi_config  # gguf_kimi reads HybridFile: imported late
+
+        return kimi_config(file, _common(file), _layers(file))
     return _nemotron_config(file)
 
 

@@ -72,6 +72,12 @@ def join_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up])
 
 
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """MLA's ``kv_b_proj`` [H * (nope + v), rank] from the converter's ``attn_k_b`` [H, rank, nope]
+    (transposed for llama.cpp's absorbed attention) and ``attn_v_b`` [H, v, rank]."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+
+
 def as_row(t: torch.Tensor) -> torch.Tensor:
     """The shared-expert gate as a [1, hidden] matrix (some files keep it as a vector)."""
     return t.reshape(1, -1)

@@ -7,6 +7,7 @@ from hyprefix.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from hyprefix.models.gemma3 import Gemma3ForCausalLM
 from hyprefix.models.gpt_oss import GptOssForCausalLM
 from hyprefix.models.hybrid import HybridForCausalLM
+from hyprefix.models.kimi_linear import KimiLinearForCausalLM
 from hyprefix.models.lfm2 import Lfm2ForCausalLM
 from hyprefix.models.llama import LlamaForCausalLM
 from hyprefix.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -36,6 +37,7 @@ MODEL_CLASSES: dict[str, type] = {
     "Phi3ForCausalLM": phi3.Phi3ForCausalLM,
     "GraniteForCausalLM": granite.GraniteForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 
 # GGUF architectures (``general.architecture``) whose transformers config hyprefix builds from

@@ -1,0 +1,207 @@
+"""Kimi Delta Attention (KDA), the linear-attention mixer of Kimi-Linear, in plain PyTorch over
+per-request live state slots (``recurrent_state.py``), with the checkpoint taps Gated DeltaNet's
+mixer has (``gated_deltanet.py``): the same conv window and matrix state, stored, restored and
+tapped by the same code, so Kimi-Linear hits the prefix cache at block boundaries as Qwen3.5 does.
+
+``in_proj`` -> [q k v | f_a | g_a | b] (transformers' q_proj, k_proj, v_proj, forget_gate.f_a_proj,
+g_a_proj and b_proj stacked); a causal depthwise conv1d (no bias) over q k v with a conv state of
+the last K-1 inputs -> SiLU -> L2-normalised q, k (q then scaled by 1/sqrt(head dim)) -> the gated
+delta rule per head from an initial state -> RMSNorm(o) * sigmoid(g_b(g_a)) per head -> o_proj.
+
+What differs from Gated DeltaNet is the decay: one per key channel, not one per head. Per head,
+with state S [head dim (keys), head dim (values)] in float32:
+``S = diag(exp(g_t)) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t``, with
+``g_t = -exp(A_log[head]) softplus(f_b(f_a(x_t)) + dt_bias)`` [heads, head dim] and
+``beta_t = sigmoid(b_t)``. Prefills run it chunked (``kda_scan``); a tap inside a prefill ends a
+chunk there. Decodes run the one-token recurrence batched over rows, eagerly (there is no fused
+op for it: ``kernels/recurrent_decode`` takes a decay per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyprefix.forward import ForwardBatch
+from hyprefix.models.layers import Linear
+from hyprefix.models.recurrent_state import (
+    LayerStateShape,
+    RecurrentLayerState,
+    conv_decode,
+    conv_prefill,
+    silu_heads,
+)
+
+L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon for q and k
+
+
+@dataclass(frozen=True)
+class KdaDims:
+    hidden: int
+    heads: int
+    head_dim: int
+    conv_kernel: int
+    eps: float
+    chunk: int = 32  # the pairwise decays of a chunk are [heads, chunk, chunk, head dim]
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.qkv_dim
+
+    @property
+    def proj_sizes(self) -> list[int]:
+        """Rows of ``in_proj``: q, k, v, f_a, g_a, b."""
+        return [self.qkv_dim] * 3 + [self.head_dim, self.head_dim, self.heads]
+
+    @property
+    def state_shape(self) -> LayerStateShape:
+        return LayerStateShape(self.conv_dim, self.conv_kernel - 1, (self.heads, self.head_dim, self.head_dim))
+
+    @classmethod
+    def from_config(cls, cfg) -> KdaDims:
+        return cls(cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim,
+                   cfg.rms_norm_eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer (module docstring). Parameters: ``in_proj`` (six stacked projections),
+    ``f_b`` and ``g_b`` (the low-rank gates' second halves), ``conv1d_weight`` [3 * heads * dim, 1,
+    K] (q, k, v channels in that order), ``A_log`` [heads], ``dt_bias`` [heads * dim], ``norm_weight``
+    [dim] (the gated output norm), ``o_proj``."""
+
+    def __init__(self, d: KdaDims, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.d = d
+        self.in_proj = Linear(d.hidden, sum(d.proj_sizes), bias=False, dtype=dtype, device=device)
+        self.f_b = Linear(d.head_dim, d.qkv_dim, bias=False, dtype=dtype, device=device)
+        self.g_b = Linear(d.head_dim, d.qkv_dim, bias=False, dtype=dtype, device=device)
+        self.conv1d_weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel, dtype=dtype, device=device))
+        self.A_log = nn.Parameter(torch.empty(d.heads, dtype=dtype, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(d.qkv_dim, dtype=dtype, device=device))
+        self.norm_weight = nn.Parameter(torch.empty(d.head_dim, dtype=dtype, device=device))
+        self.o_proj = Linear(d.qkv_dim, d.hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
+        d = self.d
+        t = x.shape[0]
+        qkv, f_a, g_a, b = self.in_proj(x).split([d.conv_dim, d.head_dim, d.head_dim, d.heads], dim=-1)
+        g = self.decay(f_a)
+        beta = torch.sigmoid(b.float())
+        o = torch.empty(t, d.heads, d.head_dim, dtype=torch.float32, device=x.device)
+        n_dec = batch.num_decode
+        if n_dec:
+            o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
+        for span in batch.prefills:
+            sl = span.token_slice
+            o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
+        return self.o_proj(self._gated_norm(o, self.g_b(g_a)).to(x.dtype))
+
+    def decay(self, f_a: torch.Tensor) -> torch.Tensor:
+        """The per-channel log decay [T, heads, dim] (float32, <= 0) from the forget gate's
+        low-rank input: ``-exp(A_log) softplus(f_b(f_a) + dt_bias)``."""
+        d = self.d
+        f = self.f_b(f_a).float() + self.dt_bias.float()
+        return -torch.exp(self.A_log.float())[:, None] * F.softplus(f).view(-1, d.heads, d.head_dim)
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [n, 3 * heads * dim] -> q, k, v head-major [heads, n, dim] float32, after
+        SiLU; q and k L2-normalised as transformers does (divided by sqrt(sum + eps)), q scaled."""
+        d = self.d
+        q, k, v = (silu_heads(part, d.heads) for part in conv_out.split([d.qkv_dim] * 3, dim=-1))
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * d.head_dim ** -0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+        return q, k, v
+
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
+                state: RecurrentLayerState) -> torch.Tensor:
+        """One token per decode row: [m, heads, dim]; advances the rows' live states and copies
+        the tapped rows' states into their checkpoint slots."""
+        slots, slot_range = batch.decode_state_slots, batch.decode_state_range
+        assert slots is not None
+        conv, conv_states = conv_decode(state, slots, qkv, self.conv1d_weight, None)
+        q, k, v = (x.transpose(0, 1) for x in self._qkv(conv))  # [m, H, dim]
+        m, (heads, kd, vd) = q.shape[0], state.matrix.shape[1:]
+        h = state.decode_matrices(slots, slot_range)  # [m, H, K, V], updated in place
+        h.mul_(torch.exp(g)[..., None])
+        flat = h.view(m * heads, kd, vd)
+        delta = (v - torch.bmm(k.reshape(-1, 1, kd), flat).view(m, heads, vd)) * beta[:, :, None]
+        flat.baddbmm_(k.reshape(-1, kd, 1), delta.reshape(-1, 1, vd))
+        state.store_decode_matrices(h, slots, slot_range)
+        for row, ckpt in batch.decode_state_taps:
+            state.tap(ckpt, conv_states[row], h[row])
+        return torch.bmm(q.reshape(-1, 1, kd), flat).view(m, heads, vd)
+
+    def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int,
+                 taps: list[tuple[int, int]], state: RecurrentLayerState) -> torch.Tensor:
+        k1 = self.d.conv_kernel - 1
+        conv, inputs = conv_prefill(state, slot, qkv, self.conv1d_weight, None)
+        q, k, v = self._qkv(conv)
+        o, h, tapped = kda_scan(q, k, v, g.transpose(0, 1).contiguous(), beta.t().contiguous(),
+                                state.prefill_matrix(slot), self.d.chunk, [offset for offset, _ in taps])
+        state.matrix[slot].copy_(h)
+        for (offset, ckpt), h_at in zip(taps, tapped, strict=True):
+            state.tap(ckpt, inputs[:, offset:offset + k1], h_at)
+        return o.transpose(0, 1)
+
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) * w * sigmoid(gate) per head, float32 (transformers' KimiLinearRMSNormGated,
+        whose activation is sigmoid): [T, H, V] -> [T, H*V]."""
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.d.eps)
+        out = self.norm_weight.float() * normed * torch.sigmoid(gate.float().view_as(o))
+        return out.view(o.shape[0], self.d.qkv_dim)
+
+
+def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             h0: torch.Tensor, chunk: int,
+             cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The KDA rule (per-channel decay) chunked over one sequence, float32, head-major.
+
+    q, k, g (log decay, <= 0) [H, n, K], v [H, n, V], beta [H, n], h0 [H, K, V]. Segments end
+    every ``chunk`` tokens and at every offset in ``cuts``; returns (o [H, n, V], final state,
+    states after each cut offset in order).
+
+    Within a segment, with cs_t = cumsum g (per channel) from its start and
+    D[t, j] = exp(cs_t - cs_j) (a vector over channels, j <= t), the deltas u solve
+    ``(I + L) u = beta v - beta (exp(cs) * k) h0`` with L[t, j] = beta_t k_t . (D[t, j] * k_j)
+    for j < t (unit lower triangular); ``o_t = (exp(cs_t) * q_t) h0 + sum_{j<=t} q_t . (D[t, j] *
+    k_j) u_j``; the state after it is ``exp(cs_Q) * h0 + sum_j (exp(cs_Q - cs_j) * k_j) u_j^T``.
+
+    Why pairwise: factoring D[t, j] as exp(cs_t) exp(-cs_j), as a per-head decay allows, fails
+    with per-channel decays: one channel's cumulative decay over a chunk can pass float32's
+    range (exp(-cs_j) overflows), while every factor used here is exp of a difference <= 0.
+    The cost is a [H, Q, Q, K] tensor a segment, so segments stay short (``KdaDims.chunk``).
+    """
+    heads, n = k.shape[:2]
+    o = v.new_empty(heads, n, v.shape[-1])
+    h = h0.to(q.dtype)
+    cut_set = set(cuts)
+    tapped: dict[int, torch.Tensor] = {}
+    start = 0
+    while start < n:
+        end = min(start + chunk, n, *(c for c in cut_set if c > start))
+        qs, ks, vs, gs = (x[:, start:end] for x in (q, k, v, g))
+        bs = beta[:, start:end]
+        size = end - start
+        cs = torch.cumsum(gs, dim=1)  # [H, Q, K]
+        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu_(1)  # j > t
+        decay = (cs[:, :, None, :] - cs[:, None, :, :]).masked_fill_(later[:, :, None], float("-inf")).exp_()
+        weighted = decay.mul_(ks[:, None, :, :])  # [H, t, j, K]: D[t, j] * k_j
+        kk = (weighted @ ks[..., None]).squeeze(-1)  # [H, t, j]: k_t . (D[t, j] * k_j)
+        qk = (weighted @ qs[..., None]).squeeze(-1)
+        lower = kk * bs[:, :, None]  # the solve reads below the diagonal only
+        rhs = bs[:, :, None] * (vs - (ks * torch.exp(cs)) @ h)
+        u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [H, Q, V]
+        o[:, start:end] = (qs * torch.exp(cs)) @ h + qk @ u
+        last = cs[:, -1:, :]  # [H, 1, K]
+        h = h * torch.exp(last).transpose(1, 2) + (ks * torch.exp(last - cs)).transpose(1, 2) @ u
+        if end in cut_set:
+            tapped[end] = h.clone()
+        start = end
+    return o, h, [tapped[c] for c in cuts]
