@@ -153,8 +153,8 @@ class KimiLinearForCausalLM(CausalLM):
     def converted(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint tensors under one naming (module docstring): ``mlp.`` for ``block_sparse_moe.``,
         ``gate_proj`` / ``down_proj`` / ``up_proj`` for an expert's ``w1`` / ``w2`` / ``w3``, the
-        forget gate's tensors directly under ``self_attn``, ``A_log`` flat, and ``kv_b_proj`` split
-        into the per-head W_UK and W_UV the absorbed attention multiplies."""
+        forget gate's tensors directly under ``self_attn``, ``A_log`` flat, conv kernels 3-D, and
+        ``kv_b_proj`` split into the per-head W_UK and W_UV the absorbed attention multiplies."""
         mla = next(layer.mixer for layer in self.layers if layer.kind == FULL)
         for name, t in super().converted(weights):
             name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
@@ -164,6 +164,8 @@ class KimiLinearForCausalLM(CausalLM):
                     name = ".".join([*parts[:-2], _EXPERT_PROJ[parts[-2]], parts[-1]])
             if name.endswith("self_attn.A_log"):
                 t = t.reshape(-1)
+            elif name.endswith("conv1d.weight") and t.dim() == 2:  # [channels, kernel], as vLLM keeps it
+                t = t.unsqueeze(1)
             elif name.endswith("self_attn.kv_b_proj.weight"):  # [H * (nope + v), rank]
                 per_head = t.view(mla.num_heads, mla.nope + mla.v_dim, mla.rank)
                 stem = name.removesuffix("kv_b_proj.weight")

@@ -1,0 +1,181 @@
+"""Kimi-Linear (``models/kimi_linear.py``, ``models/kimi_delta.py``): Kimi Delta Attention layers
+(a per-channel decay, checkpointed at block boundaries as Gated DeltaNet's state is) and NoPE MLA
+layers over the latent cache, with dense and MoE feed-forward parts. A tiny random float32 model
+greedy-decodes as transformers does, from its hub-form checkpoint and from the ``kimi-linear``
+GGUF file llama.cpp's own converter writes; prefix hits on and off give the same tokens when
+prompts longer than the step's token budget follow a cached prefix; the chunked KDA scan equals
+the token-by-token recurrence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyprefix import LLM, SamplingParams
+from hyprefix.models.kimi_delta import kda_scan
+from tests.support.compare import hf_greedy, random_prompts
+from tests.support.gguf_convert import run_converter
+from tests.support.models import save_tiny_checkpoint
+
+LENGTHS = (3, 16, 23, 57)  # below, at and across the block size 16 and the chunk budget of 32
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+KINDS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+# Keys of the hub's config.json that transformers 5 does not save and llama.cpp's converter reads.
+HUB_KEYS = {"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3, 4], "num_heads": 4, "head_dim": 16,
+                                   "short_conv_kernel_size": 4},
+            "first_k_dense_replace": 2, "moe_router_activation_func": "sigmoid", "mla_use_nope": True}
+
+
+def _config(**changes):
+    from transformers import KimiLinearConfig
+
+    # KDA / MLA / KDA / KDA; dense, dense, then MoE layers: 8 experts top 2 within 2 of 4 groups,
+    # renormalised and scaled, a shared expert; MLA value heads wider than the keys' nope part
+    fields = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                  qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, num_experts_per_tok=2,
+                  num_local_experts=8, layer_types=KINDS, mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+                  linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, eos_token_id=2, bos_token_id=0,
+                  pad_token_id=0, initializer_range=0.2, max_position_embeddings=1024)
+    return KimiLinearConfig(**(fields | changes))
+
+
+def _as_hub_checkpoint(path: Path) -> None:
+    """The checkpoint as the hub has it: dense MLPs under ``mlp.`` (transformers 5 saves them
+    under ``block_sparse_moe.``, as it does the MoE blocks) and the hub's config keys."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    dense = tuple(f"block_sparse_moe.{proj}_proj." for proj in ("gate", "up", "down"))
+    weights = {(name.replace("block_sparse_moe.", "mlp.") if any(d in name for d in dense) else name): t
+               for name, t in weights.items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text()) | HUB_KEYS
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> tuple[Path, object]:
+    """(hub-form checkpoint dir, HF model): norms (the gated output norm included) varied off 1
+    and the routers' correction bias off 0, so a misplaced one shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("kimi") / "kimi"
+    save_tiny_checkpoint(model, path)
+    _as_hub_checkpoint(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def kimi_gguf(kimi, llama_converter, tmp_path_factory) -> Path:
+    """The f32 ``kimi-linear`` file; the converter reads the expert group count as ``n_group``
+    (the hub's config calls it ``num_expert_group``), so it is given that key."""
+    out = tmp_path_factory.mktemp("kimi-gguf") / "kimi.gguf"
+    run_converter(llama_converter, [(["--outtype", "f32", "--outfile", str(out), str(kimi[0])], [], {"n_group": 4})])
+    return out
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_matches_transformers(kimi, kimi_gguf, source):
+    """float32 greedy tokens equal transformers' with 32 tokens a step (the 57-token prompt in two
+    chunks); the cache holds one latent per MLA layer and token, and one conv window plus one
+    [heads, dim, dim] state per KDA layer and sequence."""
+    path, hf = kimi
+    llm = LLM(str(path if source == "hf" else kimi_gguf), dtype="float32", num_kv_blocks=64, block_size=16,
+              max_num_batched_tokens=32, log_stats_interval=0)
+    model = llm.engine.runner.model
+    assert type(model).__name__ == "KimiLinearForCausalLM"
+    prompts = random_prompts(LENGTHS, seed=2)
+    for prompt, tokens in zip(prompts, _tokens(llm, prompts), strict=True):
+        assert tokens == hf_greedy(hf, prompt, GREEDY.max_tokens), f"{source} {len(prompt)}"
+    cfg = hf.config
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert model.kv_layout.num_layers == 1 and model.kv_layout.latent and model.kv_layout.head_dim == latent
+    assert [layer.matrix for layer in model.state_layout.layers] == [(4, 16, 16)] * 3
+    assert {layer.conv_dim for layer in model.state_layout.layers} == {3 * 4 * 16}
+    llm.check_invariants()
+
+
+def test_cache_on_and_off_agree_over_a_cached_prefix(kimi):
+    """Prompts of 30-70 new tokens after a cached 48-token prefix, 32 tokens a step (partial hits
+    resumed from a KDA checkpoint at a block boundary, then chunked), and a follow-up turn that
+    extends an answered prompt: hits on and off give the same greedy tokens, and the hits show."""
+    path, hf = kimi
+    shared = random_prompts((48,), seed=11)[0]
+    prompts = [[*shared, *tail] for tail in random_prompts((30, 70, 45), seed=12)]
+    kwargs = dict(dtype="float32", num_kv_blocks=96, block_size=16, max_num_batched_tokens=32, log_stats_interval=0)
+    cached, plain = LLM(str(path), **kwargs), LLM(str(path), **kwargs, enable_prefix_caching=False)
+    cached.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)
+    outs = cached.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in outs), [o.num_cached_tokens for o in outs]
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens == _tokens(plain, prompts)
+    assert tokens[0] == hf_greedy(hf, prompts[0], GREEDY.max_tokens)
+    follow_up = [*prompts[1], *tokens[1], *random_prompts((9,), seed=13)[0]]
+    hit = cached.generate([follow_up], GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 64
+    assert hit.outputs[0].token_ids == _tokens(plain, [follow_up])[0]
+    assert cached.get_stats()["mamba_checkpoints_used"] > 0
+    cached.check_invariants()
+
+
+def _oracle(q, k, v, g, beta, h0):
+    """The KDA rule one token at a time, float64, head-major inputs ([H, n, *])."""
+    q, k, v, g, beta, h = (x.double() for x in (q, k, v, g, beta, h0))
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        h = h * torch.exp(g[:, t])[:, :, None]
+        delta = (v[:, t] - torch.einsum("hkv,hk->hv", h, k[:, t])) * beta[:, t][:, None]
+        h = h + k[:, t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", h, q[:, t]))
+        states.append(h)
+    return torch.stack(outs, dim=1), states
+
+
+@pytest.mark.parametrize(("chunk", "cuts"), [(32, []), (32, [16, 45, 160]), (64, [1, 200])])
+def test_scan_matches_token_by_token_recurrence(chunk, cuts):
+    """200 tokens, 3 heads, per-channel log decays from -0.002 to about -150 a token (cumulative
+    decays that leave float32's range within a chunk, where exp(cs) exp(-cs) would overflow), a
+    nonzero initial state; the taps equal the recurrence's states after those tokens."""
+    g_ = torch.Generator().manual_seed(0)
+    heads, n, dim = 3, 200, 16
+    q, k = (torch.nn.functional.normalize(torch.randn(heads, n, dim, generator=g_), dim=-1) for _ in range(2))
+    v = torch.randn(heads, n, dim, generator=g_)
+    g = -torch.exp(torch.empty(heads, n, dim).uniform_(-6, 5, generator=g_))
+    beta = torch.rand(heads, n, generator=g_)
+    h0 = torch.randn(heads, dim, dim, generator=g_)
+    o, h, tapped = kda_scan(q, k, v, g, beta, h0, chunk, cuts)
+    assert torch.isfinite(o).all()
+    ref, states = _oracle(q, k, v, g, beta, h0)
+    assert (o.double() - ref).abs().max().item() < 1e-4
+    assert (h.double() - states[-1]).abs().max().item() < 1e-4
+    for cut, state in zip(cuts, tapped, strict=True):
+        assert (state.double() - states[cut - 1]).abs().max().item() < 1e-4, f"tap at {cut}"
+
+
+@pytest.mark.parametrize(("field", "value"), [("hidden_act", "gelu"), ("moe_router_activation_func", "softmax"),
+                                              ("mla_use_nope", False)])
+def test_unsupported_variants_are_refused(field, value):
+    from hyprefix.models.kimi_linear import KimiLinearForCausalLM
+
+    cfg = _config()
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=field):
+        KimiLinearForCausalLM(cfg, torch.float32, torch.device("meta"), 64)
