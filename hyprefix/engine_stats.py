@@ -46,7 +46,7 @@ def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vo
         dtype=str(dtype).replace("torch.", ""),
         vocab_size=vocab_size,
         matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head)
-        + sum(m.w_uk.numel() + m.w_uv.numel() for m in latent),
+        + sum(m.absorb_params for m in latent),
         lm_head_params=hidden_size * vocab_size,
         attention_layers=len(attention),
         attention_width=attention[0].q_size if attention else 0,

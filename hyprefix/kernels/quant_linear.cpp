@@ -16,6 +16,7 @@
 //   quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, biases, alpha,
 //     limit): a MoE block's experts on their stacked tiles (models/fused_moe.py), only the chosen
 //     experts' tiles read.
+//   quant_heads(x, stack, rows): x [T, H, K] times H stacked matrices, head by head (MLA's absorptions).
 // Packing and unpacking run over ATen's threads, a tile per task.
 #include "quant_codes.h"
 
@@ -229,6 +230,25 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
   return out.to(x.scalar_type());
 }
 
+// quant_heads(x, stack, rows): x [T, H, K] times a stack of H matrices (one part, each `rows` rows
+// of whole tiles, [H * rows, K]): out[:, h] = x[:, h] @ matrix_h^T, [T, H, rows] in x's dtype. MLA's
+// per-head absorptions (models/deepseek.py: W_UK^T into the query, W_UV out of the latent), every
+// head's tiles the tasks of one parallel loop, as quant_moe's experts.
+at::Tensor quant_heads(const at::Tensor& x, const std::vector<at::Tensor>& stack, int64_t rows) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu() && rows % 16 == 0 && stack.size() == 3,
+              "quant_heads: x [T, H, K] on the CPU, one part of whole 16-row tiles per head");
+  const int64_t heads = x.size(1), k = x.size(2);
+  const at::Tensor xf = x.to(at::kFloat);
+  std::vector<int64_t> ids;
+  std::vector<at::Tensor> inputs, outputs;
+  for (int64_t h = 0; h < heads; ++h) {
+    ids.push_back(h);
+    inputs.push_back(xf.select(1, h).contiguous());
+  }
+  experts_matmul(stack, rows, k, ids, inputs, outputs);
+  return at::stack(outputs, 1).to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
@@ -238,6 +258,7 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("quant_pack(Tensor q, Tensor scales, Tensor extra) -> (Tensor, Tensor, Tensor)");
   m.def("quant_pack_gguf(Tensor raw, int type, int k, Tensor rows) -> (Tensor, Tensor, Tensor)");
   m.def("quant_rows(Tensor[] parts, int n, int k, Tensor ids) -> Tensor");
+  m.def("quant_heads(Tensor x, Tensor[] stack, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
@@ -246,4 +267,5 @@ TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_pack_gguf", &quant_pack_gguf);
   m.impl("quant_rows", &quant_rows);
+  m.impl("quant_heads", &quant_heads);
 }

@@ -45,6 +45,7 @@ def _build(isa: str) -> bool:
     torch.library.register_fake("hyprefix::quant_linear")(_fake_linear)
     torch.library.register_fake("hyprefix::quant_rows")(_fake_rows)  # embedding lookups inside a compiled step
     torch.library.register_fake("hyprefix::quant_moe")(_fake_moe)
+    torch.library.register_fake("hyprefix::quant_heads")(_fake_heads)
     return True
 
 
@@ -65,6 +66,12 @@ def quant_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate
     ``alpha`` and ``limit``), in x's dtype."""
     return torch.ops.hyprefix.quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation,
                                         gate_up_bias, down_bias, alpha, limit)
+
+
+def quant_heads(x: torch.Tensor, stack: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """x [T, H, K] times a stack of H matrices (one part, ``rows`` rows of whole tiles each:
+    [H * rows, K]), head by head: [T, H, rows] in x's dtype (MLA's per-head absorptions)."""
+    return torch.ops.hyprefix.quant_heads(x, stack, rows)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -101,3 +108,7 @@ def _fake_moe(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate
               gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, alpha: float,
               limit: float) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def _fake_heads(x: torch.Tensor, stack: list[torch.Tensor], rows: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1], rows))

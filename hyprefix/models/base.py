@@ -327,8 +327,8 @@ class CausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer and the LM head as
-        stored (float or int8), the norms, and of a MoE block's experts the share one token
-        reads (``active_expert_bytes``: top-k of them); the embedding lookup reads one row, not
+        stored (float or int8), the norms, MLA's W_UK and W_UV, and of a MoE block's experts the
+        share one token reads (``active_expert_bytes``: top-k of them); the embedding lookup reads one row, not
         counted."""
         total = 0
         for module in self.modules():
@@ -339,6 +339,8 @@ class CausalLM(nn.Module):
                 total += module.weight.numel() * module.weight.element_size()
             elif hasattr(module, "active_expert_bytes"):  # a MoE block (``models/moe.py``)
                 total += module.active_expert_bytes(self.dtype)
+            elif hasattr(module, "absorb_bytes"):  # MLA's per-head W_UK, W_UV (``models/deepseek.py``)
+                total += module.absorb_bytes(self.dtype)
         return total + (self.embed.forms.decode_bytes(self.dtype) if self.lm_head is None else 0)
 
     def map_name(self, name: str) -> Target | None:

@@ -15,7 +15,10 @@ score transformers computes; the heads then attend as multi-query attention with
 key/value head (``paged_attention``: the paged decode kernel, the prefill kernel over a cached
 prefix, the cascade), and each head's output over the latent, its first ``kv_lora_rank`` values,
 is multiplied by W_UV[h]. Decode and chunked prefill over a cached prefix read the same latent
-blocks; nothing is ever up-projected into per-head K/V.
+blocks; nothing is ever up-projected into per-head K/V. W_UK (held transposed, [rank, nope] a
+head) and W_UV ([v, rank] a head) are stacks of per-head matrices (``fused_moe.Experts``): float,
+or a GGUF file's ``attn_k_b`` / ``attn_v_b`` kept in their blocks, multiplied head by head by
+``hyprefix::quant_heads`` (``--quantization`` quantizes them as it does experts).
 
 DeepSeek rotates the rotary part in interleaved pairs (x0, x1), (x2, x3), ... (V2 always, V3
 where ``rope_interleave``); ``converted`` permutes those rows of q and of ``kv_a_proj_with_mqa``
@@ -37,9 +40,11 @@ import torch
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
+from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
+from hyprefix.models.fused_moe import Experts
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.llama import DecoderLayer, map_attention_or_mlp
 from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp, map_sparse_moe
@@ -81,9 +86,9 @@ class LatentAttention(nn.Module):
             self.q_proj = Linear(cfg.hidden_size, q_width, bias=False, dtype=dtype, device=device)
         self.kv_a = Linear(cfg.hidden_size, self.latent_dim, bias=bias, dtype=dtype, device=device)
         self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps, dtype, device)
-        # kv_b_proj's rows per head: W_UK [nope, rank] then W_UV [v_dim, rank]
-        self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope, self.rank, dtype=dtype, device=device))
-        self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, self.rank, dtype=dtype, device=device))
+        # kv_b_proj's rows per head are W_UK [nope, rank] then W_UV [v_dim, rank] (``absorb_stacks``)
+        self.w_uk = Experts(self.num_heads, self.rank, self.nope, dtype, device)  # W_UK[h]^T
+        self.w_uv = Experts(self.num_heads, self.v_dim, self.rank, dtype, device)
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
@@ -97,13 +102,45 @@ class LatentAttention(nn.Module):
         pe = torch.cat([q_pe, k_pe[:, None, :]], dim=1)
         if rope is not None:  # None: NoPE (Kimi-Linear's MLA uses its shared key part unrotated)
             pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
-        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, self.w_uk), pe[:, :-1]], dim=-1)
+        query = torch.cat([per_head(q_nope, self.w_uk), pe[:, :-1]], dim=-1)
         latent = torch.cat([c, pe[:, -1]], dim=-1)[:, None, :]
         out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
         if rows is not None:
             out = out[rows]
-        out = torch.einsum("thr,hvr->thv", out[..., :self.rank], self.w_uv)
+        out = per_head(out[..., :self.rank], self.w_uv)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def absorb_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of W_UK and W_UV one decode step reads (every head's), as stored."""
+        return self.w_uk.forms.decode_bytes(dtype) + self.w_uv.forms.decode_bytes(dtype)
+
+    @property
+    def absorb_params(self) -> int:
+        return self.num_heads * (self.rank * self.nope + self.v_dim * self.rank)
+
+
+def per_head(x: torch.Tensor, stack: Experts) -> torch.Tensor:
+    """x [T, H, cols] times head h's matrix of ``stack`` ([rows, cols] each): [T, H, rows]."""
+    quant = stack.forms.quant
+    if quant is not None:
+        return quant_kernel.quant_heads(x, quant.tensors, stack.rows)
+    return torch.einsum("thc,hrc->thr", x, stack.stacked(x.dtype))
+
+
+def absorb_stacks(name: str, t: torch.Tensor, attn: LatentAttention) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stacks ``LatentAttention`` multiplies, W_UK[h]^T [H * rank, nope] and W_UV [H * v, rank],
+    from an HF ``kv_b_proj`` [H * (nope + v), rank], or from a GGUF file's per-head ``w_uk`` /
+    ``w_uv`` [H, rows, cols] (``gguf_transforms.mla_tensors``; flattened: a row move, so the
+    blocks stay); any other tensor as it is. ``converted`` of the MLA families."""
+    if name.endswith("self_attn.kv_b_proj.weight"):
+        per_head_rows = t.view(attn.num_heads, attn.nope + attn.v_dim, attn.rank)
+        stem = name.removesuffix("kv_b_proj.weight")
+        yield stem + "w_uk.weight", per_head_rows[:, :attn.nope].transpose(1, 2).reshape(-1, attn.nope)
+        yield stem + "w_uv.weight", per_head_rows[:, attn.nope:].reshape(-1, attn.rank)
+    elif name.endswith(("self_attn.w_uk.weight", "self_attn.w_uv.weight")):
+        yield name, t.reshape(-1, t.shape[-1])
+    else:
+        yield name, t
 
 
 class DeepseekDecoderLayer(DecoderLayer):
@@ -169,18 +206,12 @@ class DeepseekV2ForCausalLM(CausalLM):
         heads, nope, rope, rank = attn.num_heads, attn.nope, attn.rope_dim, attn.rank
         for name, t in super().converted(weights):
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")) and self.interleaved:
-                per_head = t.view(heads, nope + rope, -1)
-                t = torch.cat([per_head[:, :nope], _deinterleave(per_head[:, nope:], 1)], dim=1).reshape(t.shape)
+                q_rows = t.view(heads, nope + rope, -1)
+                t = torch.cat([q_rows[:, :nope], _deinterleave(q_rows[:, nope:], 1)], dim=1).reshape(t.shape)
             elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")) \
                     and self.interleaved:  # [rank + rope, ...]: the rope rows last
                 t = torch.cat([t[:rank], _deinterleave(t[rank:], 0)])
-            elif name.endswith("self_attn.kv_b_proj.weight"):  # [H * (nope + v), rank]
-                per_head = t.view(heads, nope + attn.v_dim, rank)
-                stem = name.removesuffix("kv_b_proj.weight")
-                yield stem + "w_uk", per_head[:, :nope]
-                yield stem + "w_uv", per_head[:, nope:]
-                continue
-            yield name, t
+            yield from absorb_stacks(name, t, attn)
 
     def map_layer(self, idx: int, rest: str) -> Target:
         prefix, layer = f"layers.{idx}", self.layers[idx]
@@ -188,8 +219,6 @@ class DeepseekV2ForCausalLM(CausalLM):
                       "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm", "o_proj": "o_proj"}
         if rest.startswith("self_attn."):
             module, _, leaf = rest.removeprefix("self_attn.").rpartition(".")
-            if not module:  # w_uk, w_uv
-                return f"{prefix}.attn.{leaf}", None, None
             return f"{prefix}.attn.{attn_names.get(module, module)}.{leaf}", None, None
         if rest.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
             inner = rest.split(".", 1)[1]

@@ -67,9 +67,9 @@ from hyprefix.models.gguf_transforms import (
     conv,
     flat,
     interleave_rows,
-    join_kv_b,
     join_rows,
     minus_one,
+    mla_tensors,
     regroup_value_heads,
     same,
     unpermute,
@@ -412,20 +412,16 @@ def _gpt_oss_tensors(file: HybridFile, cfg) -> list[FileTensor]:
 
 
 def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
-    """DeepSeek-V2 / V3 (``deepseek2``): MLA with ``kv_b_proj`` split into ``attn_k_b`` and
-    ``attn_v_b`` (``join_kv_b`` joins them), the rotary rows in the checkpoint's interleaved order
+    """DeepSeek-V2 / V3 (``deepseek2``): MLA (``mla_tensors``: ``kv_b_proj`` as the converter's
+    per-head ``attn_k_b`` and ``attn_v_b``), the rotary rows in the checkpoint's interleaved order
     (the model's ``converted`` reorders them, as for an HF checkpoint); dense MLPs in the first
     ``first_k_dense_replace`` layers, then experts, shared experts and (V3) the correction bias."""
     out = _embed_and_head(cfg)
-    names = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
-             "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
                 FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",)),
-                FileTensor(p + "self_attn.kv_b_proj.weight", (b + "attn_k_b.weight", b + "attn_v_b.weight"), join_kv_b)]
-        out += [FileTensor(f"{p}self_attn.{ours}.weight", (f"{b}{theirs}.weight",)) for ours, theirs in names.items()
-                if file.has(f"{b}{theirs}.weight")]
+                *mla_tensors(file, p + "self_attn.", b)]
         m = p + "mlp."
         if i < cfg.first_k_dense_replace:
             out += [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]

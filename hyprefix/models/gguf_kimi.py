@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hyprefix.models.gguf_transforms import FileTensor, a_log, cat_rows, join_kv_b, same
+from hyprefix.models.gguf_transforms import FileTensor, a_log, cat_rows, mla_tensors
 
 if TYPE_CHECKING:
     from hyprefix.models.gguf_hybrid_config import HybridFile
@@ -87,14 +87,6 @@ def _kda(p: str, b: str) -> list[FileTensor]:
     return [*out, FileTensor(p + "A_log", (b + "ssm_a",), a_log), FileTensor(p + "dt_bias", (b + "ssm_dt.bias",))]
 
 
-def _mla(file: HybridFile, p: str, b: str) -> list[FileTensor]:
-    names = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
-             "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
-    out = [FileTensor(f"{p}{ours}.weight", (f"{b}{theirs}.weight",), same) for ours, theirs in names.items()
-           if file.has(f"{b}{theirs}.weight")]
-    return [*out, FileTensor(p + "kv_b_proj.weight", (b + "attn_k_b.weight", b + "attn_v_b.weight"), join_kv_b)]
-
-
 def _feed_forward(file: HybridFile, m: str, b: str) -> list[FileTensor]:
     if not file.has(b + _EXPERTS):
         return [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
@@ -117,6 +109,6 @@ def kimi_tensors(file: HybridFile, cfg) -> list[FileTensor]:
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
                 FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",))]
-        out += _kda(p + "self_attn.", b) if kind == LINEAR else _mla(file, p + "self_attn.", b)
+        out += _kda(p + "self_attn.", b) if kind == LINEAR else mla_tensors(file, p + "self_attn.", b)
         out += _feed_forward(file, p + "mlp.", b)
     return out

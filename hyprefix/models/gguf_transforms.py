@@ -72,12 +72,6 @@ def join_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up])
 
 
-def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """MLA's ``kv_b_proj`` [H * (nope + v), rank] from the converter's ``attn_k_b`` [H, rank, nope]
-    (transposed for llama.cpp's absorbed attention) and ``attn_v_b`` [H, v, rank]."""
-    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
-
-
 def as_row(t: torch.Tensor) -> torch.Tensor:
     """The shared-expert gate as a [1, hidden] matrix (some files keep it as a vector)."""
     return t.reshape(1, -1)
@@ -102,3 +96,20 @@ class FileTensor:
         """The tensor's shape, as a meta tensor: the transforms run on meta sources, reading nothing."""
         t = self.build(*(torch.empty(file.shapes[name], device="meta") for name in self.sources))
         return t if self.columns is None else self.columns(t)
+
+
+MLA_NAMES = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
+             "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
+
+
+def mla_tensors(file: HybridFile, p: str, b: str) -> list[FileTensor]:
+    """An MLA layer's tensors (``p``: its transformers prefix up to ``self_attn.``; ``b``: the
+    file's ``blk.N.``): the projections the file has (q directly or through its bottleneck), and
+    the converter's ``attn_k_b`` [H, rank, nope] (W_UK transposed a head, as llama.cpp's absorbed
+    attention reads it) and ``attn_v_b`` [H, v, rank] as the per-head stacks ``w_uk`` / ``w_uv``
+    that ``deepseek.LatentAttention`` multiplies (flattened by the model's ``converted``, as
+    expert stacks are), so their blocks stay blocks."""
+    out = [FileTensor(f"{p}{ours}.weight", (f"{b}{theirs}.weight",)) for ours, theirs in MLA_NAMES.items()
+           if file.has(f"{b}{theirs}.weight")]
+    return [*out, FileTensor(p + "w_uk.weight", (b + "attn_k_b.weight",)),
+            FileTensor(p + "w_uv.weight", (b + "attn_v_b.weight",))]

@@ -29,7 +29,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows, select_rows
-from hyprefix.models.deepseek import LatentAttention
+from hyprefix.models.deepseek import LatentAttention, absorb_stacks
 from hyprefix.models.fused import Kernels
 from hyprefix.models.kimi_delta import KdaDims, KimiDeltaAttention
 from hyprefix.models.layers import GatedMLP, RMSNorm
@@ -166,13 +166,7 @@ class KimiLinearForCausalLM(CausalLM):
                 t = t.reshape(-1)
             elif name.endswith("conv1d.weight") and t.dim() == 2:  # [channels, kernel], as vLLM keeps it
                 t = t.unsqueeze(1)
-            elif name.endswith("self_attn.kv_b_proj.weight"):  # [H * (nope + v), rank]
-                per_head = t.view(mla.num_heads, mla.nope + mla.v_dim, mla.rank)
-                stem = name.removesuffix("kv_b_proj.weight")
-                yield stem + "w_uk", per_head[:, :mla.nope]
-                yield stem + "w_uv", per_head[:, mla.nope:]
-                continue
-            yield name, t
+            yield from absorb_stacks(name, t, mla)
 
     def map_layer(self, idx: int, rest: str) -> Target:
         prefix, layer = f"layers.{idx}", self.layers[idx]
@@ -184,8 +178,6 @@ class KimiLinearForCausalLM(CausalLM):
             if layer.kind == LINEAR:
                 return self._map_kda(prefix, inner)
             module, _, leaf = inner.rpartition(".")
-            if not module:  # w_uk, w_uv
-                return f"{prefix}.mixer.{leaf}", None, None
             return f"{prefix}.mixer.{_MLA_NAMES.get(module, module)}.{leaf}", None, None
         if rest.startswith("mlp."):
             inner = rest.removeprefix("mlp.")

@@ -163,3 +163,25 @@ def test_quantizers_round_trip_within_their_step():
     torch.testing.assert_close(QuantTiles(again, 48, 512).dequantize(torch.float32),
                                2 * torch.cat([q4[:16], q4k[16:32], mx[32:]]), rtol=0, atol=0.05 * w.abs().max().item())
     assert (q6 - w).abs().max() < 0.05 * w.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "int8"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_heads_multiply_their_own_matrix_of_the_stack(fmt, tokens):
+    """``quant_heads`` (MLA's W_UK / W_UV): head h of x times the h-th matrix of a stack of 16-row
+    tiles, equal to that matrix's own ``quant_linear``, for low-bit and int8 (Q8_0, Q5_0) stacks."""
+    heads, rows, cols = 3, 32, 256
+    if fmt == "int8":
+        weight = quantize_int8(torch.randn(heads * rows, cols), 32)
+        weight.scales = weight.scales.half().float()  # Q8_0's scales are float16
+        stack = int8_part(weight)
+        matrices = weight.dequantize(torch.float32).view(heads, rows, cols)
+    else:
+        stack, reference = packed(fmt, heads * rows, cols)
+        matrices = reference.view(heads, rows, cols)
+    x = torch.randn(tokens, heads, cols, generator=torch.Generator().manual_seed(tokens))
+    out = kernel.quant_heads(x, stack, rows)
+    assert out.shape == (tokens, heads, rows)
+    for h in range(heads):
+        expected = F.linear(quantize_activations(x[:, h]), matrices[h])
+        torch.testing.assert_close(out[:, h], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

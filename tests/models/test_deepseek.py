@@ -97,14 +97,16 @@ def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case):
 
 @pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
 def test_q8_0_file_keeps_its_blocks_and_caches_the_latent(deepseek_ggufs):
-    """A Q8_0 ``deepseek2`` file: the expert stacks and the attention's projections stay in the
-    file's blocks, and prefix hits on and off give the same greedy tokens."""
+    """A Q8_0 ``deepseek2`` file: the expert stacks, the attention's projections and its per-head
+    W_UK / W_UV stacks (``attn_k_b`` / ``attn_v_b``) stay in the file's blocks, and prefix hits on
+    and off give the same greedy tokens."""
     path = deepseek_ggufs["deepseek_v2", "q8_0"]
     kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0)
     cached = LLM(str(path), **kwargs)
     model = cached.engine.runner.model
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     assert experts and all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    assert all(stack in experts for layer in model.layers for stack in (layer.attn.w_uk, layer.attn.w_uv))
     assert all(layer.attn.kv_a.forms.quantized is not None for layer in model.layers)
     prompts = random_prompts((3, 40), seed=7)
     first = _tokens(cached, prompts)

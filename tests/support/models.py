@@ -141,13 +141,14 @@ def tiny_moe_config(arch: str):
 
 def tiny_deepseek_config(arch: str, common: dict):
     """DeepSeek's MLA (a 32-wide latent plus 16 rotary dims; value heads of another width than
-    the keys' nope part) and MoE with a shared expert after one dense layer. ``deepseek_v2_lite``:
+    the keys' nope part, both whole Q8_0 blocks and 16-row tiles, so a file's W_UK and W_UV stay
+    blocks) and MoE with a shared expert after one dense layer. ``deepseek_v2_lite``:
     q from one projection, greedy top-k, YaRN with both mscales (V2-Lite's); ``deepseek_v2``: q
     through its low-rank bottleneck, group-limited routing; ``deepseek_v3``: sigmoid group routing
     with a correction bias, renormalised and scaled."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
-    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, num_hidden_layers=3,
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48, num_hidden_layers=3,
                first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                num_experts_per_tok=2, n_shared_experts=1)
     common = {**common, "num_key_value_heads": common["num_attention_heads"]}
