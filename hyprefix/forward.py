@@ -121,14 +121,16 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def reads_tables_whole(self, apart_from_sharing: bool = False) -> bool:
+    def reads_tables_whole(self, apart_from_sharing: bool = False, window_pool: bool = False) -> bool:
         """A decode-only step whose every row samples and reads its K/V through its own whole
-        block table: no prefill, every K/V written, no sliding-window pool, and (unless
+        block table: no prefill, every K/V written, no sliding-window pool (unless
+        ``window_pool``: the window layers then read theirs through ``window_kv``), and (unless
         ``apart_from_sharing``) no prefix read once for several rows by a cascade plan (a plan
         of only single-row segments reads no fewer bytes). The fast decode paths (the one-call
-        decode kernel, the compiled decode graphs) take exactly these steps (recurrent states,
-        if any, are the graphs' to advance)."""
-        return (not self.prefills and self.num_decode > 0 and self.write_index is None and self.window_kv is None
+        decode kernel; the compiled decode graphs, which take a window pool too) take exactly
+        these steps (recurrent states, if any, are the graphs' to advance)."""
+        return (not self.prefills and self.num_decode > 0 and self.write_index is None
+                and (window_pool or self.window_kv is None)
                 and len(self.sample_seqs) == self.num_decode
                 and (apart_from_sharing or self.decode_cascade is None or not self.decode_cascade.shares_prefix))
 

@@ -22,7 +22,10 @@
 
 #include <torch/library.h>
 
-#include <map>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
 
 namespace {
 
@@ -131,52 +134,93 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat
   });
 }
 
-// One projection of stacked experts (a single part, each expert's rows whole tiles): expert e's tiles.
-std::vector<TilePart> expert_part(const std::vector<at::Tensor>& stack, int64_t e, int64_t rows, int64_t k) {
-  const int64_t tiles = rows / 16;
-  std::vector<at::Tensor> slice;
-  for (const at::Tensor& t : stack) slice.push_back(t.numel() ? t.narrow(0, e * tiles, tiles) : t);
-  return parts_of(slice, rows, k, "quant_moe");
+// Expert e's tiles of one projection's stack (`whole`: the stack's one part, each expert's rows whole
+// tiles): pointers into it, no tensor made.
+std::vector<TilePart> expert_part(const TilePart& whole, int64_t e, int64_t rows, int64_t k) {
+  const int64_t tiles = rows / 16, t0 = e * tiles;
+  // Int8 tiles keep float16 scales per group of a row: (k / 32) * 16 of them a tile.
+  const int64_t scale_bytes = whole.format == TileFormat::kInt8 ? (k / kGroup) * 16 * 2
+                                                                 : scale_bytes_per_tile(whole.format, k);
+  const bool has_extra = whole.format != TileFormat::kInt8 && whole.format != TileFormat::kMX4;
+  TilePart part = whole;
+  part.data += t0 * whole.tile_bytes(k);
+  part.scales = static_cast<const uint8_t*>(whole.scales) + t0 * scale_bytes;
+  part.extra = has_extra ? static_cast<const uint16_t*>(whole.extra) + t0 * extra_per_tile(whole.format, k) : whole.extra;
+  part.tile0 = 0;
+  part.tiles = tiles;
+  return {part};
 }
 
-// Every used expert's rows of one projection: out_e [n_e, n] = in_e [n_e, k] @ expert_e^T, the
-// activations quantized per expert, all experts' tiles as the tasks of one parallel loop.
-void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, const std::vector<int64_t>& experts,
-                    const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs) {
+// One expert's rows of a projection: in [rows, k] float32 -> out [rows, n] (raw rows of the caller's buffers).
+struct ExpertRows {
+  int64_t expert;
+  const float* in;
+  int64_t rows;
+  float* out;
+};
+
+// Every item's rows times its expert's matrix of one projection, the activations quantized per item,
+// all items' tiles as the tasks of one parallel loop.
+void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, const std::vector<ExpertRows>& items) {
+  TORCH_CHECK(stack.size() == 3 && stack[0].dim() >= 1, "quant_moe: one part a stack");
+  const std::vector<TilePart> whole = parts_of(stack, stack[0].size(0) * 16, k, "quant_moe");
   std::vector<std::vector<TilePart>> parts;
   std::vector<GroupedActivations> q;
-  for (size_t i = 0; i < experts.size(); ++i) {
-    parts.push_back(expert_part(stack, experts[i], n, k));
-    q.push_back(quantize_groups(inputs[i].const_data_ptr<float>(), inputs[i].size(0), k));
-    outputs.push_back(at::empty({inputs[i].size(0), n}, inputs[i].options()));
+  for (const ExpertRows& item : items) {
+    TORCH_CHECK(item.expert >= 0 && (item.expert + 1) * (n / 16) <= whole[0].tiles, "quant_moe: expert ", item.expert,
+                " outside the stack");
+    parts.push_back(expert_part(whole[0], item.expert, n, k));
+    q.push_back(quantize_groups(item.in, item.rows, k));
   }
-  const int64_t tiles = n / 16, tasks = static_cast<int64_t>(experts.size()) * tiles;
+  const int64_t tiles = n / 16, tasks = static_cast<int64_t>(items.size()) * tiles;
   at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / (8 * k)), [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b;) {  // a run of one expert's tiles
+    for (int64_t task = a; task < b;) {  // a run of one item's tiles
       const int64_t i = task / tiles, t0 = task % tiles, t1 = std::min(tiles, t0 + (b - task));
-      parts_span(parts[i], q[i], inputs[i].size(0), n, k, outputs[i].mutable_data_ptr<float>(), t0, t1);
+      parts_span(parts[i], q[i], items[i].rows, n, k, items[i].out, t0, t1);
       task += t1 - t0;
     }
   });
 }
 
-// One expert's activation on its gate_up rows' results gu [n_e, gate_up_rows] (fused_moe.py's activate).
-at::Tensor expert_activation(const at::Tensor& gu, c10::string_view activation, int64_t inter, double alpha,
-                             double limit) {
-  if (activation == "relu2") return at::square(at::relu(gu));  // a new tensor: contiguous
-  const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
-  if (activation == "silu") return (at::silu(gate) * up).contiguous();
-  const at::Tensor g = gate.clamp_max(limit);  // swiglu_oai (gpt-oss)
-  return ((up.clamp(-limit, limit) + 1) * (g * at::sigmoid(g * alpha))).contiguous();
+enum class Activation { kSilu, kRelu2, kSwigluOai };
+
+// The activation on rows [r0, r1) of the gate_up results gu [P, gate_up_rows] (+ each row's expert's
+// bias) into act [P, inter] (fused_moe.py's activate): plain loops, no ATen op between the matmuls.
+void activate_rows(const float* gu, float* act, int64_t r0, int64_t r1, int64_t gate_up_rows, int64_t inter,
+                   Activation kind, const float* bias, const int64_t* row_expert, float alpha, float limit) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * gate_up_rows;
+    const float* b = bias ? bias + row_expert[r] * gate_up_rows : nullptr;
+    float* o = act + r * inter;
+    if (kind == Activation::kRelu2) {
+      for (int64_t j = 0; j < inter; ++j) {
+        const float u = std::max(g[j] + (b ? b[j] : 0.f), 0.f);
+        o[j] = u * u;
+      }
+    } else if (kind == Activation::kSilu) {
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gate = g[j] + (b ? b[j] : 0.f), up = g[inter + j] + (b ? b[inter + j] : 0.f);
+        o[j] = gate / (1.f + std::exp(-gate)) * up;
+      }
+    } else {  // swiglu_oai (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+      for (int64_t j = 0; j < inter; ++j) {
+        const float gate = std::min(g[j] + (b ? b[j] : 0.f), limit);
+        const float up = std::clamp(g[inter + j] + (b ? b[inter + j] : 0.f), -limit, limit);
+        o[j] = (up + 1.f) * (gate / (1.f + std::exp(-alpha * gate)));
+      }
+    }
+  }
 }
 
 // quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, gate_up_bias,
-// down_bias, alpha, limit): the experts of a MoE block on their tiles (fused_moe.py). Pairs grouped
-// by expert (experts in increasing order, each expert's tokens in order); per expert gate_up (+ its
-// bias), the activation, down (+ its bias); each token's sum taken over its pairs in expert order,
-// so a row's result does not depend on the others. activation "silu": gated, silu(gate) * up of the
-// gate rows then the up rows; "relu2": not gated, relu(up)^2 (NemotronH), gate_up holding the up
-// rows alone; "swiglu_oai": gpt-oss's clamped SwiGLU with alpha and limit.
+// down_bias, alpha, limit): the experts of a MoE block on their tiles (fused_moe.py). The (token,
+// slot) pairs are ordered by expert (experts increasing, each expert's tokens in order) into one
+// buffer; per expert gate_up (+ its bias), the activation, down (+ its bias); each token's sum taken
+// over its pairs in that order, so a row's result does not depend on the others. activation "silu":
+// gated, silu(gate) * up of the gate rows then the up rows; "relu2": not gated, relu(up)^2
+// (NemotronH), gate_up holding the up rows alone; "swiglu_oai": gpt-oss's clamped SwiGLU with alpha
+// and limit. Between the two matmuls only plain loops run: at batch 1 the ATen ops the grouping
+// took (index_select, cat, the activation's elementwise ops) cost a tenth of the op.
 at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                      const std::vector<at::Tensor>& gate_up, int64_t gate_up_rows, const std::vector<at::Tensor>& down,
                      int64_t down_rows, c10::string_view activation, const std::optional<at::Tensor>& gate_up_bias,
@@ -186,47 +230,64 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
               "quant_moe: x [T, H], chosen and weights [T, k] (int64 ids) on the CPU");
   TORCH_CHECK(activation == "silu" || activation == "relu2" || activation == "swiglu_oai",
               "quant_moe: activation silu, relu2 or swiglu_oai, not ", activation);
-  const bool gated = activation != "relu2";
+  const Activation kind = activation == "silu" ? Activation::kSilu
+                          : activation == "relu2" ? Activation::kRelu2 : Activation::kSwigluOai;
+  const bool gated = kind != Activation::kRelu2;
   TORCH_CHECK(gate_up_rows % (gated ? 32 : 16) == 0 && down_rows % 16 == 0 && gate_up.size() == 3 && down.size() == 3 &&
                   down_rows == x.size(1),
               "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
   const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gated ? gate_up_rows / 2 : gate_up_rows;
+  const int64_t pairs = tokens * top, experts = gate_up[0].size(0) * 16 / gate_up_rows;
   const at::Tensor xf = x.to(at::kFloat).contiguous(), ids = chosen.contiguous();
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  std::map<int64_t, std::vector<int64_t>> pairs;  // expert -> its pairs (token * top + slot), in order
-  for (int64_t p = 0; p < tokens * top; ++p) pairs[id[p]].push_back(p);
-  std::vector<int64_t> experts;
-  std::vector<at::Tensor> rows_in, gate_up_out, act, down_out;
-  for (const auto& [e, list] : pairs) {
-    experts.push_back(e);
-    std::vector<int64_t> token_ids;
-    for (const int64_t p : list) token_ids.push_back(p / top);
-    rows_in.push_back(xf.index_select(0, at::tensor(token_ids, ids.options())));
+  for (int64_t p = 0; p < pairs; ++p)
+    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "quant_moe: expert ", id[p], " outside the ", experts, " of the stack");
+  std::vector<int64_t> order(pairs);  // pair ids (token * top + slot), by expert, each expert's in order
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+  at::Tensor buffer = at::empty({pairs * (hidden + gate_up_rows + inter + hidden)}, xf.options());
+  float* rows_in = buffer.mutable_data_ptr<float>();
+  float* gu = rows_in + pairs * hidden;
+  float* act = gu + pairs * gate_up_rows;
+  float* dn = act + pairs * inter;
+  const float* xp = xf.const_data_ptr<float>();
+  std::vector<int64_t> row_expert(pairs);
+  for (int64_t r = 0; r < pairs; ++r) {
+    row_expert[r] = id[order[r]];
+    std::memcpy(rows_in + r * hidden, xp + order[r] / top * hidden, hidden * sizeof(float));
   }
-  experts_matmul(gate_up, gate_up_rows, hidden, experts, rows_in, gate_up_out);
-  const std::optional<at::Tensor> up_bias = gate_up_bias ? std::optional(gate_up_bias->to(at::kFloat)) : std::nullopt;
-  const std::optional<at::Tensor> out_bias = down_bias ? std::optional(down_bias->to(at::kFloat)) : std::nullopt;
-  for (size_t i = 0; i < experts.size(); ++i)
-    if (up_bias) gate_up_out[i].add_((*up_bias)[experts[i]]);
-  // One activation over every expert's rows (a handful of ATen ops a block, not a handful an
-  // expert: at batch 1 their overhead was a tenth of the op), then each expert's rows again.
-  const at::Tensor acted = expert_activation(gate_up_out.size() == 1 ? gate_up_out[0] : at::cat(gate_up_out),
-                                             activation, inter, alpha, limit);
-  for (int64_t i = 0, row = 0; i < static_cast<int64_t>(experts.size()); row += gate_up_out[i].size(0), ++i)
-    act.push_back(acted.narrow(0, row, gate_up_out[i].size(0)));
-  experts_matmul(down, down_rows, inter, experts, act, down_out);
-  if (out_bias)
-    for (size_t i = 0; i < experts.size(); ++i) down_out[i].add_((*out_bias)[experts[i]]);
+  std::vector<ExpertRows> up_items, down_items;
+  for (int64_t r = 0; r < pairs;) {
+    int64_t end = r;
+    while (end < pairs && row_expert[end] == row_expert[r]) ++end;
+    up_items.push_back({row_expert[r], rows_in + r * hidden, end - r, gu + r * gate_up_rows});
+    down_items.push_back({row_expert[r], act + r * inter, end - r, dn + r * hidden});
+    r = end;
+  }
+  experts_matmul(gate_up, gate_up_rows, hidden, up_items);
+  const at::Tensor up_bias = gate_up_bias ? gate_up_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor out_bias = down_bias ? down_bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* up_b = gate_up_bias ? up_bias.const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, pairs, std::max<int64_t>(1, (1 << 14) / inter), [&](int64_t r0, int64_t r1) {
+    activate_rows(gu, act, r0, r1, gate_up_rows, inter, kind, up_b, row_expert.data(), static_cast<float>(alpha),
+                  static_cast<float>(limit));
+  });
+  experts_matmul(down, down_rows, inter, down_items);
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.mutable_data_ptr<float>();
   const float* w = wf.const_data_ptr<float>();
-  for (size_t i = 0; i < experts.size(); ++i) {
-    const float* d = down_out[i].const_data_ptr<float>();
-    const std::vector<int64_t>& list = pairs[experts[i]];
-    for (size_t r = 0; r < list.size(); ++r)
-      for (int64_t j = 0; j < hidden; ++j) o[list[r] / top * hidden + j] += w[list[r]] * d[r * hidden + j];
-  }
+  const float* down_b = down_bias ? out_bias.const_data_ptr<float>() : nullptr;
+  // Each output element sums its token's pairs in expert order: columns split between threads.
+  at::parallel_for(0, hidden, std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, pairs)), [&](int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < pairs; ++r) {
+      const float weight = w[order[r]];
+      const float* d = dn + r * hidden;
+      const float* b = down_b ? down_b + row_expert[r] * hidden : nullptr;
+      float* dst = o + order[r] / top * hidden;
+      for (int64_t j = j0; j < j1; ++j) dst[j] += weight * (d[j] + (b ? b[j] : 0.f));
+    }
+  });
   return out.to(x.scalar_type());
 }
 
@@ -237,16 +298,14 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
 at::Tensor quant_heads(const at::Tensor& x, const std::vector<at::Tensor>& stack, int64_t rows) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu() && rows % 16 == 0 && stack.size() == 3,
               "quant_heads: x [T, H, K] on the CPU, one part of whole 16-row tiles per head");
-  const int64_t heads = x.size(1), k = x.size(2);
-  const at::Tensor xf = x.to(at::kFloat);
-  std::vector<int64_t> ids;
-  std::vector<at::Tensor> inputs, outputs;
-  for (int64_t h = 0; h < heads; ++h) {
-    ids.push_back(h);
-    inputs.push_back(xf.select(1, h).contiguous());
-  }
-  experts_matmul(stack, rows, k, ids, inputs, outputs);
-  return at::stack(outputs, 1).to(x.scalar_type());
+  const int64_t tokens = x.size(0), heads = x.size(1), k = x.size(2);
+  const at::Tensor xh = x.to(at::kFloat).transpose(0, 1).contiguous();  // [H, T, K]: a head's rows together
+  at::Tensor out = at::empty({heads, tokens, rows}, xh.options());
+  std::vector<ExpertRows> items;
+  for (int64_t h = 0; h < heads; ++h)
+    items.push_back({h, xh.const_data_ptr<float>() + h * tokens * k, tokens, out.mutable_data_ptr<float>() + h * tokens * rows});
+  experts_matmul(stack, rows, k, items);
+  return out.transpose(0, 1).to(x.scalar_type());
 }
 
 }  // namespace

@@ -21,9 +21,12 @@ symbolic size so a growing context never recompiles:
   graph per batch size would cost a cold compile each (``docs/perf-log.md``).
 Each is traced by ``torch.compile`` once and then called straight into Inductor's code with
 its flat inputs, without Dynamo (``runner/graph_capture.py``: public APIs only).
-A step qualifies when it is decode only, reads no prefix shared by several rows through a
+A step qualifies when it is decode only and reads no prefix shared by several rows through a
 cascade plan (those stay eager, ``runner/cascade.py``; a long context's single-row segment is
-ignored) and no sliding-window pool; any other step runs eagerly.
+ignored); any other step runs eagerly. Sliding-window layers with a pool of their own (gpt-oss,
+Gemma 3) read it through the window tables, slots and first positions, inputs of the graph as
+the main tables are; the window tables are padded to the main tables' width, so one symbolic
+width serves both (a window table is never the wider: it is a suffix of the same context).
 
 Models with recurrent layers (Mamba2, Gated DeltaNet) compile where their fused decode ops run
 (``CausalLM.decode_graph_capable``): the graph takes the live states and each row's slot, and
@@ -45,7 +48,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from hyprefix.forward import ForwardBatch
+from hyprefix.forward import ForwardBatch, WindowKV
 from hyprefix.kernels import decode_attention, packed_linear
 from hyprefix.models.layers import Linear
 from hyprefix.models.quant import uses_tile_kernels
@@ -101,7 +104,7 @@ class DecodeGraphs:
         """A decode-only step of at most ``max_batch`` rows (None: any) that reads no prefix shared by
         several rows once (a cascade plan of only single-row segments, a long context's own
         run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
-        return (self.enabled and batch.reads_tables_whole()
+        return (self.enabled and batch.reads_tables_whole(window_pool=True)
                 and (self.max_batch is None or batch.num_decode <= self.max_batch))
 
     def logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -117,8 +120,15 @@ class DecodeGraphs:
             tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
         states = states or []
         assert (batch.decode_state_slots is not None) == bool(states), "state slots and states go together"
+        window = batch.window_kv
+        window_tables = None
+        if window is not None:
+            assert window.decode_block_tables is not None and window.decode_first_pos is not None
+            window_tables = torch.nn.functional.pad(window.decode_block_tables,
+                                                    (0, tables.shape[1] - window.decode_block_tables.shape[1]))
         args = (batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens,
-                batch.decode_state_slots, kv_caches, states, batch.block_size)
+                batch.decode_state_slots, window.slot_mapping if window is not None else None, window_tables,
+                window.decode_first_pos if window is not None else None, kv_caches, states, batch.block_size)
         out = self._run(args, min(batch.num_decode, BATCHED))
         if out is not None and batch.decode_state_taps:
             for layer in states:
@@ -161,22 +171,24 @@ class DecodeGraphs:
         options = self._batched_options if batched else self._options
         compiled = torch.compile(DecodeGraphs._step, fullgraph=True, dynamic=False, backend=backend_for(options))
         model = self.model
-        lasting = [*model.parameters(), *model.buffers(), *(t for pair in args[6] for t in pair),
+        lasting = [*model.parameters(), *model.buffers(), *(t for pair in args[9] for t in pair),
                    *(t for m in model.modules() if isinstance(m, MatrixForms) for t in m.attribute_tensors()),
-                   *(t for layer in args[7] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))]
+                   *(t for layer in args[10] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))]
         symbolic = [(3, 1), *([(0, 0)] if batched else [])]
         return capture(lambda: compiled(self, *args), args[:_STEP_INPUTS], lasting, symbolic)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               tables: torch.Tensor, context_lens: torch.Tensor, state_slots: torch.Tensor | None,
-              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], states: list[RecurrentLayerState],
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+              window_slots: torch.Tensor | None, window_tables: torch.Tensor | None,
+              window_first_pos: torch.Tensor | None, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              states: list[RecurrentLayerState], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = input_ids.shape[0]
+        window = None if window_slots is None else WindowKV(window_slots, window_tables, window_first_pos, [], [])
         batch = ForwardBatch(
             seqs=[], input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, write_index=None,
             block_size=block_size, num_decode=n, decode_block_tables=tables, decode_context_lens=context_lens,
             decode_cascade=None, decode_state_slots=state_slots, decode_state_taps=[], prefills=[],
-            logits_indices=torch.arange(n, device=input_ids.device), sample_seqs=[])
+            logits_indices=torch.arange(n, device=input_ids.device), sample_seqs=[], window_kv=window)
         logits = self.model.compute_logits(self.model(batch, kv_caches, states))
         return logits, logits.argmax(dim=-1)
 
@@ -217,5 +229,6 @@ _KERNEL_SOURCES_KEY = KernelSourcesKey()
 
 
 # input_ids, positions, slot_mapping, tables, context_lens, state slots (None without recurrent
-# layers): new tensors every step
-_STEP_INPUTS = 6
+# layers), the window pool's slots, tables and first positions (None without one): new tensors
+# every step
+_STEP_INPUTS = 9

@@ -177,7 +177,7 @@ class ModelRunner:
                            window_blocks=list(range(num_blocks)) if self.has_window_pool else None)
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
         names = ["warmup"]
-        if self.decode_graphs is not None and not self.has_window_pool:
+        if self.decode_graphs is not None:
             # and the compiled decode steps, which the first requests' decodes would compile: batch
             # 1, then the batched graph with two rows on blocks of their own (rows on the same
             # blocks would share a prefix, which a cascade plan reads eagerly) and, with recurrent
@@ -187,8 +187,10 @@ class ModelRunner:
                 room = min(room, self.recurrent_states[0].conv.shape[0])
             for rows in (1, 2) if self.decode_graphs.batched and room >= 2 else (1,):
                 names = [f"warmup{i}" if i else "warmup" for i in range(rows)]
-                steps = [ScheduledSeq(name, [0], tokens, list(range(i * num_blocks, (i + 1) * num_blocks)),
-                                      sample=True, params=seq.params, state_slot=i if live else -1)
+                blocks = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(rows)]
+                steps = [ScheduledSeq(name, [0], tokens, blocks[i], sample=True, params=seq.params,
+                                      state_slot=i if live else -1,
+                                      window_blocks=blocks[i] if self.has_window_pool else None)
                          for i, name in enumerate(names)]
                 self.execute(SchedulerOutput(steps, rows))
         self.sampler.forget(names)

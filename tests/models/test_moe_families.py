@@ -280,11 +280,16 @@ def test_gpt_oss_sinks_through_the_cascade(moe_models):
     assert any(g.rows.numel() == 4 for plan in plans if plan is not None for g in plan.segments)
 
 
-def test_gpt_oss_decodes_through_the_graph_without_a_window_pool(moe_models):
-    """With its window layers' K/V in the main pool (``disable_hybrid_swa_memory``) every decode
-    step of gpt-oss runs compiled (the experts and the sinks inside the graph), as transformers."""
+@pytest.mark.parametrize("window_pool", [True, False])
+def test_gpt_oss_decodes_through_the_graph(moe_models, window_pool):
+    """Every decode step of gpt-oss runs compiled (the experts and the sinks inside the graph),
+    its window layers' K/V in their own pool (their tables, slots and first positions inputs of
+    the graph; contexts past the 16-token window) or in the main pool
+    (``disable_hybrid_swa_memory``), with transformers' tokens."""
     path, hf = moe_models["gpt_oss"]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0, disable_hybrid_swa_memory=True)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, log_stats_interval=0,
+              disable_hybrid_swa_memory=not window_pool)
+    assert llm.engine.runner.has_window_pool == window_pool
     for prompt in random_prompts((3, 40), seed=5):
         assert _tokens(llm, [prompt])[0] == hf_greedy(hf, prompt, PARAMS.max_tokens)
     steps = llm.engine.runner.decode_steps
@@ -346,17 +351,15 @@ def test_gpt_oss_mxfp4_checkpoint_and_gguf(gpt_oss_mxfp4):
 
 @needs_quant
 def test_gpt_oss_mxfp4_cache_on_and_off_and_compiled(gpt_oss_mxfp4):
-    """MX4 experts: prefix hits on and off give the same greedy tokens; with the window layers
-    in the main pool every batch-1 decode step runs compiled (the MX4 experts one extern op)."""
+    """MX4 experts: prefix hits on and off give the same greedy tokens, and every batch-1 decode
+    step runs compiled (the MX4 experts one extern op), as eager steps do."""
     _, gguf_file, _ = gpt_oss_mxfp4
     prompts = random_prompts((3, 40), seed=7)
     kwargs = dict(dtype="float32", num_kv_blocks=64, log_stats_interval=0)
     cached = LLM(str(gguf_file), **kwargs)
-    first = _tokens(cached, prompts)
+    first = [_tokens(cached, [p])[0] for p in prompts]
+    steps = cached.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] == len(prompts) * (PARAMS.max_tokens - 1)
     again = cached.generate([prompts[-1]], PARAMS, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first[-1]
-    assert _tokens(LLM(str(gguf_file), **kwargs, enable_prefix_caching=False), prompts) == first
-    graph = LLM(str(gguf_file), **kwargs, disable_hybrid_swa_memory=True)
-    assert [_tokens(graph, [p])[0] for p in prompts] == first
-    steps = graph.engine.runner.decode_steps
-    assert steps["eager"] == 0 and steps["graph"] == len(prompts) * (PARAMS.max_tokens - 1)
+    assert _tokens(LLM(str(gguf_file), **kwargs, enable_prefix_caching=False, enforce_eager=True), prompts) == first
