@@ -15,6 +15,18 @@
 //   head h), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) and
 //   S = exp(g) S + k (beta (v - exp(g) S^T k))^T,  o = S^T q.
 //
+// hyprefix::kda_decode (Kimi Delta Attention, Kimi-Linear's linear attention: Gated DeltaNet
+// with one decay per key channel, models/kimi_delta.py)
+//   proj        [m, 3 H D + 2 D + H]: in_proj's output per row, [q k v | f_a | g_a | b] (f_a and
+//               g_a are not read: their second projections come as forget and gate)
+//   forget      [m, H D]: f_b(f_a), the forget gate before dt_bias
+//   gate        [m, H D]: g_b(g_a), the output gate
+//   conv_state  [slots, 3 H D, K-1], conv_weight [3 H D, 1, K], matrix [slots, H, D, D], updated
+//   -> [m, H D] in proj's dtype: RMSNorm(o) * norm_weight * sigmoid(gate) per head, where q, k are
+//   as Gated DeltaNet's (one key head a value head), g = -exp(A_log[h]) softplus(forget +
+//   dt_bias) per channel, beta = sigmoid(b) and S = diag(exp(g)) S + k (beta (v - (diag(exp(g))
+//   S)^T k))^T,  o = S^T q.
+//
 // hyprefix::mamba2_decode (Mamba2: NemotronH, Bamba, Mamba2)
 //   proj        [m, inner + conv_dim + H]: [z | x B C | dt]
 //   conv_state  [slots, conv_dim, K-1], conv_weight [conv_dim, 1, K], conv_bias [conv_dim] or None
@@ -24,8 +36,9 @@
 //   S = exp(dt A) S + dt x B^T (head h reads group h / (H / G)'s B and C), y = S C + D x.
 //
 // Work: first each row's conv (one task a row), then each (row, head)'s state: a head's state is
-// read once and written once (Gated DeltaNet's S^T k needs it before the update, so its first
-// pass only reads), and the readout rides on the update. Written on ATen's vector types: one
+// read once and written once (the delta rule's S^T k needs it before the update, so its first
+// pass only reads; Gated DeltaNet and KDA share that step, delta_step), and the readout rides on
+// the update. Written on ATen's vector types: one
 // build per CPU capability.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +46,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -112,18 +126,20 @@ struct GdnShape {
   int64_t proj_dim() const { return conv_dim() + value_dim() + 2 * v_heads; }
 };
 
-template <typename T, typename S>
-void gdn(const GdnShape& s, const T* proj, T* conv_state, const T* conv_weight, S* matrix, const int64_t* slots,
-         const T* a_log, const T* dt_bias, const T* norm_weight, float eps, T* out) {
-  const int64_t cd = s.conv_dim(), pd = s.proj_dim(), kd = s.key_dim(), rep = s.v_heads / s.k_heads;
+// Every row's conv (one task a row) -> [rows, conv_dim] float32: SiLU(conv) with q (scaled by
+// dk^-1/2) and k L2-normalised per key head. Row r's input is proj + r * stride.
+template <typename T>
+std::vector<float> delta_qkv(const GdnShape& s, const T* proj, int64_t stride, T* conv_state, const T* conv_weight,
+                             const int64_t* slots) {
+  const int64_t cd = s.conv_dim(), kd = s.key_dim();
   std::vector<float> conv(s.rows * cd);
   at::parallel_for(0, s.rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* c = conv.data() + r * cd;
-      conv_row(proj + r * pd, conv_state + slots[r] * cd * s.width, conv_weight, static_cast<const T*>(nullptr), cd,
-               s.width, c);
+      conv_row(proj + r * stride, conv_state + slots[r] * cd * s.width, conv_weight, static_cast<const T*>(nullptr),
+               cd, s.width, c);
       const float q_scale = 1.0f / std::sqrt(static_cast<float>(s.dk));
-      for (int64_t h = 0; h < s.k_heads; ++h) {  // L2-normalised q (scaled) and k per key head
+      for (int64_t h = 0; h < s.k_heads; ++h) {
         float* q = c + h * s.dk;
         float* k = c + kd + h * s.dk;
         scale(q, q_scale / std::sqrt(sum_squares(q, s.dk) + 1e-6f), s.dk);
@@ -131,49 +147,91 @@ void gdn(const GdnShape& s, const T* proj, T* conv_state, const T* conv_weight, 
       }
     }
   });
+  return conv;
+}
+
+// One head's gated delta step with a decay per key channel (decay [dk]; Gated DeltaNet's is one
+// value repeated): S = diag(decay) S + k delta^T with delta = beta (v - (diag(decay) S)^T k), and
+// o = S^T q [dv]. The state is read once before the update (S^T k) and once for it; mem and buf
+// are scratch of dv floats.
+template <typename S>
+void delta_step(S* state, const float* q, const float* k, const float* v, const float* decay, float beta,
+                int64_t dk, int64_t dv, float* mem, float* o, float* buf) {
+  std::fill(mem, mem + dv, 0.0f);
+  for (int64_t i = 0; i < dk; ++i) {  // mem = (diag(decay) S)^T k
+    const float* row = state_row(state + i * dv, buf, dv);
+    const float w = k[i] * decay[i];
+    const Vec wi(w);
+    int64_t j = 0;
+    for (; j + kW <= dv; j += kW) at::vec::fmadd(Vec::loadu(row + j), wi, Vec::loadu(mem + j)).store(mem + j);
+    for (; j < dv; ++j) mem[j] += row[j] * w;
+  }
+  for (int64_t j = 0; j < dv; ++j) mem[j] = (v[j] - mem[j]) * beta;  // the delta
+  std::fill(o, o + dv, 0.0f);
+  for (int64_t i = 0; i < dk; ++i) {  // S = diag(decay) S + k delta^T; o = S^T q
+    S* dst = state + i * dv;
+    float* row = state_row(dst, buf, dv);
+    const Vec ki(k[i]), qi(q[i]), dec(decay[i]);
+    int64_t j = 0;
+    for (; j + kW <= dv; j += kW) {
+      const Vec updated = at::vec::fmadd(Vec::loadu(row + j), dec, Vec::loadu(mem + j) * ki);
+      updated.store(row + j);
+      at::vec::fmadd(updated, qi, Vec::loadu(o + j)).store(o + j);
+    }
+    for (; j < dv; ++j) {
+      row[j] = row[j] * decay[i] + mem[j] * k[i];
+      o[j] += row[j] * q[i];
+    }
+    store_state_row(dst, row, dv);
+  }
+}
+
+template <typename T, typename S>
+void gdn(const GdnShape& s, const T* proj, T* conv_state, const T* conv_weight, S* matrix, const int64_t* slots,
+         const T* a_log, const T* dt_bias, const T* norm_weight, float eps, T* out) {
+  const int64_t cd = s.conv_dim(), pd = s.proj_dim(), kd = s.key_dim(), rep = s.v_heads / s.k_heads;
+  const std::vector<float> conv = delta_qkv(s, proj, pd, conv_state, conv_weight, slots);
   at::parallel_for(0, s.rows * s.v_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> mem(s.dv), o(s.dv), buf(s.dv);
+    std::vector<float> mem(s.dv), o(s.dv), buf(s.dv), decay(s.dk);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / s.v_heads, h = t % s.v_heads;
       const T* p = proj + r * pd;
       const float* c = conv.data() + r * cd;
-      const float* q = c + (h / rep) * s.dk;
-      const float* k = c + kd + (h / rep) * s.dk;
-      const float* v = c + 2 * kd + h * s.dv;
       const float beta = 1.0f / (1.0f + std::exp(-to_float(p[cd + s.value_dim() + h])));
       const float a = to_float(p[cd + s.value_dim() + s.v_heads + h]);
-      const float decay = std::exp(-std::exp(to_float(a_log[h])) * softplus(a + to_float(dt_bias[h])));
-      S* state = matrix + (slots[r] * s.v_heads + h) * s.dk * s.dv;
-      std::fill(mem.begin(), mem.end(), 0.0f);
-      for (int64_t i = 0; i < s.dk; ++i) {  // mem = S^T k (the state before decay)
-        const float* row = state_row(state + i * s.dv, buf.data(), s.dv);
-        const Vec ki(k[i]);
-        int64_t j = 0;
-        for (; j + kW <= s.dv; j += kW) at::vec::fmadd(Vec::loadu(row + j), ki, Vec::loadu(mem.data() + j)).store(mem.data() + j);
-        for (; j < s.dv; ++j) mem[j] += row[j] * k[i];
-      }
-      for (int64_t j = 0; j < s.dv; ++j) mem[j] = (v[j] - decay * mem[j]) * beta;  // the delta
-      std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t i = 0; i < s.dk; ++i) {  // S = decay S + k delta^T; o = S^T q
-        S* dst = state + i * s.dv;
-        float* row = state_row(dst, buf.data(), s.dv);
-        const Vec ki(k[i]), qi(q[i]), dec(decay);
-        int64_t j = 0;
-        for (; j + kW <= s.dv; j += kW) {
-          const Vec updated = at::vec::fmadd(Vec::loadu(row + j), dec, Vec::loadu(mem.data() + j) * ki);
-          updated.store(row + j);
-          at::vec::fmadd(updated, qi, Vec::loadu(o.data() + j)).store(o.data() + j);
-        }
-        for (; j < s.dv; ++j) {
-          row[j] = row[j] * decay + mem[j] * k[i];
-          o[j] += row[j] * q[i];
-        }
-        store_state_row(dst, row, s.dv);
-      }
+      std::fill(decay.begin(), decay.end(), std::exp(-std::exp(to_float(a_log[h])) * softplus(a + to_float(dt_bias[h]))));
+      delta_step(matrix + (slots[r] * s.v_heads + h) * s.dk * s.dv, c + (h / rep) * s.dk, c + kd + (h / rep) * s.dk,
+                 c + 2 * kd + h * s.dv, decay.data(), beta, s.dk, s.dv, mem.data(), o.data(), buf.data());
       const float inv = 1.0f / std::sqrt(sum_squares(o.data(), s.dv) / static_cast<float>(s.dv) + eps);
       const T* z = p + cd + h * s.dv;
       T* dst = out + r * s.value_dim() + h * s.dv;
       for (int64_t j = 0; j < s.dv; ++j) dst[j] = T(to_float(norm_weight[j]) * (o[j] * inv) * silu(to_float(z[j])));
+    }
+  });
+}
+
+// Kimi Delta Attention: Gated DeltaNet's shape with as many key heads as value heads, dk = dv = D.
+template <typename T, typename S>
+void kda(const GdnShape& s, const T* proj, T* conv_state, const T* conv_weight, S* matrix, const int64_t* slots,
+         const T* forget, const T* gate, const T* a_log, const T* dt_bias, const T* norm_weight, float eps, T* out) {
+  const int64_t d = s.dk, qd = s.key_dim(), cd = s.conv_dim(), pd = cd + 2 * d + s.v_heads;
+  const std::vector<float> conv = delta_qkv(s, proj, pd, conv_state, conv_weight, slots);
+  at::parallel_for(0, s.rows * s.v_heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> mem(d), o(d), buf(d), decay(d);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / s.v_heads, h = t % s.v_heads;
+      const float* c = conv.data() + r * cd;
+      const float beta = 1.0f / (1.0f + std::exp(-to_float(proj[r * pd + cd + 2 * d + h])));
+      const float a = std::exp(to_float(a_log[h]));
+      const T* f = forget + r * qd + h * d;
+      for (int64_t i = 0; i < d; ++i) decay[i] = std::exp(-a * softplus(to_float(f[i]) + to_float(dt_bias[h * d + i])));
+      delta_step(matrix + (slots[r] * s.v_heads + h) * d * d, c + h * d, c + qd + h * d, c + 2 * qd + h * d,
+                 decay.data(), beta, d, d, mem.data(), o.data(), buf.data());
+      const float inv = 1.0f / std::sqrt(sum_squares(o.data(), d) / static_cast<float>(d) + eps);
+      const T* g = gate + r * qd + h * d;
+      T* dst = out + r * qd + h * d;
+      for (int64_t j = 0; j < d; ++j)
+        dst[j] = T(to_float(norm_weight[j]) * (o[j] * inv) / (1.0f + std::exp(-to_float(g[j]))));
     }
   });
 }
@@ -316,6 +374,32 @@ at::Tensor gdn_decode(const at::Tensor& proj, at::Tensor& conv_state, const at::
   return out;
 }
 
+at::Tensor kda_decode(const at::Tensor& proj, at::Tensor& conv_state, const at::Tensor& conv_weight, at::Tensor& matrix,
+                      const at::Tensor& slots, const at::Tensor& forget, const at::Tensor& gate,
+                      const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t heads,
+                      int64_t head_dim, double eps) {
+  const char* op = "kda_decode";
+  GdnShape s{proj.size(0), heads, heads, head_dim, head_dim, conv_state.size(2)};
+  const int64_t qd = s.key_dim();
+  check_common(proj, conv_state, conv_weight, matrix, slots, s.conv_dim() + 2 * head_dim + heads, s.conv_dim(),
+               heads * head_dim * head_dim, "[slots, H, D, D]", op);
+  for (const at::Tensor* t : {&forget, &gate})
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->size(0) == s.rows && t->size(1) == qd &&
+                    t->scalar_type() == proj.scalar_type(),
+                op, ": forget and gate must be contiguous [rows, heads * head_dim] in proj's dtype");
+  at::Tensor out = at::empty({s.rows, qd}, proj.options());
+  if (s.rows == 0) return out;
+  dispatch(proj, matrix, op, [&](auto t, auto st) {
+    using T = decltype(t);
+    using S = decltype(st);
+    kda<T, S>(s, proj.const_data_ptr<T>(), conv_state.mutable_data_ptr<T>(), conv_weight.const_data_ptr<T>(),
+              matrix.mutable_data_ptr<S>(), slots.const_data_ptr<int64_t>(), forget.const_data_ptr<T>(),
+              gate.const_data_ptr<T>(), param<T>(a_log, heads, "A_log", op), param<T>(dt_bias, qd, "dt_bias", op),
+              param<T>(norm_weight, head_dim, "norm_weight", op), static_cast<float>(eps), out.mutable_data_ptr<T>());
+  });
+  return out;
+}
+
 at::Tensor mamba2_decode(const at::Tensor& proj, at::Tensor& conv_state, const at::Tensor& conv_weight,
                          const std::optional<at::Tensor>& conv_bias, at::Tensor& matrix, const at::Tensor& slots,
                          const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& d_skip,
@@ -347,6 +431,9 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("gdn_decode(Tensor proj, Tensor(a!) conv_state, Tensor conv_weight, Tensor(b!) matrix, Tensor slots, "
         "Tensor A_log, Tensor dt_bias, Tensor norm_weight, int k_heads, int v_heads, int k_dim, int v_dim, "
         "float eps) -> Tensor");
+  m.def("kda_decode(Tensor proj, Tensor(a!) conv_state, Tensor conv_weight, Tensor(b!) matrix, Tensor slots, "
+        "Tensor forget, Tensor gate, Tensor A_log, Tensor dt_bias, Tensor norm_weight, int heads, int head_dim, "
+        "float eps) -> Tensor");
   m.def("mamba2_decode(Tensor proj, Tensor(a!) conv_state, Tensor conv_weight, Tensor? conv_bias, "
         "Tensor(b!) matrix, Tensor slots, Tensor A_log, Tensor dt_bias, Tensor D, Tensor norm_weight, int heads, "
         "int head_dim, int groups, int state, float dt_min, float dt_max, float eps) -> Tensor");
@@ -354,5 +441,6 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) {
   m.impl("gdn_decode", &gdn_decode);
+  m.impl("kda_decode", &kda_decode);
   m.impl("mamba2_decode", &mamba2_decode);
 }

@@ -13,8 +13,10 @@ with state S [head dim (keys), head dim (values)] in float32:
 ``S = diag(exp(g_t)) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t``, with
 ``g_t = -exp(A_log[head]) softplus(f_b(f_a(x_t)) + dt_bias)`` [heads, head dim] and
 ``beta_t = sigmoid(b_t)``. Prefills run it chunked (``kda_scan``); a tap inside a prefill ends a
-chunk there. Decodes run the one-token recurrence batched over rows, eagerly (there is no fused
-op for it: ``kernels/recurrent_decode`` takes a decay per head).
+chunk there. Decodes run the one-token recurrence batched over rows: fused in one call per layer
+(``kernels/recurrent_decode``'s ``kda_decode``, after f_b and g_b, the gates' second
+projections) where that op runs, which also lets Kimi-Linear's decode steps run compiled; else
+the eager ops below.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyprefix.forward import ForwardBatch
+from hyprefix.kernels import recurrent_decode
 from hyprefix.models.layers import Linear
 from hyprefix.models.recurrent_state import (
     LayerStateShape,
@@ -33,6 +36,7 @@ from hyprefix.models.recurrent_state import (
     conv_decode,
     conv_prefill,
     silu_heads,
+    tap_decode_rows,
 )
 
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon for q and k
@@ -91,24 +95,46 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: RecurrentLayerState) -> torch.Tensor:
         d = self.d
         t = x.shape[0]
-        qkv, f_a, g_a, b = self.in_proj(x).split([d.conv_dim, d.head_dim, d.head_dim, d.heads], dim=-1)
-        g = self.decay(f_a)
+        proj = self.in_proj(x)
+        qkv, f_a, g_a, b = proj.split([d.conv_dim, d.head_dim, d.head_dim, d.heads], dim=-1)
+        forget, gate = self.f_b(f_a), self.g_b(g_a)
+        n_dec = batch.num_decode
+        fused = bool(n_dec) and recurrent_decode.runs(proj, state.matrix)
+        if fused and n_dec == t:
+            return self.o_proj(self._fused_decode(proj, forget, gate, batch, state))
+        g = self.decay(forget)
         beta = torch.sigmoid(b.float())
         o = torch.empty(t, d.heads, d.head_dim, dtype=torch.float32, device=x.device)
-        n_dec = batch.num_decode
-        if n_dec:
+        if fused:
+            o[:n_dec] = 0  # the fused op's rows replace theirs below
+        elif n_dec:
             o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
         for span in batch.prefills:
             sl = span.token_slice
             o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
-        return self.o_proj(self._gated_norm(o, self.g_b(g_a)).to(x.dtype))
+        y = self._gated_norm(o, gate).to(x.dtype)
+        if fused:
+            y[:n_dec] = self._fused_decode(proj[:n_dec], forget[:n_dec], gate[:n_dec], batch, state)
+        return self.o_proj(y)
 
-    def decay(self, f_a: torch.Tensor) -> torch.Tensor:
-        """The per-channel log decay [T, heads, dim] (float32, <= 0) from the forget gate's
-        low-rank input: ``-exp(A_log) softplus(f_b(f_a) + dt_bias)``."""
+    def decay(self, forget: torch.Tensor) -> torch.Tensor:
+        """The per-channel log decay [T, heads, dim] (float32, <= 0) from the forget gate's second
+        projection ``forget`` = f_b(f_a): ``-exp(A_log) softplus(forget + dt_bias)``."""
         d = self.d
-        f = self.f_b(f_a).float() + self.dt_bias.float()
+        f = forget.float() + self.dt_bias.float()
         return -torch.exp(self.A_log.float())[:, None] * F.softplus(f).view(-1, d.heads, d.head_dim)
+
+    def _fused_decode(self, proj: torch.Tensor, forget: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+                      state: RecurrentLayerState) -> torch.Tensor:
+        """The decode rows in one call (``kernels/recurrent_decode``): [n_dec, heads * dim] before
+        o_proj; the tapped rows' states are copied after it."""
+        d = self.d
+        slots = batch.decode_state_slots
+        assert slots is not None
+        y = recurrent_decode.kda_decode(proj, state.conv, self.conv1d_weight, state.matrix, slots, forget, gate,
+                                        self.A_log, self.dt_bias, self.norm_weight, d.heads, d.head_dim, d.eps)
+        tap_decode_rows(state, slots, batch.decode_state_taps)
+        return y
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs [n, 3 * heads * dim] -> q, k, v head-major [heads, n, dim] float32, after

@@ -134,12 +134,6 @@ class KimiLinearForCausalLM(CausalLM):
         self.state_layout = StateLayout(tuple(dims.state_shape for _ in kdas)) if kdas else None
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, None)
 
-    @property
-    def decode_graph_capable(self) -> bool:
-        """KDA decodes with eager ops (no fused op takes a per-channel decay), which the compiled
-        decode graphs do not call: Kimi-Linear decodes eagerly everywhere."""
-        return False
-
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 states: list[RecurrentLayerState] | None = None) -> torch.Tensor:
         x, residual = self.embed(batch.input_ids), None

@@ -1,8 +1,9 @@
 """The fused recurrent decode ops (``kernels/recurrent_decode``) against the mixers' eager decode
 code: outputs, the live states they advance in place (conv windows and matrix states) and the
 checkpoints tapped from them, over several steps, rows in any slot order, value heads sharing key
-heads (Gated DeltaNet), heads sharing groups (Mamba2), dims that are not whole vectors, float32 and
-bfloat16 models, and bfloat16 matrix states."""
+heads (Gated DeltaNet), a decay per key channel (Kimi Delta Attention), heads sharing groups
+(Mamba2), dims that are not whole vectors, float32 and bfloat16 models, and bfloat16 matrix
+states."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from hyprefix.kernels import recurrent_decode
 from hyprefix.models.gated_deltanet import DeltaNetDims, GatedDeltaNet
+from hyprefix.models.kimi_delta import KdaDims, KimiDeltaAttention
 from hyprefix.models.mamba2 import Mamba2Mixer, MambaDims
 from hyprefix.models.recurrent_state import RecurrentLayerState
 
@@ -30,7 +32,7 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
             values = torch.randn(p.shape, generator=gen)
             if name == "A_log":
                 values = torch.rand(p.shape, generator=gen) * 3 - 1  # decays from mild to strong
-            elif name.startswith(("in_proj", "out_proj")):
+            elif name.startswith(("in_proj", "out_proj", "o_proj", "f_b", "g_b")):
                 values = values * p.shape[-1] ** -0.5
             elif name == "conv1d_weight":
                 values = values * 0.5
@@ -56,7 +58,7 @@ def _run(module, state, hidden: torch.Tensor, fused: bool, monkeypatch) -> list[
     calls = []
     with monkeypatch.context() as patch:
         if fused:
-            for name in ("gdn_decode", "mamba2_decode"):
+            for name in ("gdn_decode", "kda_decode", "mamba2_decode"):
                 op = getattr(recurrent_decode, name)
                 patch.setattr(recurrent_decode, name, lambda *a, op=op: calls.append(op) or op(*a))
         else:
@@ -71,8 +73,10 @@ def _mixers():
     gdn = DeltaNetDims(hidden=48, k_heads=2, v_heads=4, k_dim=24, v_dim=20, conv_kernel=4, eps=1e-6)
     mamba = MambaDims(hidden=48, heads=4, head_dim=12, groups=2, state=20, conv_kernel=4, chunk=64, eps=1e-5,
                       dt_min=0.001, dt_max=float("inf"), use_bias=False, conv_bias=True)
+    kda = KdaDims(hidden=48, heads=3, head_dim=20, conv_kernel=4, eps=1e-5)
     return {
         "gdn": (lambda dtype: GatedDeltaNet(gdn, dtype, torch.device("cpu")), gdn.state_shape),
+        "kda": (lambda dtype: KimiDeltaAttention(kda, dtype, torch.device("cpu")), kda.state_shape),
         "mamba2": (lambda dtype: Mamba2Mixer(mamba, dtype, torch.device("cpu")), mamba.state_shape),
         "mamba2-clamped-no-bias": (
             lambda dtype: Mamba2Mixer(MambaDims(**{**mamba.__dict__, "dt_max": 0.1, "conv_bias": False}), dtype,

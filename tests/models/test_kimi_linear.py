@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hyprefix import LLM, SamplingParams
+from hyprefix.kernels import recurrent_decode
 from hyprefix.models.kimi_delta import kda_scan
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
@@ -136,6 +137,23 @@ def test_cache_on_and_off_agree_over_a_cached_prefix(kimi):
     assert hit.outputs[0].token_ids == _tokens(plain, [follow_up])[0]
     assert cached.get_stats()["mamba_checkpoints_used"] > 0
     cached.check_invariants()
+
+
+@pytest.mark.hybrid_graphs
+@pytest.mark.skipif(not recurrent_decode.available(), reason="the fused KDA decode op runs on x86")
+def test_decode_steps_run_compiled(kimi):
+    """Where the fused KDA op runs, every decode step runs in the compiled batch-1 graph (the KDA
+    layers' op and the MLA layers' latent attention inside it): transformers' greedy tokens for
+    prompts below and across a block, no decode step eager."""
+    path, hf = kimi
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16, log_stats_interval=0)
+    runner = llm.engine.runner
+    assert runner.model.decode_graph_capable and runner.decode_graphs is not None
+    prompts = random_prompts((3, 23), seed=5)
+    for prompt in prompts:
+        assert _tokens(llm, [prompt])[0] == hf_greedy(hf, prompt, GREEDY.max_tokens), f"len {len(prompt)}"
+    assert runner.decode_steps == {"kernel": 0, "graph": len(prompts) * (GREEDY.max_tokens - 1), "eager": 0}
+    llm.check_invariants()
 
 
 def _oracle(q, k, v, g, beta, h0):
