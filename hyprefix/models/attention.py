@@ -55,10 +55,17 @@ def paged_attention(
     keys is merged (``_sunk``), so a cached prefix or a cascade segment never counts it twice.
     Returns [T, H, D] in the batch's token order (decodes first, then prefills).
     """
+    write_kv(k, v, k_cache, v_cache, batch, window)
+    return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+             window: int | None) -> None:
+    """This step's K/V into the paged cache (the window pool's slots for a layer with one); a
+    latent cache (``KVLayout.latent``) is its own V: written once."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
     slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
-    # A latent cache (``KVLayout.latent``) is its own V: written once.
     flats = [(k_cache, k)] if v_cache is k_cache else [(k_cache, k), (v_cache, v)]
     for cache, rows in flats:
         flat = cache.view(-1, num_kv_heads, head_dim)
@@ -66,6 +73,13 @@ def paged_attention(
             flat.index_copy_(0, slot_mapping, rows)
         elif slot_mapping.numel():
             flat.index_copy_(0, slot_mapping, rows.index_select(0, batch.write_index))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           batch: ForwardBatch, scale: float, window: int | None, sinks: torch.Tensor | None = None,
+           spans: set[int] | None = None) -> torch.Tensor:
+    """``paged_attention`` after its write: the decode rows, then each prefill span (those in
+    ``spans`` alone where given: their rows, in order, follow the decode rows in the result)."""
     if batch.batch_invariant:
         tables, context_lens, first_pos = batch.query_tables(window)
         out, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
@@ -74,7 +88,7 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     if batch.num_decode:
         outs.append(_decode_rows(q[:batch.num_decode], k_cache, v_cache, batch, window, scale, sinks))
-    outs += _prefill_spans(q, k, v, k_cache, v_cache, batch, window, scale, sinks)
+    outs += _prefill_spans(q, k, v, k_cache, v_cache, batch, window, scale, sinks, spans)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -111,14 +125,17 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    batch: ForwardBatch, window: int | None, scale: float,
-                   sinks: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each prefill span's attention over its own tokens and, after a cached prefix, its context:
-    the flash kernel (cached keys read through the span's block table), else torch's SDPA."""
+                   sinks: torch.Tensor | None, spans: set[int] | None = None) -> list[torch.Tensor]:
+    """Each prefill span's attention (those in ``spans`` where given) over its own tokens and,
+    after a cached prefix, its context: the flash kernel (cached keys read through the span's
+    block table), else torch's SDPA."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     view = batch.kv_view(window)
     flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
     outs = []
     for i, span in enumerate(batch.prefills):
+        if spans is not None and i not in spans:
+            continue
         table, keys = None, -1  # the kernel reads the caches through the block table, where given
         if span.start_pos == 0:
             ks, vs, first_pos = k[span.token_slice], v[span.token_slice], 0

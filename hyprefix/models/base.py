@@ -426,8 +426,11 @@ class CausalLM(nn.Module):
         return len(staged)
 
     def weights_changed(self) -> None:
-        """Drop what was built from the old weights (a model's kernel state); called by
-        ``update_weights`` once the new ones are in place."""
+        """Drop what was built from the old weights (a model's kernel state, a module's derived
+        copy: ``forget_derived``); called by ``update_weights`` once the new ones are in place."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "forget_derived"):
+                module.forget_derived()
 
     def map_head(self, name: str, embed: str, norm: str) -> Target | None:
         """Names shared by every model: embedding, final norm, LM head."""

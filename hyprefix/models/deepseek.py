@@ -15,7 +15,9 @@ score transformers computes; the heads then attend as multi-query attention with
 key/value head (``paged_attention``: the paged decode kernel, the prefill kernel over a cached
 prefix, the cascade), and each head's output over the latent, its first ``kv_lora_rank`` values,
 is multiplied by W_UV[h]. Decode and chunked prefill over a cached prefix read the same latent
-blocks; nothing is ever up-projected into per-head K/V. W_UK (held transposed, [rank, nope] a
+blocks. A prefill chunk long enough against its context attends up-projected instead (the
+context's latents multiplied out into per-head keys and values, then the model's own head
+widths: ``mla_prefill``, chosen by cost a span at a time; both exact). W_UK (held transposed, [rank, nope] a
 head) and W_UV ([v, rank] a head) are stacks of per-head matrices (``fused_moe.Experts``): float,
 or a GGUF file's ``attn_k_b`` / ``attn_v_b`` kept in their blocks, multiplied head by head by
 ``hyprefix::quant_heads`` (``--quantization`` quantizes them as it does experts).
@@ -41,12 +43,13 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import quant_linear as quant_kernel
-from hyprefix.models.attention import paged_attention
+from hyprefix.models.attention import attend, paged_attention, write_kv
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.fused_moe import Experts
 from hyprefix.models.layers import GatedMLP, Linear, RMSNorm, RopeTables
 from hyprefix.models.llama import DecoderLayer, map_attention_or_mlp
+from hyprefix.models.mla_prefill import up_projected_attention, up_projected_spans
 from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp, map_sparse_moe
 
 
@@ -90,6 +93,7 @@ class LatentAttention(nn.Module):
         self.w_uk = Experts(self.num_heads, self.rank, self.nope, dtype, device)  # W_UK[h]^T
         self.w_uv = Experts(self.num_heads, self.v_dim, self.rank, dtype, device)
         self.o_proj = Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias, dtype=dtype, device=device)
+        self._up: torch.Tensor | None = None  # ``up_matrix``
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RopeTables | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], kernels: Kernels,
@@ -102,13 +106,52 @@ class LatentAttention(nn.Module):
         pe = torch.cat([q_pe, k_pe[:, None, :]], dim=1)
         if rope is not None:  # None: NoPE (Kimi-Linear's MLA uses its shared key part unrotated)
             pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
-        query = torch.cat([per_head(q_nope, self.w_uk), pe[:, :-1]], dim=-1)
         latent = torch.cat([c, pe[:, -1]], dim=-1)[:, None, :]
-        out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
-        if rows is not None:
-            out = out[rows]
-        out = per_head(out[..., :self.rank], self.w_uv)
+        up = up_projected_spans(self, batch) if batch.prefills else set()
+        if up:
+            out = self._by_cost(q_nope, pe[:, :-1], latent, kv_cache, batch, up)
+            out = out if rows is None else out[rows]
+        else:
+            query = torch.cat([per_head(q_nope, self.w_uk), pe[:, :-1]], dim=-1)
+            out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
+            if rows is not None:
+                out = out[rows]
+            out = per_head(out[..., :self.rank], self.w_uv)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def _by_cost(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, up: set[int]) -> torch.Tensor:
+        """A step with prefill spans ``up`` up-projected (``mla_prefill``), the other rows
+        absorbed: [T, H, v] after W_UV, in the batch's token order."""
+        cache = kv_cache[0]
+        write_kv(latent, latent, cache, cache, batch, None)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        kept = set(range(len(batch.prefills))) - up
+        if batch.num_decode or kept:
+            query = torch.cat([per_head(q_nope, self.w_uk), q_pe], dim=-1)
+            part = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=kept)
+            spans = [span for i, span in enumerate(batch.prefills) if i in kept]
+            rows = [torch.arange(batch.num_decode), *(torch.arange(s.token_start, s.token_start + s.num_tokens)
+                                                      for s in spans)]
+            out.index_copy_(0, torch.cat(rows).to(out.device), per_head(part[..., :self.rank], self.w_uv))
+        for i in up:
+            sl = batch.prefills[i].token_slice
+            out[sl] = up_projected_attention(self, q_nope[sl], q_pe[sl], latent[sl], cache, batch.prefills[i])
+        return out
+
+    def up_matrix(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj transposed, [rank, H * (nope + v)] (each head's W_UK^T then W_UV^T columns):
+        the up-projected prefill's one matmul (``mla_prefill``). Made from the stacks on first use
+        (blocks dequantized) and kept until the weights change (``forget_derived``)."""
+        if self._up is None or self._up.dtype != dtype:
+            uk = self.w_uk.stacked(dtype)  # [H, rank, nope]
+            uv = self.w_uv.stacked(dtype).transpose(1, 2)  # [H, rank, v]
+            self._up = torch.cat([uk, uv], dim=2).transpose(0, 1).reshape(self.rank, -1).contiguous()
+        return self._up
+
+    def forget_derived(self) -> None:
+        """Drop ``up_matrix``'s copy (``CausalLM.weights_changed``)."""
+        self._up = None
 
     def absorb_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of W_UK and W_UV one decode step reads (every head's), as stored."""

@@ -168,6 +168,7 @@ class LlamaForCausalLM(CausalLM):
         return self.decode_kernel and batch.reads_tables_whole()
 
     def weights_changed(self) -> None:
+        super().weights_changed()
         self._decode_model = None  # it may hold copies of the old weights: built again on the next step
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

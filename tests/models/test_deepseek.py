@@ -8,12 +8,14 @@ got wrong, issue 26042: chunks of a prompt attend over the cached latent and ove
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.kernels import quant_linear
+from hyprefix.models import deepseek, mla_prefill
 from hyprefix.models.fused_moe import Experts
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
@@ -79,9 +81,17 @@ def test_greedy_matches_transformers(deepseek_models, deepseek_ggufs, case, sour
 
 
 @pytest.mark.parametrize("case", ["deepseek_v2_lite", "deepseek_v3"])
-def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case):
+@pytest.mark.parametrize("prefill", ["by cost", "up-projected"])
+def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case, prefill, monkeypatch):
     """Prompts of 30-70 new tokens after a cached 48-token prefix, with 16 tokens a step: hits on
-    and off, and transformers, give the same greedy tokens."""
+    and off, and transformers, give the same greedy tokens, with the prefill chunks chosen by
+    cost (at these tiny widths: absorbed) or every one up-projected (its context's latents,
+    prefix gathered from the cache, multiplied out into per-head keys and values)."""
+    calls = []
+    if prefill == "up-projected":
+        monkeypatch.setattr(mla_prefill, "UP_PROJECTED_WEIGHT", 0.0)
+        real = deepseek.up_projected_attention
+        monkeypatch.setattr(deepseek, "up_projected_attention", lambda *a: calls.append(a[-1]) or real(*a))
     path, hf = deepseek_models[case]
     shared = random_prompts((48,), seed=11)[0]
     prompts = [[*shared, *tail] for tail in random_prompts((30, 70, 45), seed=12)]
@@ -93,6 +103,21 @@ def test_chunked_prompts_over_a_cached_prefix(deepseek_models, case):
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens == _tokens(plain, prompts)
     assert tokens == [hf_greedy(hf, p, PARAMS.max_tokens) for p in prompts]
+    if prefill == "up-projected":  # spans over a cached prefix and fresh ones both went that way
+        assert any(span.start_pos > 0 for span in calls) and any(span.start_pos == 0 for span in calls)
+
+
+def test_prefill_chooses_by_cost_at_deepseek_widths():
+    """At DeepSeek's widths (rank 512, rope 64, nope 128, values 128) a fresh 512-token chunk, or
+    one over a prefix as long, is up-projected; a short chunk over a long cached prefix stays
+    absorbed (making every prefix token's keys would cost more than the wider attention)."""
+    attn = SimpleNamespace(rank=512, rope_dim=64, nope=128, v_dim=128)
+    batch = SimpleNamespace(batch_invariant=False, prefills=[
+        SimpleNamespace(num_tokens=512, context_len=512), SimpleNamespace(num_tokens=512, context_len=1024),
+        SimpleNamespace(num_tokens=16, context_len=1040), SimpleNamespace(num_tokens=64, context_len=2112)])
+    assert mla_prefill.up_projected_spans(attn, batch) == {0, 1}
+    batch.batch_invariant = True
+    assert mla_prefill.up_projected_spans(attn, batch) == set()
 
 
 @pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
