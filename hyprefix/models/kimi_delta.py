@@ -184,6 +184,13 @@ class KimiDeltaAttention(nn.Module):
         return out.view(o.shape[0], self.d.qkv_dim)
 
 
+# Bytes of decays one batch of segments may take (float32 [S, H, Q, SUB, K] pairwise and
+# [S, H, Q / SUB, Q, K] across sub-chunks, ``_pair_scores``): the segments of a batch share each
+# op, so a prefill runs a few dozen ops a batch plus a few a segment.
+PAIR_BYTES = 64 << 20
+SUB = 8  # tokens of a sub-chunk, within which the decays are pairwise (``_pair_scores``)
+
+
 def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              h0: torch.Tensor, chunk: int,
              cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -196,38 +203,115 @@ def kda_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     Within a segment, with cs_t = cumsum g (per channel) from its start and
     D[t, j] = exp(cs_t - cs_j) (a vector over channels, j <= t), the deltas u solve
     ``(I + L) u = beta v - beta (exp(cs) * k) h0`` with L[t, j] = beta_t k_t . (D[t, j] * k_j)
-    for j < t (unit lower triangular); ``o_t = (exp(cs_t) * q_t) h0 + sum_{j<=t} q_t . (D[t, j] *
-    k_j) u_j``; the state after it is ``exp(cs_Q) * h0 + sum_j (exp(cs_Q - cs_j) * k_j) u_j^T``.
+    for j < t (unit lower triangular): u = u0 - w h0 with u0 = (I + L)^-1 beta v and
+    w = (I + L)^-1 beta (exp(cs) * k), which depend on the segment alone; ``o_t = (exp(cs_t) *
+    q_t) h0 + sum_{j<=t} q_t . (D[t, j] * k_j) u_j``; the state after it is ``exp(cs_Q) * h0 +
+    sum_j (exp(cs_Q - cs_j) * k_j) u_j^T``.
 
     Why pairwise: factoring D[t, j] as exp(cs_t) exp(-cs_j), as a per-head decay allows, fails
     with per-channel decays: one channel's cumulative decay over a chunk can pass float32's
     range (exp(-cs_j) overflows), while every factor used here is exp of a difference <= 0.
-    The cost is a [H, Q, Q, K] tensor a segment, so segments stay short (``KdaDims.chunk``).
+    The cost is O(Q^2 K) decays a segment, so segments stay short (``KdaDims.chunk``); within a
+    segment, only sub-chunks of ``SUB`` tokens are pairwise (``_pair_scores``).
+
+    Why batched: everything but the state's passage from segment to segment is computed for a
+    batch of segments at once (``_segment_terms``, up to ``PAIR_BYTES`` of pairwise decays), and
+    the sequential part is three small matmuls a segment. Token by token it was some twenty ops a
+    segment, each a parallel region: on a busy CPU every region waits for its threads, and the
+    per-segment ops of a long prefill dominated it.
     """
-    heads, n = k.shape[:2]
+    heads, n, kd = k.shape
+    segments = _segments(n, chunk, cuts)
+    most = _padded(chunk)
+    per_batch = max(1, PAIR_BYTES // (heads * kd * 4 * (most * SUB + most * most // SUB)))
+    # one zero token past the end: the padding of short segments (no decay, no key, no value)
+    q, k, v, g = (F.pad(x, (0, 0, 0, 1)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, 1))
     o = v.new_empty(heads, n, v.shape[-1])
     h = h0.to(q.dtype)
     cut_set = set(cuts)
     tapped: dict[int, torch.Tensor] = {}
-    start = 0
-    while start < n:
-        end = min(start + chunk, n, *(c for c in cut_set if c > start))
-        qs, ks, vs, gs = (x[:, start:end] for x in (q, k, v, g))
-        bs = beta[:, start:end]
-        size = end - start
-        cs = torch.cumsum(gs, dim=1)  # [H, Q, K]
-        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu_(1)  # j > t
-        decay = (cs[:, :, None, :] - cs[:, None, :, :]).masked_fill_(later[:, :, None], float("-inf")).exp_()
-        weighted = decay.mul_(ks[:, None, :, :])  # [H, t, j, K]: D[t, j] * k_j
-        kk = (weighted @ ks[..., None]).squeeze(-1)  # [H, t, j]: k_t . (D[t, j] * k_j)
-        qk = (weighted @ qs[..., None]).squeeze(-1)
-        lower = kk * bs[:, :, None]  # the solve reads below the diagonal only
-        rhs = bs[:, :, None] * (vs - (ks * torch.exp(cs)) @ h)
-        u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [H, Q, V]
-        o[:, start:end] = (qs * torch.exp(cs)) @ h + qk @ u
-        last = cs[:, -1:, :]  # [H, 1, K]
-        h = h * torch.exp(last).transpose(1, 2) + (ks * torch.exp(last - cs)).transpose(1, 2) @ u
-        if end in cut_set:
-            tapped[end] = h.clone()
-        start = end
+    for b0 in range(0, len(segments), per_batch):
+        batch = segments[b0:b0 + per_batch]
+        idx = torch.full((len(batch), _padded(max(end - start for start, end in batch))), n, dtype=torch.long)
+        for row, (start, end) in enumerate(batch):  # [S, Q]: each segment's tokens, then the zero token
+            idx[row, :end - start] = torch.arange(start, end)
+        idx = idx.to(q.device)
+        u0, w, qk, qg, to_end, decay_end = _segment_terms(*(x[:, idx] for x in (q, k, v, g, beta)))
+        starts = torch.empty(len(batch), heads, kd, h.shape[-1], dtype=h.dtype, device=h.device)
+        u = torch.empty_like(u0)
+        for row, (_, end) in enumerate(batch):
+            starts[row] = h
+            torch.baddbmm(u0[row], w[row], h, alpha=-1, out=u[row])
+            h = torch.baddbmm(h * decay_end[row][:, :, None], to_end[row], u[row])
+            if end in cut_set:
+                tapped[end] = h
+        out = (qg @ starts + qk @ u).transpose(0, 1).reshape(heads, -1, o.shape[-1])  # [H, S * Q, V]
+        valid = (idx < n).flatten().nonzero().squeeze(1)
+        o.index_copy_(1, idx.flatten().index_select(0, valid), out.index_select(1, valid))
     return o, h, [tapped[c] for c in cuts]
+
+
+def _padded(size: int) -> int:
+    """A segment's length padded to whole sub-chunks."""
+    return -(-size // SUB) * SUB
+
+
+def _segments(n: int, chunk: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each segment: every ``chunk`` tokens, and ending at every cut."""
+    out, start = [], 0
+    while start < n:
+        end = min(start + chunk, n, *(c for c in cuts if c > start))
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _segment_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What ``kda_scan`` needs of a batch of S segments apart from the state: inputs [H, S, Q, *]
+    (beta [H, S, Q]; short segments padded with zero tokens at the end, Q a multiple of ``SUB``)
+    -> u0 [S, H, Q, V] and w [S, H, Q, K] (the deltas are u0 - w h), qk [S, H, Q, Q] (q_t .
+    (D[t, j] * k_j), j <= t), qg = exp(cs) * q [S, H, Q, K], to_end = (exp(cs_Q - cs) * k)^T
+    [S, H, K, Q] and decay_end = exp(cs_Q) [S, H, K]; segment-major, so each segment's terms are
+    contiguous."""
+    q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))  # [S, H, Q, *]
+    bs = beta.transpose(0, 1)[..., None]  # [S, H, Q, 1]
+    cs = torch.cumsum(g, dim=2)
+    kk, qk = _pair_scores(q, k, cs)
+    lower = kk * bs  # the solve reads below the diagonal only
+    grown = torch.exp(cs)
+    rhs = torch.cat((bs * v, bs * (k * grown)), dim=-1)
+    u0, w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], k.shape[-1]], dim=-1)
+    last = cs[:, :, -1:, :]  # the padding decays nothing: the segment's own end
+    to_end = (k * torch.exp(last - cs)).transpose(2, 3).contiguous()
+    return u0.contiguous(), w.contiguous(), qk, q * grown, to_end, torch.exp(last).squeeze(2)
+
+
+def _pair_scores(q: torch.Tensor, k: torch.Tensor, cs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_t . (D[t, j] * k_j) and q_t . (D[t, j] * k_j) for j <= t (0 above the diagonal; the
+    diagonal of the first is not used), from q, k and cs [S, H, Q, K] -> [S, H, Q, Q] each.
+
+    Q splits into sub-chunks of ``SUB`` tokens. Within one, D is formed pairwise; for j before
+    sub-chunk A's first token r <= t, D[t, j] = exp(cs_t - cs_r) exp(cs_r - cs_j), both
+    exponents <= 0 (cs falls), so those scores are matmuls of (x_t exp(cs_t - cs_r)) and (k_j
+    exp(cs_r - cs_j)): pairwise decays a quarter the size at Q = 32, and most of the work GEMMs."""
+    s, h, size, kd = k.shape
+    n_sub = size // SUB
+    sub_k, sub_q, sub_cs = (x.view(s, h, n_sub, SUB, kd) for x in (k, q, cs))
+    ref = sub_cs[:, :, :, :1, :]  # [S, H, A, 1, K]: cs at each sub-chunk's first token
+    inside = torch.exp(sub_cs - ref)
+    first = torch.arange(n_sub, device=k.device)[:, None] * SUB
+    before = torch.arange(size, device=k.device)[None, :] < first  # [A, Q]: j before sub-chunk A
+    back = (ref - cs[:, :, None, :, :]).masked_fill_(~before[:, :, None], float("-inf")).exp_()
+    right = back.mul_(k[:, :, None, :, :]).transpose(-1, -2)  # [S, H, A, K, Q]
+    kk = ((sub_k * inside) @ right).view(s, h, size, size)
+    qk = ((sub_q * inside) @ right).view(s, h, size, size)
+    later = torch.ones(SUB, SUB, dtype=torch.bool, device=k.device).triu_(1)  # j > t
+    pair = (sub_cs[..., :, None, :] - sub_cs[..., None, :, :]).masked_fill_(later[:, :, None], float("-inf")).exp_()
+    weighted = pair.mul_(sub_k[..., None, :, :])  # [S, H, A, t, j, K]: D[t, j] * k_j within a sub-chunk
+    for scores, x in ((kk, sub_k), (qk, sub_q)):
+        blocks = scores.view(s, h, n_sub, SUB, n_sub, SUB).diagonal(dim1=2, dim2=4)  # [S, H, t, j, A]
+        blocks += (weighted @ x[..., None]).squeeze(-1).permute(0, 1, 3, 4, 2)
+    return kk, qk

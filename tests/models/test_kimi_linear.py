@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hyprefix import LLM, SamplingParams
-from hyprefix.kernels import recurrent_decode
-from hyprefix.models.kimi_delta import kda_scan
+from hyprefix.kernels import quant_linear, recurrent_decode
+from hyprefix.models import kimi_delta
+from hyprefix.models.fused_moe import Experts
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
 from tests.support.models import save_tiny_checkpoint
@@ -34,11 +35,12 @@ def _config(**changes):
     from transformers import KimiLinearConfig
 
     # KDA / MLA / KDA / KDA; dense, dense, then MoE layers: 8 experts top 2 within 2 of 4 groups,
-    # renormalised and scaled, a shared expert; MLA value heads wider than the keys' nope part
+    # renormalised and scaled, a shared expert; MLA value heads wider than the keys' nope part, both
+    # whole Q8_0 blocks and 16-row tiles (so a Q8_0 file's W_UK / W_UV keep their blocks)
     fields = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                   routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
-                  qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, num_experts_per_tok=2,
+                  qk_nope_head_dim=32, v_head_dim=48, n_group=4, topk_group=2, num_experts_per_tok=2,
                   num_local_experts=8, layer_types=KINDS, mlp_layer_types=["dense", "dense", "sparse", "sparse"],
                   linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, eos_token_id=2, bos_token_id=0,
                   pad_token_id=0, initializer_range=0.2, max_position_embeddings=1024)
@@ -81,11 +83,13 @@ def kimi(tmp_path_factory) -> tuple[Path, object]:
 
 
 @pytest.fixture(scope="module")
-def kimi_gguf(kimi, llama_converter, tmp_path_factory) -> Path:
-    """The f32 ``kimi-linear`` file; the converter reads the expert group count as ``n_group``
-    (the hub's config calls it ``num_expert_group``), so it is given that key."""
-    out = tmp_path_factory.mktemp("kimi-gguf") / "kimi.gguf"
-    run_converter(llama_converter, [(["--outtype", "f32", "--outfile", str(out), str(kimi[0])], [], {"n_group": 4})])
+def kimi_ggufs(kimi, llama_converter, tmp_path_factory) -> dict[str, Path]:
+    """outtype (f32, q8_0) -> the ``kimi-linear`` file; the converter reads the expert group count
+    as ``n_group`` (the hub's config calls it ``num_expert_group``), so it is given that key."""
+    root = tmp_path_factory.mktemp("kimi-gguf")
+    out = {kind: root / f"kimi-{kind}.gguf" for kind in ("f32", "q8_0")}
+    run_converter(llama_converter, [(["--outtype", kind, "--outfile", str(path), str(kimi[0])], [], {"n_group": 4})
+                                    for kind, path in out.items()])
     return out
 
 
@@ -94,12 +98,12 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_greedy_matches_transformers(kimi, kimi_gguf, source):
+def test_greedy_matches_transformers(kimi, kimi_ggufs, source):
     """float32 greedy tokens equal transformers' with 32 tokens a step (the 57-token prompt in two
     chunks); the cache holds one latent per MLA layer and token, and one conv window plus one
     [heads, dim, dim] state per KDA layer and sequence."""
     path, hf = kimi
-    llm = LLM(str(path if source == "hf" else kimi_gguf), dtype="float32", num_kv_blocks=64, block_size=16,
+    llm = LLM(str(path if source == "hf" else kimi_ggufs["f32"]), dtype="float32", num_kv_blocks=64, block_size=16,
               max_num_batched_tokens=32, log_stats_interval=0)
     model = llm.engine.runner.model
     assert type(model).__name__ == "KimiLinearForCausalLM"
@@ -156,6 +160,33 @@ def test_decode_steps_run_compiled(kimi):
     llm.check_invariants()
 
 
+@pytest.mark.skipif(not quant_linear.available(), reason="the quant kernels do not run on this CPU")
+def test_q8_0_file_keeps_its_blocks(kimi_ggufs):
+    """A Q8_0 ``kimi-linear`` file: the KDA layers' stacked in_proj and o_proj, the MLA layers'
+    projections and per-head W_UK / W_UV stacks (``attn_k_b`` / ``attn_v_b``), the MLPs, the
+    expert stacks and the LM head stay in the file's blocks (the gates' f_b / g_b, 16 columns, are
+    F16 in the file: less than one block); prefix hits on and off give the same greedy tokens."""
+    kwargs = dict(dtype="float32", num_kv_blocks=64, block_size=16, log_stats_interval=0)
+    cached = LLM(str(kimi_ggufs["q8_0"]), **kwargs)
+    model = cached.engine.runner.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(e.forms.quant is not None and not e.weight.numel() for e in experts)
+    blocks = [model.lm_head]
+    for layer in model.layers:
+        mixer = layer.mixer
+        blocks += [mixer.in_proj, mixer.o_proj] if layer.kind == "linear_attention" else [
+            mixer.q_proj, mixer.kv_a, mixer.o_proj, mixer.w_uk, mixer.w_uv]
+        assert layer.kind == "full_attention" or mixer.f_b.forms.quantized is None
+        mlp = layer.mlp
+        blocks += [mlp.gate_up, mlp.down] if hasattr(mlp, "gate_up") else [mlp.shared.gate_up, mlp.shared.down]
+    assert all(m.forms.quantized is not None and not m.weight.numel() for m in blocks)
+    prompts = random_prompts((3, 40), seed=7)
+    first = _tokens(cached, prompts)
+    again = cached.generate([prompts[-1]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first[-1]
+    assert _tokens(LLM(str(kimi_ggufs["q8_0"]), **kwargs, enable_prefix_caching=False), prompts) == first
+
+
 def _oracle(q, k, v, g, beta, h0):
     """The KDA rule one token at a time, float64, head-major inputs ([H, n, *])."""
     q, k, v, g, beta, h = (x.double() for x in (q, k, v, g, beta, h0))
@@ -169,11 +200,16 @@ def _oracle(q, k, v, g, beta, h0):
     return torch.stack(outs, dim=1), states
 
 
-@pytest.mark.parametrize(("chunk", "cuts"), [(32, []), (32, [16, 45, 160]), (64, [1, 200])])
-def test_scan_matches_token_by_token_recurrence(chunk, cuts):
+@pytest.mark.parametrize(("chunk", "cuts", "pair_bytes"), [(32, [], None), (32, [16, 45, 160], 1), (64, [1, 200], None),
+                                                          (20, [45], None)])
+def test_scan_matches_token_by_token_recurrence(chunk, cuts, pair_bytes, monkeypatch):
     """200 tokens, 3 heads, per-channel log decays from -0.002 to about -150 a token (cumulative
     decays that leave float32's range within a chunk, where exp(cs) exp(-cs) would overflow), a
-    nonzero initial state; the taps equal the recurrence's states after those tokens."""
+    nonzero initial state; the taps equal the recurrence's states after those tokens. Segments
+    cut short and chunks that are not whole sub-chunks are padded; ``pair_bytes`` 1 makes each
+    segment a batch of its own."""
+    if pair_bytes is not None:
+        monkeypatch.setattr(kimi_delta, "PAIR_BYTES", pair_bytes)
     g_ = torch.Generator().manual_seed(0)
     heads, n, dim = 3, 200, 16
     q, k = (torch.nn.functional.normalize(torch.randn(heads, n, dim, generator=g_), dim=-1) for _ in range(2))
@@ -181,7 +217,7 @@ def test_scan_matches_token_by_token_recurrence(chunk, cuts):
     g = -torch.exp(torch.empty(heads, n, dim).uniform_(-6, 5, generator=g_))
     beta = torch.rand(heads, n, generator=g_)
     h0 = torch.randn(heads, dim, dim, generator=g_)
-    o, h, tapped = kda_scan(q, k, v, g, beta, h0, chunk, cuts)
+    o, h, tapped = kimi_delta.kda_scan(q, k, v, g, beta, h0, chunk, cuts)
     assert torch.isfinite(o).all()
     ref, states = _oracle(q, k, v, g, beta, h0)
     assert (o.double() - ref).abs().max().item() < 1e-4
