@@ -28,7 +28,7 @@ Gemma 3) read it through the window tables, slots and first positions, inputs of
 the main tables are; the window tables are padded to the main tables' width, so one symbolic
 width serves both (a window table is never the wider: it is a suffix of the same context).
 
-Models with recurrent layers (Mamba2, Gated DeltaNet) compile where their fused decode ops run
+Models with recurrent layers (Mamba2, Gated DeltaNet, KDA) compile where their fused decode ops run
 (``CausalLM.decode_graph_capable``): the graph takes the live states and each row's slot, and
 calls the ops, which advance the states in place, as extern kernels between the matmuls.
 Checkpoint taps are copies of a live state after the step, so they are made after the graph
