@@ -8,7 +8,8 @@
 //   first_pos    [B] int64 or None (0): slot j holds position j + first_pos[b]
 //   window       0, or a sliding window: slot j is visible when its position is
 //                < context_lens[b] and, with a window, >= context_lens[b] - window
-//   -> out [B, H, D] in q's dtype, lse [B, H] float32 (-inf where a row sees no key, with out 0)
+//   v_dim        0, or each head's output is the first v_dim values of its attention
+//   -> out [B, H, v_dim or D] in q's dtype, lse [B, H] float32 (-inf where a row sees no key, with out 0)
 //
 // A task is one row and one run of whole blocks of its visible keys, every KV head: a block's
 // K (then V) rows of all heads lie together, so the task reads each block as one contiguous
@@ -18,6 +19,15 @@
 // accumulators in registers for a head dim of 64, 128 or 256. Threads take runs from a shared
 // counter; partial results merge through their max and sum (the log-sum-exp). A very short
 // context runs on the calling thread.
+//
+// A latent cache (MLA: v_cache is k_cache, the same memory, and one KV head of D values,
+// DeepSeek's [c, k_pe], 576) takes its own arithmetic in the same tasks and merge (latent_attention.h):
+// each key row is read once for all H query heads, scores [H, n] = Q K^T and out[H, :v_dim] +=
+// P K[:, :v_dim] as register-tiled GEMMs over chunks of rows with an online softmax between, and
+// only the v_dim values (the latent c) are accumulated, merged and returned. Its runs hold at
+// least latent::kRunWork (key, head) pairs: the work is compute, not load latency (the fixed
+// runs of run_blocks > 0 as they are). Another cache with v_dim set computes every value and
+// returns the first v_dim.
 //
 //   run_blocks   0: runs as above, sized by the thread count and the widest row; > 0 (the
 //                batch-invariant mode): runs of that many blocks at fixed positions, so a row's
@@ -44,7 +54,7 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
       Scratch w;
       for (int64_t i = next.fetch_add(1); i < s.rows; i = next.fetch_add(1)) {
         const int64_t b = s.rows - 1 - i;
-        work.row(b, w, out + b * s.heads * s.dim, lse + b * s.heads);
+        work.row(b, w, out + b * s.heads * s.vd(), lse + b * s.heads);
       }
     });
     return;
@@ -59,17 +69,17 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
       for (int64_t t = next.fetch_add(1); t < work.tasks; t = next.fetch_add(1)) work.task(t, w);
     });
   }
-  std::vector<float> merged(s.dim);
+  std::vector<float> merged(s.vd());
   for (int64_t b = 0; b < s.rows; ++b)
     for (int64_t head = 0; head < s.heads; ++head)
-      work.merge(b, head, out + (b * s.heads + head) * s.dim, lse + b * s.heads + head, merged.data());
+      work.merge(b, head, out + (b * s.heads + head) * s.vd(), lse + b * s.heads + head, merged.data());
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& tables,
                                                     const at::Tensor& context_lens,
                                                     const std::optional<at::Tensor>& first_pos, double scale,
-                                                    int64_t window, int64_t run_blocks) {
+                                                    int64_t window, int64_t run_blocks, int64_t v_dim) {
   TORCH_CHECK(run_blocks >= 0, "decode_attention: run_blocks must be >= 0");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "decode_attention: q must be [rows, heads, dim] and the caches [blocks, block_size, kv_heads, dim]");
@@ -79,6 +89,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
               "decode_attention: the caches must be contiguous and q's head dim too");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "decode_attention: head dims or head counts do not match");
+  TORCH_CHECK(v_dim >= 0 && v_dim <= q.size(2), "decode_attention: v_dim must be in [0, head dim]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.stride(1) == 1 &&
                   tables.scalar_type() == at::kLong,
               "decode_attention: tables must be int64 [rows, width] with contiguous rows");
@@ -94,9 +105,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   }
   Shape s{q.size(0), q.size(1), q.size(2), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1),
           tables.size(1), q.stride(0), q.stride(1), tables.stride(0), window, static_cast<float>(scale)};
-  at::Tensor out = at::empty({s.rows, s.heads, s.dim}, q.options());
+  // K is V (the same memory) with one KV head: a latent cache, whose rows every head reads once.
+  s.latent = k_cache.data_ptr() == v_cache.data_ptr() && s.kv_heads == 1;
+  s.value_dim = v_dim;
+  const int64_t width = v_dim > 0 ? v_dim : s.dim;
+  at::Tensor out = at::empty({s.rows, s.heads, s.vd()}, q.options());
   at::Tensor lse = at::empty({s.rows, s.heads}, q.options().dtype(at::kFloat));
-  if (s.rows == 0) return {out, lse};
+  if (s.rows == 0) return {at::empty({0, s.heads, width}, q.options()), lse};
   auto run = [&](auto tag) {
     using T = decltype(tag);
     attend(s, q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
@@ -109,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
     case at::kHalf: run(c10::Half{}); break;
     default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only");
   }
+  if (s.vd() != width) out = out.narrow(2, 0, width).contiguous();  // another cache: its heads' first v_dim
   return {out, lse};
 }
 
@@ -116,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 
 TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor context_lens, "
-        "Tensor? first_pos, float scale, int window, int run_blocks=0) -> (Tensor, Tensor)");
+        "Tensor? first_pos, float scale, int window, int run_blocks=0, int v_dim=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyprefix, CPU, m) { m.impl("decode_attention", &decode_attention); }

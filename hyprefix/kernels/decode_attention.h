@@ -12,6 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "latent_attention.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -63,6 +65,11 @@ struct Shape {
   int64_t q_b, q_h, t_b;  // strides (elements)
   int64_t window;
   float scale;
+  // A latent cache (K is V, one KV head: latent_attention.h) and the values a head's output
+  // takes from each row there, the first value_dim (0: all dim); elsewhere every head's dim.
+  bool latent = false;
+  int64_t value_dim = 0;
+  int64_t vd() const { return latent && value_dim > 0 ? value_dim : dim; }
 };
 
 // Row b's visible key slots [lo, hi).
@@ -82,7 +89,7 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 
 // One task's result, per query head of the row (H of them): sum_j exp(s_j - max) v_j, max, sum.
 struct Partial {
-  float* acc;  // [H, D]
+  float* acc;  // [H, Shape::vd()]
   float* max;  // [H]
   float* sum;  // [H]
 };
@@ -260,6 +267,7 @@ struct Scratch {  // one thread's buffers for its tasks
   std::vector<float> qs, scores, row;
   std::vector<float> run_acc, run_max, run_sum, merged;  // a whole row's runs (DecodeWork::row)
   Prefetcher ahead;  // what to prefetch meanwhile (set by DecodeModel; none elsewhere)
+  latent::Scratch latent;
 };
 
 // A fixed plan (DecodeWork with fixed_run_blocks) gives each thread whole rows, a row's runs in
@@ -304,22 +312,24 @@ struct DecodeWork {
     for (int64_t b = 0; b < s.rows; ++b) {
       visible(s, context_lens[b], first_pos ? first_pos[b] : 0, lo[b], hi[b]);
       if (hi[b] <= lo[b]) continue;
-      work += (hi[b] - lo[b]) * s.kv_heads;
+      work += (hi[b] - lo[b]) * (s.latent ? s.heads : s.kv_heads);
       widest = std::max(widest, (hi[b] - 1) / bs - lo[b] / bs + 1);
     }
-    serial = work < kSerialWork || threads == 1;
+    serial = work < (s.latent ? 2 * latent::kRunWork : kSerialWork) || threads == 1;
     if (fixed > 0) {
       plan_fixed(threads, whole_rows);
       return;
     }
     // Runs of whole blocks: about kRunsPerThread a thread, taken as threads free up (the widest
     // row's runs all hold keys; a shorter row's last ones may be empty).
-    const int64_t want =
+    int64_t want =
         serial ? 1 : std::max<int64_t>(1, std::min(widest, (kRunsPerThread * threads + s.rows - 1) / s.rows));
+    if (s.latent)  // runs of at least kRunWork (key, head) pairs
+      want = std::min(want, std::max<int64_t>(1, widest * bs * s.heads / latent::kRunWork));
     run_blocks = std::max<int64_t>(1, (widest + want - 1) / want);
     runs = std::max<int64_t>(1, (widest + run_blocks - 1) / run_blocks);
     tasks = s.rows * runs;
-    acc.resize(tasks * s.heads * s.dim);
+    acc.resize(tasks * s.heads * s.vd());
     max.resize(tasks * s.heads);
     sum.resize(tasks * s.heads);
   }
@@ -341,7 +351,7 @@ struct DecodeWork {
     tasks = row_task[s.rows];
     per_row = whole_rows && !serial && s.rows >= kRowsPerThread * threads;
     if (!per_row) {
-      acc.resize(tasks * s.heads * s.dim);
+      acc.resize(tasks * s.heads * s.vd());
       max.resize(tasks * s.heads);
       sum.resize(tasks * s.heads);
     }
@@ -369,15 +379,15 @@ struct DecodeWork {
   }
 
   void task(int64_t t, Scratch& w) {
-    const int64_t d = s.dim, heads = s.heads;
+    const int64_t d = s.vd(), heads = s.heads;
     int64_t b, j0, j1;
     task_slots(t, b, j0, j1);
     partial(b, j0, j1, Partial{acc.data() + t * heads * d, max.data() + t * heads, sum.data() + t * heads}, w);
   }
 
-  // Fixed plan, per_row: row b whole (its runs in order, then merged) into dst [H, D] and lse [H].
+  // Fixed plan, per_row: row b whole (its runs in order, then merged) into dst [H, vd] and lse [H].
   void row(int64_t b, Scratch& w, T* dst, float* lse) {
-    const int64_t d = s.dim, heads = s.heads, n = row_task[b + 1] - row_task[b];
+    const int64_t d = s.vd(), heads = s.heads, n = row_task[b + 1] - row_task[b];
     w.run_acc.resize(n * heads * d);
     w.run_max.resize(n * heads);
     w.run_sum.resize(n * heads);
@@ -401,16 +411,22 @@ struct DecodeWork {
       std::fill_n(p.sum, heads, 0.0f);
       return;
     }
+    const int64_t* table = tables + b * s.t_b;
+    if (s.latent) {  // k_cache is v_cache, one KV head: every head from one read of each row
+      latent::Task<T> run(w.latent, q + b * s.q_b, s.q_h, s.scale, heads, d, s.vd(), p.acc);
+      each_block(s, table, j0, j1, [&](int64_t, int64_t count, int64_t off) { run.rows(k_cache + off, count); });
+      run.finish(p.max, p.sum);
+      return;
+    }
     w.qs.resize(heads * d);
-    w.row.resize(d);
-    w.scores.resize(heads * (j1 - j0));
     for (int64_t head = 0; head < heads; ++head) {
       float* qh = w.qs.data() + head * d;
       to_float(q + b * s.q_b + head * s.q_h, qh, d);
       at::vec::map([&](Vec x) { return x * Vec(s.scale); }, qh, qh, d);
     }
-    const int64_t* table = tables + b * s.t_b;
     const float* qs = w.qs.data();
+    w.row.resize(d);
+    w.scores.resize(heads * (j1 - j0));
     float* scores = w.scores.data();
     switch (d) {
       case 64: run_fixed<64>(s, qs, k_cache, v_cache, table, j0, j1, scores, p, w.ahead); break;
@@ -421,18 +437,18 @@ struct DecodeWork {
   }
 
   // Row b's runs merged for one head: out = sum_r acc_r e^(max_r - M) / sum_r sum_r e^(max_r - M),
-  // into dst [D] (q's dtype) and its log-sum-exp; `merged`: D floats of scratch.
+  // into dst [vd] (q's dtype) and its log-sum-exp; `merged`: vd floats of scratch.
   void merge(int64_t b, int64_t head, T* dst, float* lse, float* merged) const {
-    const int64_t d = s.dim, heads = s.heads;
+    const int64_t d = s.vd(), heads = s.heads;
     const int64_t first = fixed > 0 ? row_task[b] : b * runs, n = fixed > 0 ? row_task[b + 1] - first : runs;
     merge_runs(acc.data() + first * heads * d, max.data() + first * heads, sum.data() + first * heads, n, head, dst,
                lse, merged);
   }
 
-  // merge over `runs` partials, run r's at part_acc [r][H][D], part_max and part_sum [r][H].
+  // merge over `runs` partials, run r's at part_acc [r][H][vd], part_max and part_sum [r][H].
   __attribute__((noinline)) void merge_runs(const float* part_acc, const float* part_max, const float* part_sum,
                                             int64_t runs, int64_t head, T* dst, float* lse, float* merged) const {
-    const int64_t d = s.dim, heads = s.heads;
+    const int64_t d = s.vd(), heads = s.heads;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < runs; ++r) top = std::max(top, part_max[r * heads + head]);
     float total = 0.0f;

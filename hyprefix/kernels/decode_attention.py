@@ -39,9 +39,9 @@ def available(dtype: torch.dtype) -> bool:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None,
                      first_pos: torch.Tensor | None = None,
-                     run_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     run_blocks: int = 0, v_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, D] over caches [blocks, block_size, KVH, D] (contiguous, q's dtype) through
-    ``tables`` [B, W] -> (out [B, H, D] in q's dtype, float32 log-sum-exp [B, H]).
+    ``tables`` [B, W] -> (out [B, H, v_dim or D] in q's dtype, float32 log-sum-exp [B, H]).
 
     Row b's table slot j holds position ``j + first_pos[b]`` (first_pos None: 0) and is
     visible when that is before ``context_lens[b]`` and, with a ``window``, no more than
@@ -49,13 +49,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``run_blocks`` > 0 (the batch-invariant mode): a row's keys are split into runs of that
     many blocks at fixed positions and merged in order, so its result is the same bits whatever
     the other rows and the threads; 0: runs sized by the threads and the batch.
+    ``v_dim``: each head's output is the first ``v_dim`` values of its attention (None: all D).
+    A latent cache (MLA: ``v_cache`` is ``k_cache``, one KV head) takes its own path, which reads
+    each key row once for every query head and weighs only those first ``v_dim`` values of
+    each row (``latent_attention.h``).
     Call only where ``available(q.dtype)``."""
     return torch.ops.hyprefix.decode_attention(q, k_cache, v_cache, tables, context_lens, first_pos, scale,
-                                               window or 0, run_blocks)
+                                               window or 0, run_blocks, v_dim or 0)
 
 
 def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
           context_lens: torch.Tensor, first_pos: torch.Tensor | None, scale: float,
-          window: int, run_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+          window: int, run_blocks: int = 0, v_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs' shapes and dtypes, for torch.compile."""
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return (q.new_empty((q.shape[0], q.shape[1], v_dim or q.shape[2])),
+            q.new_empty(q.shape[:2], dtype=torch.float32))

@@ -46,6 +46,7 @@ def paged_attention(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None = None,
+    v_dim: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend.
 
@@ -53,10 +54,12 @@ def paged_attention(
     ``sinks`` [H] (gpt-oss): a logit per head that joins every softmax's denominator and
     attends to nothing; applied once to each row's whole attention, after any split of its
     keys is merged (``_sunk``), so a cached prefix or a cascade segment never counts it twice.
-    Returns [T, H, D] in the batch's token order (decodes first, then prefills).
+    ``v_dim`` (MLA's latent cache: its first ``kv_lora_rank`` values): each head's output is the
+    first ``v_dim`` values of its attention; the decode kernel then weighs only those.
+    Returns [T, H, v_dim or D] in the batch's token order (decodes first, then prefills).
     """
     write_kv(k, v, k_cache, v_cache, batch, window)
-    return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks)
+    return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -77,25 +80,29 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            batch: ForwardBatch, scale: float, window: int | None, sinks: torch.Tensor | None = None,
-           spans: set[int] | None = None) -> torch.Tensor:
+           spans: set[int] | None = None, v_dim: int | None = None) -> torch.Tensor:
     """``paged_attention`` after its write: the decode rows, then each prefill span (those in
     ``spans`` alone where given: their rows, in order, follow the decode rows in the result)."""
     if batch.batch_invariant:
         tables, context_lens, first_pos = batch.query_tables(window)
         out, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, window, first_pos,
-                                                  run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size))
+                                                  run_blocks=max(1, INVARIANT_RUN_TOKENS // batch.block_size),
+                                                  v_dim=v_dim)
         return out if sinks is None else _sunk(out, lse, sinks)
     outs: list[torch.Tensor] = []
     if batch.num_decode:
-        outs.append(_decode_rows(q[:batch.num_decode], k_cache, v_cache, batch, window, scale, sinks))
-    outs += _prefill_spans(q, k, v, k_cache, v_cache, batch, window, scale, sinks, spans)
+        outs.append(_decode_rows(q[:batch.num_decode], k_cache, v_cache, batch, window, scale, sinks, v_dim))
+    prefills = _prefill_spans(q, k, v, k_cache, v_cache, batch, window, scale, sinks, spans)
+    outs += prefills if v_dim is None else [o[..., :v_dim] for o in prefills]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                 window: int | None, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """The decode rows' attention (q [n, H, D], one query token a row) through their block
-    tables: in place by the decode kernel, by a cascade plan's segments, or gathered and padded."""
+                 window: int | None, scale: float, sinks: torch.Tensor | None,
+                 v_dim: int | None = None) -> torch.Tensor:
+    """The decode rows' attention (q [n, H, D], one query token a row; the first ``v_dim`` values
+    of each head's output where given) through their block tables: in place by the decode kernel
+    (a latent cache by its own path there), by a cascade plan's segments, or gathered and padded."""
     n, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     view = batch.kv_view(window)
     # One query token per sequence: fold the query heads of a KV group into the
@@ -110,7 +117,8 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         od, lse = _cascade_decode(qd, k_cache, v_cache, cascade, scale, in_place)
     elif in_place:  # every row's blocks read where they lie, through its table
         od, lse = decode_kernel.decode_attention(q, k_cache, v_cache, tables, batch.decode_context_lens,
-                                                 scale, window, view.decode_first_pos if view is not None else None)
+                                                 scale, window, view.decode_first_pos if view is not None else None,
+                                                 v_dim=v_dim)
     else:
         kd, vd = _gather_blocks(k_cache, v_cache, tables)
         if sinks is not None:
@@ -119,7 +127,7 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             od = _reduction_attention(qd, kd, vd, batch.decode_mask(window), scale)
         else:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask(window), scale=scale)
-    od = od.reshape(n, -1, head_dim)
+    od = od.reshape(n, q.shape[1], -1)[..., :v_dim]  # v_dim None: all
     return od if sinks is None else _sunk(od, lse.reshape(n, -1), sinks)
 
 

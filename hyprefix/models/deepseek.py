@@ -113,7 +113,8 @@ class LatentAttention(nn.Module):
             out = out if rows is None else out[rows]
         else:
             query = torch.cat([per_head(q_nope, self.w_uk), pe[:, :-1]], dim=-1)
-            out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None)
+            out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None,
+                                  v_dim=self.rank)
             if rows is not None:
                 out = out[rows]
             out = per_head(out[..., :self.rank], self.w_uv)
@@ -129,7 +130,7 @@ class LatentAttention(nn.Module):
         kept = set(range(len(batch.prefills))) - up
         if batch.num_decode or kept:
             query = torch.cat([per_head(q_nope, self.w_uk), q_pe], dim=-1)
-            part = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=kept)
+            part = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=kept, v_dim=self.rank)
             spans = [span for i, span in enumerate(batch.prefills) if i in kept]
             rows = [torch.arange(batch.num_decode), *(torch.arange(s.token_start, s.token_start + s.num_tokens)
                                                       for s in spans)]
