@@ -141,3 +141,12 @@ def test_bad_inputs_are_refused():
                                     *params)
     with pytest.raises(RuntimeError, match="conv_state"):
         recurrent_decode.gdn_decode(proj, state.conv.bfloat16(), args[0], args[1], torch.tensor([0, 1]), *params)
+    kda = KdaDims(hidden=16, heads=2, head_dim=8, conv_kernel=4, eps=1e-6)
+    mixer = KimiDeltaAttention(kda, torch.float32, torch.device("cpu"))
+    _randomise(mixer, seed=0)
+    kda_state = _state(kda.state_shape, torch.float32, torch.float32, seed=0)
+    kda_proj, gates = torch.randn(2, sum(kda.proj_sizes)), torch.randn(2, kda.qkv_dim)
+    with pytest.raises(RuntimeError, match="forget and gate"):  # one row short
+        recurrent_decode.kda_decode(kda_proj, kda_state.conv, mixer.conv1d_weight, kda_state.matrix,
+                                    torch.tensor([0, 1]), gates[:1], gates, mixer.A_log, mixer.dt_bias,
+                                    mixer.norm_weight, 2, 8, 1e-6)
