@@ -18,13 +18,14 @@ the one-token recurrence batched over rows: fused in one call per layer where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyprefix.forward import ForwardBatch
+from hyprefix.forward import ForwardBatch, PrefillSpan
 from hyprefix.kernels import recurrent_decode
 from hyprefix.kernels.decay_scores import decay_scores
 from hyprefix.models.layers import Linear
@@ -98,14 +99,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = proj.split([d.conv_dim, d.value_dim, d.v_heads, d.v_heads], dim=-1)
         beta = torch.sigmoid(b.float())
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        o = torch.empty(t, d.v_heads, d.v_dim, dtype=torch.float32, device=x.device)
-        if fused:
-            o[:n_dec] = 0  # the fused op's rows replace theirs below
-        elif n_dec:
-            o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
-        for span in batch.prefills:
-            sl = span.token_slice
-            o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
+        o = delta_rows(batch, (t, d.v_heads, d.v_dim), x.device, fused,
+                       lambda n: self._decode(qkv[:n], g[:n], beta[:n], batch, state),
+                       lambda sl, span: self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps,
+                                                      state))
         y = self._gated_norm(o, z).to(x.dtype)
         if fused:
             y[:n_dec] = self._fused_decode(proj[:n_dec], batch, state)
@@ -141,16 +138,12 @@ class GatedDeltaNet(nn.Module):
         assert slots is not None
         conv, conv_states = conv_decode(state, slots, qkv, self.conv1d_weight, None)
         q, k, v = self._qkv(conv)
-        m, (heads, kd, vd) = q.shape[0], state.matrix.shape[1:]
         h = state.decode_matrices(slots, slot_range)  # [m, H, K, V], updated in place
-        flat = h.view(m * heads, kd, vd)
-        flat.mul_(torch.exp(g).view(-1, 1, 1))
-        delta = (v - torch.bmm(k.reshape(-1, 1, kd), flat).view(m, heads, vd)) * beta[:, :, None]
-        flat.baddbmm_(k.reshape(-1, kd, 1), delta.reshape(-1, 1, vd))
+        out = delta_rule_step(h, q, k, v, torch.exp(g)[..., None, None], beta)
         state.store_decode_matrices(h, slots, slot_range)
         for row, ckpt in batch.decode_state_taps:
             state.tap(ckpt, conv_states[row], h[row])
-        return torch.bmm(q.reshape(-1, 1, kd), flat).view(m, heads, vd)
+        return out
 
     def _prefill(self, qkv, g, beta, slot: int, taps: list[tuple[int, int]],
                  state: RecurrentLayerState) -> torch.Tensor:
@@ -170,6 +163,37 @@ class GatedDeltaNet(nn.Module):
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps)
         out = self.norm_weight.float() * normed * F.silu(z.float().view_as(o))
         return out.view(o.shape[0], d.value_dim)
+
+
+def delta_rows(batch: ForwardBatch, shape: tuple[int, int, int], device: torch.device, fused: bool,
+               decode: Callable[[int], torch.Tensor],
+               prefill: Callable[[slice, PrefillSpan], torch.Tensor]) -> torch.Tensor:
+    """A delta-rule mixer's outputs before its gated norm, float32 ``shape`` [T, heads, dim]: the
+    decode rows by ``decode(num_decode)`` (zeros where the fused op fills them after the norm),
+    each prefill span's by ``prefill(its token slice, span)`` (Gated DeltaNet, KDA)."""
+    o = torch.empty(shape, dtype=torch.float32, device=device)
+    n_dec = batch.num_decode
+    if fused:
+        o[:n_dec] = 0
+    elif n_dec:
+        o[:n_dec] = decode(n_dec)
+    for span in batch.prefills:
+        o[span.token_slice] = prefill(span.token_slice, span)
+    return o
+
+
+def delta_rule_step(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule for m rows, in place on the states h [m, H, K, V]:
+    ``h = decay h; h += k (beta (v - h^T k))^T``, then the readout h^T q [m, H, V]. q, k [m, H, K],
+    v [m, H, V], beta [m, H]; ``decay`` broadcasts over h: [m, H, 1, 1] a head (Gated DeltaNet),
+    [m, H, K, 1] a key channel (KDA)."""
+    m, heads, kd, vd = h.shape
+    h.mul_(decay)
+    flat = h.view(m * heads, kd, vd)
+    delta = (v - torch.bmm(k.reshape(-1, 1, kd), flat).view(m, heads, vd)) * beta[:, :, None]
+    flat.baddbmm_(k.reshape(-1, kd, 1), delta.reshape(-1, 1, vd))
+    return torch.bmm(q.reshape(-1, 1, kd), flat).view(m, heads, vd)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

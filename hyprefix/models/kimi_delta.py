@@ -29,6 +29,7 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import recurrent_decode
+from hyprefix.models.gated_deltanet import delta_rows, delta_rule_step
 from hyprefix.models.layers import Linear
 from hyprefix.models.recurrent_state import (
     LayerStateShape,
@@ -104,14 +105,10 @@ class KimiDeltaAttention(nn.Module):
             return self.o_proj(self._fused_decode(proj, forget, gate, batch, state))
         g = self.decay(forget)
         beta = torch.sigmoid(b.float())
-        o = torch.empty(t, d.heads, d.head_dim, dtype=torch.float32, device=x.device)
-        if fused:
-            o[:n_dec] = 0  # the fused op's rows replace theirs below
-        elif n_dec:
-            o[:n_dec] = self._decode(qkv[:n_dec], g[:n_dec], beta[:n_dec], batch, state)
-        for span in batch.prefills:
-            sl = span.token_slice
-            o[sl] = self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps, state)
+        o = delta_rows(batch, (t, d.heads, d.head_dim), x.device, fused,
+                       lambda n: self._decode(qkv[:n], g[:n], beta[:n], batch, state),
+                       lambda sl, span: self._prefill(qkv[sl], g[sl], beta[sl], span.state_slot, span.state_taps,
+                                                      state))
         y = self._gated_norm(o, gate).to(x.dtype)
         if fused:
             y[:n_dec] = self._fused_decode(proj[:n_dec], forget[:n_dec], gate[:n_dec], batch, state)
@@ -153,16 +150,12 @@ class KimiDeltaAttention(nn.Module):
         assert slots is not None
         conv, conv_states = conv_decode(state, slots, qkv, self.conv1d_weight, None)
         q, k, v = (x.transpose(0, 1) for x in self._qkv(conv))  # [m, H, dim]
-        m, (heads, kd, vd) = q.shape[0], state.matrix.shape[1:]
         h = state.decode_matrices(slots, slot_range)  # [m, H, K, V], updated in place
-        h.mul_(torch.exp(g)[..., None])
-        flat = h.view(m * heads, kd, vd)
-        delta = (v - torch.bmm(k.reshape(-1, 1, kd), flat).view(m, heads, vd)) * beta[:, :, None]
-        flat.baddbmm_(k.reshape(-1, kd, 1), delta.reshape(-1, 1, vd))
+        out = delta_rule_step(h, q, k, v, torch.exp(g)[..., None], beta)
         state.store_decode_matrices(h, slots, slot_range)
         for row, ckpt in batch.decode_state_taps:
             state.tap(ckpt, conv_states[row], h[row])
-        return torch.bmm(q.reshape(-1, 1, kd), flat).view(m, heads, vd)
+        return out
 
     def _prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int,
                  taps: list[tuple[int, int]], state: RecurrentLayerState) -> torch.Tensor:

@@ -20,7 +20,7 @@ from hyprefix.models import kimi_delta
 from hyprefix.models.fused_moe import Experts
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
-from tests.support.models import save_tiny_checkpoint
+from tests.support.models import random_varied_model, save_tiny_checkpoint
 
 LENGTHS = (3, 16, 23, 57)  # below, at and across the block size 16 and the chunk budget of 32
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -65,14 +65,8 @@ def _as_hub_checkpoint(path: Path) -> None:
 def kimi(tmp_path_factory) -> tuple[Path, object]:
     """(hub-form checkpoint dir, HF model): norms (the gated output norm included) varied off 1
     and the routers' correction bias off 0, so a misplaced one shows."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).eval()
+    model = random_varied_model(_config())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.3)

@@ -7,12 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from hyprefix import LLM, SamplingParams
 from tests.support.compare import hf_greedy, random_prompts
 from tests.support.gguf_convert import run_converter
-from tests.support.models import save_tiny_checkpoint
+from tests.support.models import random_varied_model, save_tiny_checkpoint
 
 LENGTHS = (3, 16, 23, 57)  # below, at and across the block size 16 and the chunk of 32
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -32,14 +31,7 @@ def _config():
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory) -> tuple[Path, object]:
     """(checkpoint dir, HF model): norms varied off 1 so a misplaced norm shows."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
+    model = random_varied_model(_config())
     path = tmp_path_factory.mktemp("lfm2") / "lfm2"
     save_tiny_checkpoint(model, path)
     return path, model

@@ -268,3 +268,17 @@ def save_mxfp4_checkpoint(model, out: Path) -> None:
 # ``tests/engine/test_cascade.py`` checks the path against the plain gathered one, and takes it with
 # the production thresholds on long prompts.
 TINY_CASCADE = {"cascade_min_saved_tokens": 0, "cascade_min_solo_run_tokens": 2, "cascade_min_traffic_ratio": 0.0}
+
+
+def random_varied_model(config):
+    """A float32 transformers model of ``config`` (seed 0) whose norms are varied off 1, so a
+    misplaced or missing norm changes the tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
