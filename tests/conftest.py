@@ -32,6 +32,15 @@ def _hybrid_decode_graphs(request, monkeypatch):
         monkeypatch.setattr(CausalLM, "recurrent_decode_graphs", False)
 
 
+@pytest.fixture(autouse=True)
+def _window_decode_graphs(request, monkeypatch):
+    """Engines with a sliding-window pool (Gemma 3, gpt-oss, windowed Mistral) compile their decode
+    steps only in tests marked ``window_graphs`` (each shape costs a cold compile of its own);
+    every other test's window-pool engines decode eagerly, as with a pool before the graphs took one."""
+    if request.node.get_closest_marker("window_graphs") is None:
+        monkeypatch.setattr(DecodeGraphs, "window_pools", False)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (checkpoint dir, HF reference model)."""

@@ -66,6 +66,9 @@ class DecodeGraphs:
     # Whether engines compile the batched graph where they can (a seam for the test suite, where
     # each engine shape would cost a cold compile of its own; only the tests of the graph turn it on).
     batched_by_default = True
+    # Whether steps with a sliding-window pool take the graphs (a seam for the test suite, where
+    # each windowed engine shape would cost a cold compile; only the tests of it turn it on).
+    window_pools = True
 
     def __init__(self, model: torch.nn.Module, batched: bool | None = None) -> None:
         """``batched``: compile the graph of batches of two or more rows too, where the model
@@ -104,7 +107,7 @@ class DecodeGraphs:
         """A decode-only step of at most ``max_batch`` rows (None: any) that reads no prefix shared by
         several rows once (a cascade plan of only single-row segments, a long context's own
         run, may be ignored: the graph reads every row's whole block table, no more bytes)."""
-        return (self.enabled and batch.reads_tables_whole(window_pool=True)
+        return (self.enabled and batch.reads_tables_whole(window_pool=self.window_pools)
                 and (self.max_batch is None or batch.num_decode <= self.max_batch))
 
     def logits(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -177,7 +177,7 @@ class ModelRunner:
                            window_blocks=list(range(num_blocks)) if self.has_window_pool else None)
         self.execute(SchedulerOutput([seq], tokens, state_ops=[(None, 0)] if live else []))
         names = ["warmup"]
-        if self.decode_graphs is not None:
+        if self.decode_graphs is not None and (self.decode_graphs.window_pools or not self.has_window_pool):
             # and the compiled decode steps, which the first requests' decodes would compile: batch
             # 1, then the batched graph with two rows on blocks of their own (rows on the same
             # blocks would share a prefix, which a cascade plan reads eagerly) and, with recurrent

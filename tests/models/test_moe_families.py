@@ -280,6 +280,7 @@ def test_gpt_oss_sinks_through_the_cascade(moe_models):
     assert any(g.rows.numel() == 4 for plan in plans if plan is not None for g in plan.segments)
 
 
+@pytest.mark.window_graphs
 @pytest.mark.parametrize("window_pool", [True, False])
 def test_gpt_oss_decodes_through_the_graph(moe_models, window_pool):
     """Every decode step of gpt-oss runs compiled (the experts and the sinks inside the graph),
@@ -350,6 +351,7 @@ def test_gpt_oss_mxfp4_checkpoint_and_gguf(gpt_oss_mxfp4):
 
 
 @needs_quant
+@pytest.mark.window_graphs
 def test_gpt_oss_mxfp4_cache_on_and_off_and_compiled(gpt_oss_mxfp4):
     """MX4 experts: prefix hits on and off give the same greedy tokens, and every batch-1 decode
     step runs compiled (the MX4 experts one extern op), as eager steps do."""
