@@ -39,8 +39,7 @@ constexpr int64_t kChunk = 16;
 // The work of a latent cache is its (key, query head) pairs, each 2 * (D + vd) flops: compute,
 // not the latency of the loads, bounds it. A run of a row's keys holds at least this many
 // (64 keys of DeepSeek-V2's 16 heads; a shorter run costs more in its setup and merge than it
-// spreads), and a call of fewer than twice as many runs on the calling thread. Measured on
-// Zen 5 at H = 16: 128 keys split in two runs took ~22 us, on one thread ~32 us.
+// spreads), and a call of fewer than twice as many runs on the calling thread (docs/perf-log.md).
 constexpr int64_t kRunWork = 1024;
 // Score tiles: up to kScoreVecs vectors of heads by (kWide ? 16 : 8) / vectors keys.
 constexpr int64_t kScoreVecs = 2;

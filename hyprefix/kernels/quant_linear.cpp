@@ -137,15 +137,11 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat
 // Expert e's tiles of one projection's stack (`whole`: the stack's one part, each expert's rows whole
 // tiles): pointers into it, no tensor made.
 std::vector<TilePart> expert_part(const TilePart& whole, int64_t e, int64_t rows, int64_t k) {
-  const int64_t tiles = rows / 16, t0 = e * tiles;
-  // Int8 tiles keep float16 scales per group of a row: (k / 32) * 16 of them a tile.
-  const int64_t scale_bytes = whole.format == TileFormat::kInt8 ? (k / kGroup) * 16 * 2
-                                                                 : scale_bytes_per_tile(whole.format, k);
-  const bool has_extra = whole.format != TileFormat::kInt8 && whole.format != TileFormat::kMX4;
+  const int64_t tiles = rows / 16, t0 = e * tiles, extra = extra_per_tile(whole.format, k);
   TilePart part = whole;
   part.data += t0 * whole.tile_bytes(k);
-  part.scales = static_cast<const uint8_t*>(whole.scales) + t0 * scale_bytes;
-  part.extra = has_extra ? static_cast<const uint16_t*>(whole.extra) + t0 * extra_per_tile(whole.format, k) : whole.extra;
+  part.scales = static_cast<const uint8_t*>(whole.scales) + t0 * scale_bytes_per_tile(whole.format, k);
+  part.extra = extra ? static_cast<const uint16_t*>(whole.extra) + t0 * extra : whole.extra;  // none: may be null
   part.tile0 = 0;
   part.tiles = tiles;
   return {part};
@@ -237,12 +233,10 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
                   down_rows == x.size(1),
               "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
   const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gated ? gate_up_rows / 2 : gate_up_rows;
-  const int64_t pairs = tokens * top, experts = gate_up[0].size(0) * 16 / gate_up_rows;
+  const int64_t pairs = tokens * top;
   const at::Tensor xf = x.to(at::kFloat).contiguous(), ids = chosen.contiguous();
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  for (int64_t p = 0; p < pairs; ++p)
-    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "quant_moe: expert ", id[p], " outside the ", experts, " of the stack");
   std::vector<int64_t> order(pairs);  // pair ids (token * top + slot), by expert, each expert's in order
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });

@@ -63,15 +63,15 @@ inline float e8m0_half(uint8_t e) {
 // Bytes of one tile's group of 32 columns, per format.
 constexpr int64_t group_bytes(TileFormat f) { return f == TileFormat::kQ6 ? 384 : f == TileFormat::kInt8 ? 512 : 256; }
 
-// Bytes of scales (Q4: float16; Q4K, Q6: one-byte codes) and elements of extra (float16) per tile,
-// per low-bit format.
+// Bytes of scales (Q4, Int8: float16 a row and group; Q4K, Q6, MX4: one-byte codes) and elements
+// of extra (float16; Int8 and MX4 have none) per tile, per format.
 constexpr int64_t scale_bytes_per_tile(TileFormat f, int64_t k) {
   return f == TileFormat::kQ6 ? 2 * (k / 32) * 16 : f == TileFormat::kQ4K ? (k / 32) * 32
          : f == TileFormat::kMX4 ? (k / 32) * 16 : (k / 32) * 16 * 2;
 }
 constexpr int64_t extra_per_tile(TileFormat f, int64_t k) {
   return f == TileFormat::kQ6 ? (k / 256) * 16 : f == TileFormat::kQ4K ? (k / 256) * 32
-         : f == TileFormat::kMX4 ? 0 : (k / 32) * 16;
+         : f == TileFormat::kMX4 || f == TileFormat::kInt8 ? 0 : (k / 32) * 16;
 }
 
 struct TilePart {  // tiles [tile0, tile0 + tiles) of a matrix in one format

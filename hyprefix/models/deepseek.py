@@ -117,7 +117,7 @@ class LatentAttention(nn.Module):
                                   v_dim=self.rank)
             if rows is not None:
                 out = out[rows]
-            out = per_head(out[..., :self.rank], self.w_uv)
+            out = per_head(out, self.w_uv)  # the latent's first rank values (v_dim)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
 
     def _by_cost(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
@@ -134,7 +134,7 @@ class LatentAttention(nn.Module):
             spans = [span for i, span in enumerate(batch.prefills) if i in kept]
             rows = [torch.arange(batch.num_decode), *(torch.arange(s.token_start, s.token_start + s.num_tokens)
                                                       for s in spans)]
-            out.index_copy_(0, torch.cat(rows).to(out.device), per_head(part[..., :self.rank], self.w_uv))
+            out.index_copy_(0, torch.cat(rows).to(out.device), per_head(part, self.w_uv))
         for i in up:
             sl = batch.prefills[i].token_slice
             out[sl] = up_projected_attention(self, q_nope[sl], q_pe[sl], latent[sl], cache, batch.prefills[i])
@@ -259,19 +259,33 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def map_layer(self, idx: int, rest: str) -> Target:
         prefix, layer = f"layers.{idx}", self.layers[idx]
-        attn_names = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b",
-                      "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm", "o_proj": "o_proj"}
         if rest.startswith("self_attn."):
-            module, _, leaf = rest.removeprefix("self_attn.").rpartition(".")
-            return f"{prefix}.attn.{attn_names.get(module, module)}.{leaf}", None, None
+            return map_latent_attention(f"{prefix}.attn", rest.removeprefix("self_attn."))
         if rest.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
-            inner = rest.split(".", 1)[1]
-            if inner.startswith("shared_experts."):
-                return map_gated_mlp(f"{prefix}.mlp.shared", layer.mlp.shared, inner.split(".", 1)[1])
-            if inner == "gate.e_score_correction_bias":
-                return f"{prefix}.mlp.correction_bias", None, None
-            return map_sparse_moe(f"{prefix}.mlp", layer.mlp, inner)
+            return map_shared_moe(f"{prefix}.mlp", layer.mlp, rest.removeprefix("mlp."))
         return map_attention_or_mlp(prefix, rest, None, self.config.intermediate_size)
+
+
+# transformers' MLA modules -> ``LatentAttention``'s (``w_uk`` / ``w_uv`` keep their names)
+_MLA_MODULES = {"q_a_proj": "q_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+                "kv_a_layernorm": "kv_a_norm"}
+
+
+def map_latent_attention(prefix: str, inner: str) -> Target:
+    """Our ``LatentAttention`` parameter (at ``prefix``) for a tensor under transformers' ``self_attn.``."""
+    module, _, leaf = inner.rpartition(".")
+    return f"{prefix}.{_MLA_MODULES.get(module, module)}.{leaf}", None, None
+
+
+def map_shared_moe(prefix: str, mlp: SparseMoE, inner: str) -> Target:
+    """Our parameter for a tensor of a DeepSeek-style MoE block (DeepSeek-V2 / V3, Kimi-Linear;
+    ``inner``: its name under ``mlp.``): the shared experts, the router's correction bias, or the
+    router and routed experts (``moe.map_sparse_moe``)."""
+    if inner.startswith("shared_experts.") and mlp.shared is not None:
+        return map_gated_mlp(f"{prefix}.shared", mlp.shared, inner.removeprefix("shared_experts."))
+    if inner == "gate.e_score_correction_bias":
+        return f"{prefix}.correction_bias", None, None
+    return map_sparse_moe(prefix, mlp, inner)
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:

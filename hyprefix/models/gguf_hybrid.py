@@ -65,6 +65,8 @@ from hyprefix.models.gguf_transforms import (
     as_row,
     cat_rows,
     conv,
+    dense_mlp,
+    embed_and_head,
     flat,
     interleave_rows,
     join_rows,
@@ -72,6 +74,7 @@ from hyprefix.models.gguf_transforms import (
     mla_tensors,
     regroup_value_heads,
     same,
+    shared_moe,
     unpermute,
 )
 
@@ -252,19 +255,10 @@ def _attention_projections(sa: str, b: str, bias: bool,
     return out
 
 
-def _embed_and_head(cfg) -> list[FileTensor]:
-    """The embedding, the final norm (as the file has it) and, unless tied, the LM head."""
-    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
-           FileTensor("model.norm.weight", ("output_norm.weight",))]
-    if not cfg.tie_word_embeddings:
-        out.append(FileTensor("lm_head.weight", ("output.weight",)))
-    return out
-
-
 def _qwen3moe_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     """Qwen3-MoE: Qwen3's attention layers (plain norms, q/k rows as transformers has them) and
     Qwen's MLPs; the post-attention norm is ``ffn_norm``."""
-    out = _embed_and_head(cfg)
+    out = embed_and_head(cfg)
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
@@ -276,7 +270,7 @@ def _qwen3moe_tensors(file: HybridFile, cfg) -> list[FileTensor]:
 def _qwen_mlp(file: HybridFile, cfg, i: int) -> list[FileTensor]:
     p, b = f"model.layers.{i}.mlp.", f"blk.{i}."
     if not has_experts(file, i):
-        return [FileTensor(f"{p}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
+        return dense_mlp(p, b)
     fused = b + "ffn_gate_up_exps.weight"  # the converter's --fuse-gate-up-exps
     gate_up = (FileTensor(p + "experts.gate_up_proj", (fused,)) if file.has(fused) else
                FileTensor(p + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"), cat_rows))
@@ -366,7 +360,7 @@ def _granite_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     into transformers 5's ``experts.gate_up_proj``) plus the shared MLP (``ffn_*_shexp``), or the
     shared MLP alone (``ffn_gate`` / ``ffn_up`` / ``ffn_down``), gate rows first in
     ``shared_mlp.input_linear``."""
-    out = _embed_and_head(cfg)
+    out = embed_and_head(cfg)
     for i, kind in enumerate(cfg.layers_block_type):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
@@ -392,7 +386,7 @@ def _gpt_oss_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     (``experts.gate_up_proj.weight`` [E, 2I, H], gate and up rows interleaved;
     ``experts.down_proj.weight`` [E, H, I]), which ``GptOssForCausalLM.converted`` takes, so that
     MXFP4 stacks stay in their blocks (rows can move, columns cannot)."""
-    out = _embed_and_head(cfg)
+    out = embed_and_head(cfg)
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         m = p + "mlp."
@@ -416,24 +410,15 @@ def _deepseek_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     per-head ``attn_k_b`` and ``attn_v_b``), the rotary rows in the checkpoint's interleaved order
     (the model's ``converted`` reorders them, as for an HF checkpoint); dense MLPs in the first
     ``first_k_dense_replace`` layers, then experts, shared experts and (V3) the correction bias."""
-    out = _embed_and_head(cfg)
+    out = embed_and_head(cfg)
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
                 FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",)),
                 *mla_tensors(file, p + "self_attn.", b)]
         m = p + "mlp."
-        if i < cfg.first_k_dense_replace:
-            out += [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
-            continue
-        out += [FileTensor(m + "gate.weight", (b + "ffn_gate_inp.weight",)),
-                FileTensor(m + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"),
-                           cat_rows),
-                FileTensor(m + "experts.down_proj", (b + "ffn_down_exps.weight",))]
-        out += [FileTensor(f"{m}shared_experts.{proj}_proj.weight", (f"{b}ffn_{proj}_shexp.weight",))
-                for proj in ("gate", "up", "down") if cfg.n_shared_experts]
-        if cfg.model_type == "deepseek_v3":
-            out.append(FileTensor(m + "gate.e_score_correction_bias", (b + "exp_probs_b.bias",)))
+        out += (dense_mlp(m, b) if i < cfg.first_k_dense_replace else
+                shared_moe(m, b, bool(cfg.n_shared_experts), cfg.model_type == "deepseek_v3"))
     return out
 
 

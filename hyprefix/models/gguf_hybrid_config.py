@@ -127,7 +127,7 @@ def load_config(path: str | Path):
     if file.arch == "deepseek2":
         return _deepseek_config(file)
     if file.arch == "kimi-linear":
-        from hyprefix.models.gguf_kimi import kimi_config  # gguf_kimi reads HybridFile: imported late
+        from hyprefix.models.gguf_kimi import kimi_config  # gguf_kimi imports this module: imported late
 
         return kimi_config(file, _common(file), _layers(file))
     return _nemotron_config(file)

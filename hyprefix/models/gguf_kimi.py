@@ -20,15 +20,10 @@ gating is read: a file stating another ``expert_gating_func`` is refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hyprefix.models.gguf_transforms import FileTensor, a_log, cat_rows, mla_tensors
-
-if TYPE_CHECKING:
-    from hyprefix.models.gguf_hybrid_config import HybridFile
+from hyprefix.models.gguf_hybrid_config import SIGMOID_GATING, HybridFile
+from hyprefix.models.gguf_transforms import FileTensor, a_log, dense_mlp, embed_and_head, mla_tensors, shared_moe
 
 LINEAR, FULL = "linear_attention", "full_attention"
-SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 _EXPERTS = "ffn_gate_inp.weight"
 
 
@@ -87,28 +82,15 @@ def _kda(p: str, b: str) -> list[FileTensor]:
     return [*out, FileTensor(p + "A_log", (b + "ssm_a",), a_log), FileTensor(p + "dt_bias", (b + "ssm_dt.bias",))]
 
 
-def _feed_forward(file: HybridFile, m: str, b: str) -> list[FileTensor]:
-    if not file.has(b + _EXPERTS):
-        return [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
-    out = [FileTensor(m + "gate.weight", (b + _EXPERTS,)),
-           FileTensor(m + "gate.e_score_correction_bias", (b + "exp_probs_b.bias",)),
-           FileTensor(m + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"), cat_rows),
-           FileTensor(m + "experts.down_proj", (b + "ffn_down_exps.weight",))]
-    return out + [FileTensor(f"{m}shared_experts.{proj}_proj.weight", (f"{b}ffn_{proj}_shexp.weight",))
-                  for proj in ("gate", "up", "down") if file.has(f"{b}ffn_{proj}_shexp.weight")]
-
-
 def kimi_tensors(file: HybridFile, cfg) -> list[FileTensor]:
     """Every tensor of a ``kimi-linear`` file under the names ``KimiLinearForCausalLM.converted``
     reads (module docstring)."""
-    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
-           FileTensor("model.norm.weight", ("output_norm.weight",))]
-    if not cfg.tie_word_embeddings:
-        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    out = embed_and_head(cfg)
     for i, kind in enumerate(cfg.layer_types):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         out += [FileTensor(p + "input_layernorm.weight", (b + "attn_norm.weight",)),
                 FileTensor(p + "post_attention_layernorm.weight", (b + "ffn_norm.weight",))]
         out += _kda(p + "self_attn.", b) if kind == LINEAR else mla_tensors(file, p + "self_attn.", b)
-        out += _feed_forward(file, p + "mlp.", b)
+        out += (shared_moe(p + "mlp.", b, file.has(f"{b}ffn_gate_shexp.weight"), correction_bias=True)
+                if file.has(b + _EXPERTS) else dense_mlp(p + "mlp.", b))
     return out

@@ -113,3 +113,30 @@ def mla_tensors(file: HybridFile, p: str, b: str) -> list[FileTensor]:
            if file.has(f"{b}{theirs}.weight")]
     return [*out, FileTensor(p + "w_uk.weight", (b + "attn_k_b.weight",)),
             FileTensor(p + "w_uv.weight", (b + "attn_v_b.weight",))]
+
+
+def embed_and_head(cfg) -> list[FileTensor]:
+    """The embedding, the final norm (as the file has it) and, unless tied, the LM head."""
+    out = [FileTensor("model.embed_tokens.weight", ("token_embd.weight",)),
+           FileTensor("model.norm.weight", ("output_norm.weight",))]
+    if not cfg.tie_word_embeddings:
+        out.append(FileTensor("lm_head.weight", ("output.weight",)))
+    return out
+
+
+def dense_mlp(m: str, b: str) -> list[FileTensor]:
+    """A gated MLP's gate / up / down (``m``: its transformers prefix up to ``mlp.``)."""
+    return [FileTensor(f"{m}{proj}_proj.weight", (f"{b}ffn_{proj}.weight",)) for proj in ("gate", "up", "down")]
+
+
+def shared_moe(m: str, b: str, shared: bool, correction_bias: bool) -> list[FileTensor]:
+    """A DeepSeek-style MoE block (DeepSeek-V2 / V3, Kimi-Linear; ``m``: its prefix up to ``mlp.``):
+    the router, its correction bias where the model has one, the experts (the gate and up stacks
+    joined) and, with ``shared``, the shared experts."""
+    out = [FileTensor(m + "gate.weight", (b + "ffn_gate_inp.weight",)),
+           FileTensor(m + "experts.gate_up_proj", (b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"), cat_rows),
+           FileTensor(m + "experts.down_proj", (b + "ffn_down_exps.weight",))]
+    if correction_bias:
+        out.append(FileTensor(m + "gate.e_score_correction_bias", (b + "exp_probs_b.bias",)))
+    return out + ([FileTensor(f"{m}shared_experts.{proj}_proj.weight", (f"{b}ffn_{proj}_shexp.weight",))
+                   for proj in ("gate", "up", "down")] if shared else [])

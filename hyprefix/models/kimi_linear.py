@@ -29,11 +29,11 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows, select_rows
-from hyprefix.models.deepseek import LatentAttention, absorb_stacks
+from hyprefix.models.deepseek import LatentAttention, absorb_stacks, map_latent_attention, map_shared_moe
 from hyprefix.models.fused import Kernels
 from hyprefix.models.kimi_delta import KdaDims, KimiDeltaAttention
 from hyprefix.models.layers import GatedMLP, RMSNorm
-from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp, map_sparse_moe
+from hyprefix.models.moe import Routing, SparseMoE, map_gated_mlp
 from hyprefix.models.recurrent_state import RecurrentLayerState, StateLayout
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -47,8 +47,6 @@ _KDA_PARTS = {"q_proj.weight": ("in_proj.weight", 0), "k_proj.weight": ("in_proj
               "f_b_proj.weight": ("f_b.weight", None), "g_b_proj.weight": ("g_b.weight", None),
               "A_log": ("A_log", None), "dt_bias": ("dt_bias", None), "o_norm.weight": ("norm_weight", None),
               "o_proj.weight": ("o_proj.weight", None)}
-_MLA_NAMES = {"q_proj": "q_proj", "q_a_proj": "q_a", "q_a_layernorm": "q_a_norm", "q_b_proj": "q_b",
-              "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm", "o_proj": "o_proj"}
 _EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
@@ -171,18 +169,12 @@ class KimiLinearForCausalLM(CausalLM):
             inner = rest.removeprefix("self_attn.")
             if layer.kind == LINEAR:
                 return self._map_kda(prefix, inner)
-            module, _, leaf = inner.rpartition(".")
-            return f"{prefix}.mixer.{_MLA_NAMES.get(module, module)}.{leaf}", None, None
+            return map_latent_attention(f"{prefix}.mixer", inner)
         if rest.startswith("mlp."):
-            inner = rest.removeprefix("mlp.")
-            mlp = layer.mlp
+            inner, mlp = rest.removeprefix("mlp."), layer.mlp
             if isinstance(mlp, GatedMLP):
                 return map_gated_mlp(f"{prefix}.mlp", mlp, inner)
-            if inner.startswith("shared_experts.") and mlp.shared is not None:
-                return map_gated_mlp(f"{prefix}.mlp.shared", mlp.shared, inner.removeprefix("shared_experts."))
-            if inner == "gate.e_score_correction_bias":
-                return f"{prefix}.mlp.correction_bias", None, None
-            return map_sparse_moe(f"{prefix}.mlp", mlp, inner)
+            return map_shared_moe(f"{prefix}.mlp", mlp, inner)
         return f"{prefix}.{rest}", None, None
 
     def _map_kda(self, prefix: str, inner: str) -> Target:
