@@ -19,6 +19,7 @@
 //   quant_heads(x, stack, rows): x [T, H, K] times H stacked matrices, head by head (MLA's absorptions).
 // Packing and unpacking run over ATen's threads, a tile per task.
 #include "quant_codes.h"
+#include "quant_moe.h"
 
 #include <torch/library.h>
 
@@ -134,80 +135,6 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat
   });
 }
 
-// Expert e's tiles of one projection's stack (`whole`: the stack's one part, each expert's rows whole
-// tiles): pointers into it, no tensor made.
-std::vector<TilePart> expert_part(const TilePart& whole, int64_t e, int64_t rows, int64_t k) {
-  const int64_t tiles = rows / 16, t0 = e * tiles, extra = extra_per_tile(whole.format, k);
-  TilePart part = whole;
-  part.data += t0 * whole.tile_bytes(k);
-  part.scales = static_cast<const uint8_t*>(whole.scales) + t0 * scale_bytes_per_tile(whole.format, k);
-  part.extra = extra ? static_cast<const uint16_t*>(whole.extra) + t0 * extra : whole.extra;  // none: may be null
-  part.tile0 = 0;
-  part.tiles = tiles;
-  return {part};
-}
-
-// One expert's rows of a projection: in [rows, k] float32 -> out [rows, n] (raw rows of the caller's buffers).
-struct ExpertRows {
-  int64_t expert;
-  const float* in;
-  int64_t rows;
-  float* out;
-};
-
-// Every item's rows times its expert's matrix of one projection, the activations quantized per item,
-// all items' tiles as the tasks of one parallel loop.
-void experts_matmul(const std::vector<at::Tensor>& stack, int64_t n, int64_t k, const std::vector<ExpertRows>& items) {
-  TORCH_CHECK(stack.size() == 3 && stack[0].dim() >= 1, "quant_moe: one part a stack");
-  const std::vector<TilePart> whole = parts_of(stack, stack[0].size(0) * 16, k, "quant_moe");
-  std::vector<std::vector<TilePart>> parts;
-  std::vector<GroupedActivations> q;
-  for (const ExpertRows& item : items) {
-    TORCH_CHECK(item.expert >= 0 && (item.expert + 1) * (n / 16) <= whole[0].tiles, "quant_moe: expert ", item.expert,
-                " outside the stack");
-    parts.push_back(expert_part(whole[0], item.expert, n, k));
-    q.push_back(quantize_groups(item.in, item.rows, k));
-  }
-  const int64_t tiles = n / 16, tasks = static_cast<int64_t>(items.size()) * tiles;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / (8 * k)), [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b;) {  // a run of one item's tiles
-      const int64_t i = task / tiles, t0 = task % tiles, t1 = std::min(tiles, t0 + (b - task));
-      parts_span(parts[i], q[i], items[i].rows, n, k, items[i].out, t0, t1);
-      task += t1 - t0;
-    }
-  });
-}
-
-enum class Activation { kSilu, kRelu2, kSwigluOai };
-
-// The activation on rows [r0, r1) of the gate_up results gu [P, gate_up_rows] (+ each row's expert's
-// bias) into act [P, inter] (fused_moe.py's activate): plain loops, no ATen op between the matmuls.
-void activate_rows(const float* gu, float* act, int64_t r0, int64_t r1, int64_t gate_up_rows, int64_t inter,
-                   Activation kind, const float* bias, const int64_t* row_expert, float alpha, float limit) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* g = gu + r * gate_up_rows;
-    const float* b = bias ? bias + row_expert[r] * gate_up_rows : nullptr;
-    float* o = act + r * inter;
-    if (kind == Activation::kRelu2) {
-      for (int64_t j = 0; j < inter; ++j) {
-        const float u = std::max(g[j] + (b ? b[j] : 0.f), 0.f);
-        o[j] = u * u;
-      }
-    } else if (kind == Activation::kSilu) {
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gate = g[j] + (b ? b[j] : 0.f), up = g[inter + j] + (b ? b[inter + j] : 0.f);
-        o[j] = gate / (1.f + std::exp(-gate)) * up;
-      }
-    } else {  // swiglu_oai (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
-      for (int64_t j = 0; j < inter; ++j) {
-        const float gate = std::min(g[j] + (b ? b[j] : 0.f), limit);
-        const float up = std::clamp(g[inter + j] + (b ? b[inter + j] : 0.f), -limit, limit);
-        o[j] = (up + 1.f) * (gate / (1.f + std::exp(-alpha * gate)));
-      }
-    }
-  }
-}
-
 // quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, gate_up_bias,
 // down_bias, alpha, limit): the experts of a MoE block on their tiles (fused_moe.py). The (token,
 // slot) pairs are ordered by expert (experts increasing, each expert's tokens in order) into one
@@ -234,6 +161,7 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
               "quant_moe: one part a stack, expert rows in whole tiles (gate_up ", gate_up_rows, ", down ", down_rows, ")");
   const int64_t tokens = x.size(0), top = chosen.size(1), hidden = x.size(1), inter = gated ? gate_up_rows / 2 : gate_up_rows;
   const int64_t pairs = tokens * top;
+  const ExpertStack up(gate_up, gate_up_rows, hidden), dn(down, down_rows, inter);
   const at::Tensor xf = x.to(at::kFloat).contiguous(), ids = chosen.contiguous();
   const at::Tensor wf = weights.to(at::kFloat).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
@@ -244,30 +172,24 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
   float* rows_in = buffer.mutable_data_ptr<float>();
   float* gu = rows_in + pairs * hidden;
   float* act = gu + pairs * gate_up_rows;
-  float* dn = act + pairs * inter;
+  float* dn_out = act + pairs * inter;
   const float* xp = xf.const_data_ptr<float>();
   std::vector<int64_t> row_expert(pairs);
   for (int64_t r = 0; r < pairs; ++r) {
     row_expert[r] = id[order[r]];
     std::memcpy(rows_in + r * hidden, xp + order[r] / top * hidden, hidden * sizeof(float));
   }
-  std::vector<ExpertRows> up_items, down_items;
+  std::vector<ExpertJob> jobs;
   for (int64_t r = 0; r < pairs;) {
     int64_t end = r;
     while (end < pairs && row_expert[end] == row_expert[r]) ++end;
-    up_items.push_back({row_expert[r], rows_in + r * hidden, end - r, gu + r * gate_up_rows});
-    down_items.push_back({row_expert[r], act + r * inter, end - r, dn + r * hidden});
+    jobs.push_back({row_expert[r], end - r, rows_in + r * hidden, gu + r * gate_up_rows, act + r * inter, dn_out + r * hidden});
     r = end;
   }
-  experts_matmul(gate_up, gate_up_rows, hidden, up_items);
   const at::Tensor up_bias = gate_up_bias ? gate_up_bias->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor out_bias = down_bias ? down_bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* up_b = gate_up_bias ? up_bias.const_data_ptr<float>() : nullptr;
-  at::parallel_for(0, pairs, std::max<int64_t>(1, (1 << 14) / inter), [&](int64_t r0, int64_t r1) {
-    activate_rows(gu, act, r0, r1, gate_up_rows, inter, kind, up_b, row_expert.data(), static_cast<float>(alpha),
-                  static_cast<float>(limit));
-  });
-  experts_matmul(down, down_rows, inter, down_items);
+  run_experts(up, dn, jobs, {kind, static_cast<float>(alpha), static_cast<float>(limit),
+                             gate_up_bias ? up_bias.const_data_ptr<float>() : nullptr, gate_up_rows, inter});
   at::Tensor out = at::zeros({tokens, hidden}, xf.options());
   float* o = out.mutable_data_ptr<float>();
   const float* w = wf.const_data_ptr<float>();
@@ -276,7 +198,7 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
   at::parallel_for(0, hidden, std::max<int64_t>(16, (1 << 16) / std::max<int64_t>(1, pairs)), [&](int64_t j0, int64_t j1) {
     for (int64_t r = 0; r < pairs; ++r) {
       const float weight = w[order[r]];
-      const float* d = dn + r * hidden;
+      const float* d = dn_out + r * hidden;
       const float* b = down_b ? down_b + row_expert[r] * hidden : nullptr;
       float* dst = o + order[r] / top * hidden;
       for (int64_t j = j0; j < j1; ++j) dst[j] += weight * (d[j] + (b ? b[j] : 0.f));
@@ -298,7 +220,7 @@ at::Tensor quant_heads(const at::Tensor& x, const std::vector<at::Tensor>& stack
   std::vector<ExpertRows> items;
   for (int64_t h = 0; h < heads; ++h)
     items.push_back({h, xh.const_data_ptr<float>() + h * tokens * k, tokens, out.mutable_data_ptr<float>() + h * tokens * rows});
-  experts_matmul(stack, rows, k, items);
+  experts_matmul(ExpertStack(stack, rows, k), items);
   return out.transpose(0, 1).to(x.scalar_type());
 }
 

@@ -16,7 +16,7 @@ import torch
 
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import int8_linear
-from hyprefix.kernels.build import load_kernel
+from hyprefix.kernels.build import VECTOR_FLAGS, load_kernel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
@@ -40,7 +40,9 @@ def available() -> bool:
 
 def _build(isa: str) -> bool:
     name = f"hyprefix_quant_linear_{isa.lower()}"
-    if not load_kernel(name, SOURCE, int8_linear.FLAGS[isa], "GGUF low-bit weights are dequantized at load"):
+    # quant_moe.h's activation loops are ATen vector code: the matching vector ISA's flags too
+    flags = [*dict.fromkeys([*int8_linear.FLAGS[isa], *VECTOR_FLAGS["AVX512" if isa == "AVX512_VNNI" else "AVX2"]])]
+    if not load_kernel(name, SOURCE, flags, "GGUF low-bit weights are dequantized at load"):
         return False
     torch.library.register_fake("hyprefix::quant_linear")(_fake_linear)
     torch.library.register_fake("hyprefix::quant_rows")(_fake_rows)  # embedding lookups inside a compiled step

@@ -195,11 +195,12 @@ def _gpt_oss_stacks(experts) -> tuple[torch.Tensor, ...]:
     return gate_up, bias, experts.down_proj.detach().transpose(1, 2), experts.down_proj_bias.detach()
 
 
-@pytest.mark.parametrize("quantized", [None, "int8", "mxfp4"])
-def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
+@pytest.mark.parametrize("quantized,tokens", [(None, 9), ("int8", 9), ("mxfp4", 9), ("mxfp4", 1), ("int8", 2)])
+def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized, tokens):
     """gpt-oss's experts (clamped SwiGLU, a bias on each projection) in the float op and on int8
     or MX4 tiles in ``quant_moe``: equal to transformers' GptOssExperts on the same weights (the tiles'
-    dequantized weights, and the activations rounded as the kernel rounds them)."""
+    dequantized weights, and the activations rounded as the kernel rounds them), at decode's one and
+    two tokens as at a prefill's nine."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -214,9 +215,9 @@ def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    x = torch.randn(9, 64, generator=gen)
-    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
-    weights = torch.softmax(torch.randn(9, 2, generator=gen), dim=-1)
+    x = torch.randn(tokens, 64, generator=gen)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=-1)
     gate_up, up_bias, down, down_bias = _gpt_oss_stacks(reference)
     act = ExpertActivation("swiglu_oai", config.swiglu_alpha, config.swiglu_limit)
     if not quantized:
@@ -231,7 +232,7 @@ def test_clamped_swiglu_experts_with_biases_are_gpt_oss(quantized):
         deq = [QuantTiles(part, 6 * 64, w.shape[-1]).dequantize(torch.float32)
                for part, w in zip(tiles, (gate_up, down), strict=True)]
         expected = torch.zeros_like(x)
-        for t in range(9):
+        for t in range(tokens):
             for slot in range(2):
                 e = int(chosen[t, slot])
                 h = activate(quantize_activations(x[t:t + 1]) @ deq[0][e * 64:(e + 1) * 64].T + up_bias[e], act)
