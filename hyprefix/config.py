@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 # vLLM's --mamba-ssm-cache-dtype; "auto" keeps float32 here (vLLM's follows the model dtype).
 STATE_DTYPES = ("auto", "float32", "bfloat16")
+# --kv-cache-dtype (vLLM's names; models/kv_quant.py): auto is the model's dtype.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 # vLLM's --logprobs-mode: "raw" = the model's logits before any processing, "processed" = the
 # distribution each token was sampled from (``runner/sampler.py``); "_logits" = values before log-softmax.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -68,6 +70,12 @@ class EngineArgs:
         "--state-cache-memory-gb holds twice the checkpoints (each step still computes in float32 and rounds the "
         "state it stores)"),
         "choices": STATE_DTYPES})
+    # models/kv_quant.py: the K/V cache's row format.
+    kv_cache_dtype: str = field(default="auto", metadata={"help": (
+        "dtype of the K/V cache: auto = the model's dtype; int8 or fp8_e4m3 store each token's K and V rows as "
+        "8-bit codes with a float16 scale per token and KV head, quantized when written (about twice the blocks "
+        "per GiB of bfloat16, four times float32's), read with the dequantization fused into the attention"),
+        "choices": KV_CACHE_DTYPES})
     # Sliding-window attention layers (Gemma 3, Mistral) keep their K/V in a pool of
     # their own; a running request gives back the blocks that left its window.
     swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": (
@@ -162,6 +170,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
             raise ValueError(f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, got {self.mamba_ssm_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.batch_invariant and self.quantization in ("int8", "int4"):
