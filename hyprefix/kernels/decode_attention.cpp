@@ -1,8 +1,9 @@
 // hyprefix::decode_attention: one query token per row over its paged K/V, read in place
 // through its block table (no gather, no padding, no mask tensor).
 //
-//   q            [B, H, D]                 float32 / bfloat16 / float16 (the caches' dtype)
-//   k/v_cache    [blocks, block_size, KVH, D], contiguous
+//   q            [B, H, D]                 float32 / bfloat16 / float16
+//   k/v_cache    [blocks, block_size, KVH, D], contiguous, q's dtype; or both 8-bit packed rows
+//                [blocks, block_size, KVH, D + 2] of int8 / float8_e4m3fn (see below)
 //   tables       [B, W] int64: row b's key slot j lives in block tables[b, j / block_size]
 //   context_lens [B] int64
 //   first_pos    [B] int64 or None (0): slot j holds position j + first_pos[b]
@@ -33,6 +34,12 @@
 //                batch-invariant mode): runs of that many blocks at fixed positions, so a row's
 //                result is the same bits whatever the other rows, their number and the threads
 //                (DecodeWork's fixed plan); with many rows a thread takes whole rows.
+//
+// An 8-bit cache (--kv-cache-dtype int8 / fp8_e4m3; hyprefix/models/kv_quant.py has the format):
+// each (token, KV head) row is D codes and its float16 scale, read in place like any other row,
+// each row dequantized as it is loaded into registers (code * scale in float32, exact:
+// kv8_rows.h), then the same arithmetic, so the result is the float32 path's over
+// kv_quant.dequantize_rows of the cache. Not for a latent cache (refused).
 #include "decode_attention.h"
 
 #include <ATen/Parallel.h>
@@ -43,11 +50,11 @@
 
 namespace {
 
-template <typename T>
-void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+template <typename T, typename C>
+void attend(const Shape& s, const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
             const int64_t* context_lens, const int64_t* first_pos, int64_t run_blocks, T* out, float* lse) {
   const int64_t threads = at::get_num_threads();
-  DecodeWork<T> work(s, q, k_cache, v_cache, tables, context_lens, first_pos, threads, run_blocks);
+  DecodeWork<T, C> work(s, q, k_cache, v_cache, tables, context_lens, first_pos, threads, run_blocks);
   if (work.per_row) {  // the last rows first: a prefill's later tokens see the most keys
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -75,20 +82,37 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
       work.merge(b, head, out + (b * s.heads + head) * s.vd(), lse + b * s.heads + head, merged.data());
 }
 
+// The caches' shapes and dtypes against q's; whether they hold 8-bit packed rows (kv8_rows.h).
+bool check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "decode_attention: q must be [rows, heads, dim] and the caches [blocks, block_size, kv_heads, dim]");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool packed = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == cache_type,
+              "decode_attention: k_cache and v_cache must share a dtype (", cache_type, " and ",
+              v_cache.scalar_type(), ")");
+  TORCH_CHECK(packed || q.scalar_type() == cache_type,
+              "decode_attention: q and the caches must share a dtype, or the caches hold 8-bit packed rows "
+              "(int8 / float8_e4m3fn)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
+              "decode_attention: the caches must be contiguous and q's head dim too");
+  // A packed row: D codes, then the scale's two bytes.
+  const int64_t extra = packed ? 2 : 0;
+  TORCH_CHECK(q.size(2) + extra == k_cache.size(3),
+              "decode_attention: head dims do not match (q's ", q.size(2), ", the caches' rows ", k_cache.size(3),
+              packed ? ": packed 8-bit rows hold head dim + 2 elements)" : ")");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: head counts do not match (", q.size(1),
+              " query heads over ", k_cache.size(2), " KV heads)");
+  return packed;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache, const at::Tensor& tables,
                                                     const at::Tensor& context_lens,
                                                     const std::optional<at::Tensor>& first_pos, double scale,
                                                     int64_t window, int64_t run_blocks, int64_t v_dim) {
   TORCH_CHECK(run_blocks >= 0, "decode_attention: run_blocks must be >= 0");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "decode_attention: q must be [rows, heads, dim] and the caches [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "decode_attention: q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1,
-              "decode_attention: the caches must be contiguous and q's head dim too");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "decode_attention: head dims or head counts do not match");
+  const bool packed = check_caches(q, k_cache, v_cache);
   TORCH_CHECK(v_dim >= 0 && v_dim <= q.size(2), "decode_attention: v_dim must be in [0, head dim]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.stride(1) == 1 &&
                   tables.scalar_type() == at::kLong,
@@ -107,22 +131,35 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
           tables.size(1), q.stride(0), q.stride(1), tables.stride(0), window, static_cast<float>(scale)};
   // K is V (the same memory) with one KV head: a latent cache, whose rows every head reads once.
   s.latent = k_cache.data_ptr() == v_cache.data_ptr() && s.kv_heads == 1;
+  TORCH_CHECK(!(packed && s.latent),
+              "decode_attention: a latent cache (v_cache is k_cache, one KV head) takes no 8-bit packed rows");
   s.value_dim = v_dim;
   const int64_t width = v_dim > 0 ? v_dim : s.dim;
   at::Tensor out = at::empty({s.rows, s.heads, s.vd()}, q.options());
   at::Tensor lse = at::empty({s.rows, s.heads}, q.options().dtype(at::kFloat));
   if (s.rows == 0) return {at::empty({0, s.heads, width}, q.options()), lse};
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    attend(s, q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
-           tables.const_data_ptr<int64_t>(), context_lens.const_data_ptr<int64_t>(), first, run_blocks,
-           out.mutable_data_ptr<T>(), lse.mutable_data_ptr<float>());
+  // T: q's type; C: the caches' element, T or a packed code (its bytes read as that type).
+  auto run = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
+    attend(s, q.const_data_ptr<T>(), static_cast<const C*>(k_cache.const_data_ptr()),
+           static_cast<const C*>(v_cache.const_data_ptr()), tables.const_data_ptr<int64_t>(),
+           context_lens.const_data_ptr<int64_t>(), first, run_blocks, out.mutable_data_ptr<T>(),
+           lse.mutable_data_ptr<float>());
+  };
+  auto with_cache = [&](auto q_tag) {
+    using T = decltype(q_tag);
+    switch (k_cache.scalar_type()) {
+      case at::kChar: run(q_tag, Int8Code{}); break;
+      case at::kFloat8_e4m3fn: run(q_tag, E4m3Code{}); break;
+      default: run(q_tag, T{});
+    }
   };
   switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only");
+    case at::kFloat: with_cache(float{}); break;
+    case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+    case at::kHalf: with_cache(c10::Half{}); break;
+    default: TORCH_CHECK(false, "decode_attention: q must be float32, bfloat16 or float16");
   }
   if (s.vd() != width) out = out.narrow(2, 0, width).contiguous();  // another cache: its heads' first v_dim
   return {out, lse};

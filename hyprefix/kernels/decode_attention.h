@@ -1,6 +1,10 @@
 // The arithmetic of hyprefix::decode_attention (decode_attention.cpp, which documents it) as
 // planned work, also run inside hyprefix::DecodeModel (decode_layers.cpp). Written on ATen's
 // vector types: one build per CPU capability, included by one translation unit each.
+//
+// The caches' element type C is q's T (float, bfloat16, float16) or a packed 8-bit code
+// (kv8_rows.h: a row of D codes and its scale, D + kRowExtra<C> elements), which the row loads
+// (load_row, to_float) dequantize into float32; everything after them is the same arithmetic.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
@@ -12,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv8_rows.h"
 #include "latent_attention.h"
 
 namespace {
@@ -78,9 +83,12 @@ inline void visible(const Shape& s, int64_t ctx, int64_t first, int64_t& lo, int
   lo = s.window > 0 ? std::max<int64_t>(0, ctx - s.window - first) : 0;
 }
 
+// n values from src as float32; a packed row: its n codes and its scale, dequantized.
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kPacked<T>) {
+    kv8::to_float(src, dst, n);
+  } else if constexpr (std::is_same_v<T, float>) {
     std::copy_n(src, n, dst);
   } else {
     at::vec::convert(src, dst, n);
@@ -95,10 +103,11 @@ struct Partial {
 };
 
 // Calls fn(j, count, offset) for each block's share of the slots [j0, j1) of one row's table:
-// slots j .. j + count - 1, whose rows (all KV heads) start at element offset `offset`.
-template <typename F>
+// slots j .. j + count - 1, whose rows (all KV heads) start at element offset `offset` of a
+// cache of C (a token's rows: kv_heads rows of dim + kRowExtra<C> elements).
+template <typename C, typename F>
 inline void each_block(const Shape& s, const int64_t* table, int64_t j0, int64_t j1, F fn) {
-  const int64_t row_stride = s.kv_heads * s.dim;
+  const int64_t row_stride = s.kv_heads * (s.dim + kRowExtra<C>);
   for (int64_t j = j0; j < j1;) {
     const int64_t block = j / s.block_size, end = std::min(j1, (block + 1) * s.block_size);
     fn(j, end - j, (table[block] * s.block_size + j % s.block_size) * row_stride);
@@ -117,11 +126,14 @@ inline void softmax_rows(float* scores, int64_t m, int64_t n, int64_t ld, Partia
   }
 }
 
-// A head dim D known at compile time: a K/V row is D / Vec::size() registers.
+// A head dim D known at compile time: a K/V row is D / Vec::size() registers (a packed row
+// dequantized: its codes times its scale).
 template <int64_t D, typename T>
 inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
   constexpr int64_t n = D / Vec::size();
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kPacked<T>) {
+    kv8::load_row<D>(p, r);
+  } else if constexpr (std::is_same_v<T, float>) {
     for (int64_t i = 0; i < n; ++i) r[i] = Vec::loadu(p + i * Vec::size());
   } else {
     for (int64_t i = 0; i < n; i += 2) {
@@ -132,15 +144,18 @@ inline void load_row(const T* p, Vec (&r)[D / Vec::size()]) {
   }
 }
 
-// The row at next + offset (a head's D values) into L1, where next is set: the same head's row of
-// the task's next block, fetched while this block's rows are computed. A block's rows start cold
-// (the weights streamed through the caches since the last step read them) and a task's loads
-// alone keep few misses in flight; it pays even where a task holds one or two blocks.
+// The row at next + offset (a head's D values, and a packed row's scale) into L1, where next is
+// set: the same head's row of the task's next block, fetched while this block's rows are
+// computed. A block's rows start cold (the weights streamed through the caches since the last step
+// read them) and a task's loads alone keep few misses in flight; it pays even where a task holds
+// one or two blocks. Every 64-byte line the row touches: a packed row (D + 2 bytes) need not
+// start on one.
 template <int64_t D, typename T>
 inline void prefetch_row(const T* next, int64_t offset) {
   if (next == nullptr) return;
   const char* p = reinterpret_cast<const char*>(next + offset);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+  const char* end = p + (D + kRowExtra<T>) * static_cast<int64_t>(sizeof(T));
+  for (p -= reinterpret_cast<uintptr_t>(p) % 64; p < end; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
 // scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart; next: where
@@ -206,30 +221,31 @@ inline void by_passes(int64_t group, F fn) {
 template <int64_t D, typename T>
 void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
                int64_t j0, int64_t j1, float* scores, Partial out, Prefetcher& ahead) {
-  const int64_t n = j1 - j0, g = s.group, stride = s.kv_heads * D;
+  constexpr int64_t row = D + kRowExtra<T>;  // a stored K/V row, elements
+  const int64_t n = j1 - j0, g = s.group, stride = s.kv_heads * row;
   // element offset of the block after slots [j, j + count) within the task, or -1
   const auto next_block = [&](int64_t j, int64_t count) -> int64_t {
     const int64_t after = j + count;
     return after < j1 ? table[after / s.block_size] * s.block_size * stride : -1;
   };
-  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+  each_block<T>(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
     const int64_t next = next_block(j, count);
     for (int64_t h = 0; h < s.kv_heads; ++h)
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
-        block_scores<D, GB>(q + head * D, k_cache + off + h * D, stride, count, scores + head * n + j - j0, n, ahead,
-                            next >= 0 && g0 == 0 ? k_cache + next + h * D : nullptr);
+        block_scores<D, GB>(q + head * D, k_cache + off + h * row, stride, count, scores + head * n + j - j0, n,
+                            ahead, next >= 0 && g0 == 0 ? k_cache + next + h * row : nullptr);
       });
   });
   softmax_rows(scores, s.heads, n, n, out);
   std::fill_n(out.acc, s.heads * D, 0.0f);
-  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+  each_block<T>(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
     const int64_t next = next_block(j, count);
     for (int64_t h = 0; h < s.kv_heads; ++h)
       by_passes(g, [&]<int64_t GB>(int64_t g0) {
         const int64_t head = h * g + g0;
-        block_values<D, GB>(scores + head * n + j - j0, n, v_cache + off + h * D, stride, count,
-                            out.acc + head * D, ahead, next >= 0 && g0 == 0 ? v_cache + next + h * D : nullptr);
+        block_values<D, GB>(scores + head * n + j - j0, n, v_cache + off + h * row, stride, count,
+                            out.acc + head * D, ahead, next >= 0 && g0 == 0 ? v_cache + next + h * row : nullptr);
       });
   });
 }
@@ -238,11 +254,11 @@ void run_fixed(const Shape& s, const float* q, const T* k_cache, const T* v_cach
 template <typename T>
 void run_any(const Shape& s, const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
              int64_t j0, int64_t j1, float* scores, float* row, Partial out) {
-  const int64_t n = j1 - j0, d = s.dim, g = s.group;
-  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+  const int64_t n = j1 - j0, d = s.dim, g = s.group, stored = d + kRowExtra<T>;
+  each_block<T>(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
     for (int64_t i = 0; i < count; ++i)
       for (int64_t h = 0; h < s.kv_heads; ++h) {
-        to_float(k_cache + off + (i * s.kv_heads + h) * d, row, d);
+        to_float(k_cache + off + (i * s.kv_heads + h) * stored, row, d);
         for (int64_t head = h * g; head < (h + 1) * g; ++head)
           scores[head * n + j - j0 + i] = at::vec::map2_reduce_all<float>(
               [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; }, q + head * d, row, d);
@@ -250,10 +266,10 @@ void run_any(const Shape& s, const float* q, const T* k_cache, const T* v_cache,
   });
   softmax_rows(scores, s.heads, n, n, out);
   std::fill_n(out.acc, s.heads * d, 0.0f);
-  each_block(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
+  each_block<T>(s, table, j0, j1, [&](int64_t j, int64_t count, int64_t off) {
     for (int64_t i = 0; i < count; ++i)
       for (int64_t h = 0; h < s.kv_heads; ++h) {
-        to_float(v_cache + off + (i * s.kv_heads + h) * d, row, d);
+        to_float(v_cache + off + (i * s.kv_heads + h) * stored, row, d);
         for (int64_t head = h * g; head < (h + 1) * g; ++head) {
           const Vec p(scores[head * n + j - j0 + i]);
           float* acc = out.acc + head * d;
@@ -288,10 +304,13 @@ constexpr int64_t kRowsPerThread = 4;
 // bits whether its runs ran as tasks of their own (few rows: ``tasks``, then ``merge``) or in one
 // task for the whole row (``per_row``: ``row``). ``whole_rows`` false keeps every run a task of its
 // own whatever the row count, for a caller that runs ``task`` and then ``merge`` (DecodeModel).
-template <typename T>
+//
+// T: q's and the output's type; C: the caches' elements, T or a packed code (kv8_rows.h).
+template <typename T, typename C = T>
 struct DecodeWork {
   Shape s;
-  const T *q, *k_cache, *v_cache;
+  const T* q;
+  const C *k_cache, *v_cache;
   const int64_t *tables, *context_lens, *first_pos;
   std::vector<int64_t> lo, hi;
   int64_t run_blocks = 1, runs = 1, tasks = 0;
@@ -302,7 +321,7 @@ struct DecodeWork {
   std::vector<int64_t> first_run, row_task;
   bool per_row = false;  // fixed plan: a task is a whole row (``row``)
 
-  DecodeWork(const Shape& shape, const T* q_, const T* k, const T* v, const int64_t* tables_,
+  DecodeWork(const Shape& shape, const T* q_, const C* k, const C* v, const int64_t* tables_,
              const int64_t* context_lens_, const int64_t* first_pos_, int64_t threads,
              int64_t fixed_run_blocks = 0, bool whole_rows = true)
       : s(shape), q(q_), k_cache(k), v_cache(v), tables(tables_), context_lens(context_lens_),
@@ -412,11 +431,13 @@ struct DecodeWork {
       return;
     }
     const int64_t* table = tables + b * s.t_b;
-    if (s.latent) {  // k_cache is v_cache, one KV head: every head from one read of each row
-      latent::Task<T> run(w.latent, q + b * s.q_b, s.q_h, s.scale, heads, d, s.vd(), p.acc);
-      each_block(s, table, j0, j1, [&](int64_t, int64_t count, int64_t off) { run.rows(k_cache + off, count); });
-      run.finish(p.max, p.sum);
-      return;
+    if constexpr (std::is_same_v<C, T>) {  // a packed cache is never latent (the op refuses it)
+      if (s.latent) {  // k_cache is v_cache, one KV head: every head from one read of each row
+        latent::Task<T> run(w.latent, q + b * s.q_b, s.q_h, s.scale, heads, d, s.vd(), p.acc);
+        each_block<C>(s, table, j0, j1, [&](int64_t, int64_t count, int64_t off) { run.rows(k_cache + off, count); });
+        run.finish(p.max, p.sum);
+        return;
+      }
     }
     w.qs.resize(heads * d);
     for (int64_t head = 0; head < heads; ++head) {

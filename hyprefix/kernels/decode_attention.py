@@ -43,6 +43,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [B, H, D] over caches [blocks, block_size, KVH, D] (contiguous, q's dtype) through
     ``tables`` [B, W] -> (out [B, H, v_dim or D] in q's dtype, float32 log-sum-exp [B, H]).
 
+    The caches may instead both hold 8-bit packed rows (``--kv-cache-dtype``,
+    ``models/kv_quant.py``): [blocks, block_size, KVH, D + 2] of ``torch.int8`` or
+    ``torch.float8_e4m3fn``, each row D codes and a float16 scale. The kernel reads them in place,
+    each row dequantized as it is loaded (code * scale, exact in float32), so the result is that
+    of the float32 cache ``kv_quant.dequantize_rows`` makes; q stays float32 / bfloat16 / float16.
+    A latent cache takes no packed rows.
+
     Row b's table slot j holds position ``j + first_pos[b]`` (first_pos None: 0) and is
     visible when that is before ``context_lens[b]`` and, with a ``window``, no more than
     ``window`` positions back. A row that sees no key gets zeros and a log-sum-exp of -inf.

@@ -1,0 +1,127 @@
+// The 8-bit K/V cache's rows as decode_attention.h reads them in place (--kv-cache-dtype; the
+// format is hyprefix/models/kv_quant.py's): a (token, KV head) row is D one-byte codes, then its
+// scale as float16 bits in the next two bytes (little-endian), value = code * scale. A cache of
+// such rows is a tensor of torch.int8 (int8 codes) or torch.float8_e4m3fn (OCP E4M3 codes) whose
+// last dim is D + 2. Its element type here is a one-byte tag per format (Int8Code, E4m3Code), so
+// the kernel's pointer arithmetic stays in elements: a row is D + kRowExtra<C> of them.
+//
+// A row converts to float32 exactly: int8 codes and E4M3 codes are exact in float32, and so is
+// their product with a float16 scale (at most 4 + 11 significant bits), so the dequantized row is
+// bit for bit kv_quant.dequantize_rows(row, torch.float32), and the attention over it the
+// attention of the float32 path over that cache.
+//
+// Written on ATen's vector types with the ISA's intrinsics for the widening loads: one build per
+// CPU capability (AVX512, AVX2), included by decode_attention.h.
+#pragma once
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct Int8Code {  // an int8 code: value = code * scale
+  int8_t bits;
+};
+struct E4m3Code {  // an OCP E4M3 code (bias 7, 3 mantissa bits, subnormals, 0x7f / 0xff NaN)
+  uint8_t bits;
+};
+static_assert(sizeof(Int8Code) == 1 && sizeof(E4m3Code) == 1, "a code is one byte of the cache");
+
+template <typename C>
+inline constexpr bool kPacked = std::is_same_v<C, Int8Code> || std::is_same_v<C, E4m3Code>;
+
+// Elements of a stored row after its D values: the scale's two bytes in a packed row, else none.
+template <typename C>
+inline constexpr int64_t kRowExtra = kPacked<C> ? 2 : 0;
+
+namespace kv8 {
+
+using Vec = at::vec::Vectorized<float>;
+
+// The scale of the packed row whose D codes start at `row`.
+template <typename C>
+inline float row_scale(const C* row, int64_t d) {
+  uint16_t bits;
+  std::memcpy(&bits, row + d, sizeof(bits));  // little-endian, as x86 loads it
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline float code_value(Int8Code c) { return static_cast<float>(c.bits); }
+inline float code_value(E4m3Code c) {
+  return static_cast<float>(c10::Float8_e4m3fn(c.bits, c10::Float8_e4m3fn::from_bits()));
+}
+
+// Vec::size() codes from p as floats (the codes, not yet scaled).
+inline Vec lanes(const Int8Code* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  float f[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = code_value(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// E4M3 by its bits, every lane at once (a table lookup would be a gather, slow on these ISAs):
+// with e = the exponent field and m the mantissa, a normal code (e > 0) is the float32 whose
+// exponent and mantissa fields are (e + 120, m << 20), since 127 - 7 = 120; a subnormal (e = 0)
+// is m * 2^-9, converted as an integer (exact; no float32 subnormal, so denormals-are-zero modes
+// do not touch it); e and m all ones is NaN; the sign bit moves to bit 31.
+inline Vec lanes(const E4m3Code* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
+  __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, sub);
+  v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v,
+                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+  const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f)));
+  __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+#else
+  float f[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = code_value(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// A packed row of D values (D a multiple of Vec::size()) into registers, dequantized.
+template <int64_t D, typename C>
+inline void load_row(const C* p, Vec (&r)[D / Vec::size()]) {
+  const Vec scale(row_scale(p, D));
+  for (int64_t i = 0; i < D / Vec::size(); ++i) r[i] = lanes(p + i * Vec::size()) * scale;
+}
+
+// A packed row of any n values into dst, dequantized: whole vectors, then the tail one by one.
+template <typename C>
+inline void to_float(const C* src, float* dst, int64_t n) {
+  const float scale = row_scale(src, n);
+  const Vec s(scale);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (lanes(src + i) * s).store(dst + i);
+  for (; i < n; ++i) dst[i] = code_value(src[i]) * scale;
+}
+
+}  // namespace kv8
+}  // namespace
