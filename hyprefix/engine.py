@@ -82,7 +82,8 @@ class Engine:
     @property
     def model_facts(self) -> ModelFacts:
         return model_facts(self.runner.model, self.dtype, int(self.text_config.hidden_size), self.vocab_size,
-                           self.state_bytes_per_slot, self.config.model.quantization)
+                           self.state_bytes_per_slot, self.config.model.quantization, self.runner.kv_dtype,
+                           self.config.cache.kv_cache_dtype)
 
     @property
     def model_identity(self) -> str:

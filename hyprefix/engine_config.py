@@ -58,6 +58,7 @@ class CacheConfig:
     swa_full_tokens_ratio: float
     disable_hybrid_swa_memory: bool
     disk: DiskCacheConfig | None
+    kv_cache_dtype: str = "auto"  # one of ``config.KV_CACHE_DTYPES`` (models/kv_quant.py)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class EngineConfig:
                               args.num_kv_blocks, args.max_kv_blocks, args.state_cache_memory_gb,
                               args.max_state_checkpoints,
                               "bfloat16" if args.mamba_ssm_cache_dtype == "bfloat16" else "float32",
-                              args.swa_full_tokens_ratio, args.disable_hybrid_swa_memory, disk),
+                              args.swa_full_tokens_ratio, args.disable_hybrid_swa_memory, disk, args.kv_cache_dtype),
             scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                       speculative=args.speculative_config),
             runner=RunnerConfig(args.device, not args.enforce_eager, args.batch_invariant, args.seed,

@@ -30,14 +30,17 @@ class ModelFacts:
     lm_head_params: int
     attention_layers: int
     attention_width: int  # query heads x head dim of one attention layer (0 without attention; MLA: the latent's)
-    kv_bytes_per_token: int  # K + V of every attention layer (MLA: the latent, once)
+    kv_bytes_per_token: int  # K + V of every attention layer as stored (MLA: the latent, once; 8-bit: codes, scales)
     state_bytes_per_sequence: int  # state of every recurrent layer (Mamba2, Gated DeltaNet; 0 for dense models)
     decode_weight_bytes: int = 0  # weights one decode step reads (linears and LM head as stored, norms)
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
 
 
 def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vocab_size: int,
-                state_bytes: int, quantization: str | None) -> ModelFacts:
+                state_bytes: int, quantization: str | None, kv_dtype: torch.dtype | None = None,
+                kv_cache_dtype: str = "auto") -> ModelFacts:
+    """``kv_dtype``: the K/V tensors' (None: ``dtype``)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = getattr(model, "lm_head", None)
     attention = [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
@@ -50,10 +53,11 @@ def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vo
         lm_head_params=hidden_size * vocab_size,
         attention_layers=len(attention),
         attention_width=attention[0].q_size if attention else 0,
-        kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, dtype, 1),
+        kv_bytes_per_token=ModelRunner.kv_bytes_per_block(model, kv_dtype or dtype, 1),
         state_bytes_per_sequence=state_bytes,
         decode_weight_bytes=model.decode_weight_bytes(),
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -61,6 +65,9 @@ def engine_stats(scheduler: Scheduler, cache: CacheCoordinator, runner: ModelRun
                  state_bytes: int) -> dict[str, int | float]:
     """Cumulative token counters and current pool usage (the disk tier adds its own)."""
     sched, spec, pools = scheduler, scheduler.spec_stats, cache.stats()
+    # the main pool's: every attention layer, or the full-attention ones beside a window pool
+    token_bytes = max(1, ModelRunner.kv_bytes_per_block(runner.model, runner.kv_dtype, 1,
+                                                        "full" if runner.has_window_pool else "all"))
     return {
         "num_requests_running": sched.num_running,
         "num_requests_waiting": sched.num_waiting,
@@ -81,6 +88,8 @@ def engine_stats(scheduler: Scheduler, cache: CacheCoordinator, runner: ModelRun
         "kv_blocks_used": pools["kv_blocks_used"],
         "kv_blocks_cached": pools["kv_blocks_cached"],
         "kv_blocks_free": pools["kv_blocks_free"],
+        "kv_tokens_per_gib": 2**30 / token_bytes,
+        "kv_blocks_per_gib": 2**30 / (token_bytes * runner.block_size),
         "mamba_checkpoints_used": pools.get("state_checkpoints_used", 0),
         "mamba_checkpoints_capacity": pools.get("state_checkpoints_capacity", 0),
         "mamba_checkpoint_bytes": state_bytes,

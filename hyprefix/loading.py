@@ -19,6 +19,8 @@ from hyprefix.cache.events import EventLog
 from hyprefix.cache.plan import PoolPlan, build_cache, plan_pools
 from hyprefix.disk.connector import DiskConnector
 from hyprefix.engine_config import EngineConfig
+from hyprefix.kernels import decode_attention, kv_write
+from hyprefix.models import kv_quant
 from hyprefix.models.loader import LoadedModel, gguf_parsed_once, load_model, load_tokenizer
 from hyprefix.runner.model_runner import ModelRunner, PoolSizes
 from hyprefix.scheduler import Scheduler
@@ -58,12 +60,15 @@ def load_parts(config: EngineConfig) -> EngineParts:
         tokenizer = load_tokenizer(model_config.tokenizer or loaded.path)
     max_model_len = model_config.max_model_len or loaded.max_position_embeddings
     cache_config, model = config.cache, loaded.model
+    kv_dtype = kv_cache_storage(cache_config.kv_cache_dtype, model, device, loaded.dtype)
+    if kv_dtype != loaded.dtype:  # the K/V's format is part of every block's identity: memory, disk, events
+        loaded = replace(loaded, identity=f"{loaded.identity}|kv={cache_config.kv_cache_dtype}")
     state_dtype = getattr(torch, cache_config.state_dtype)
     state_bytes = ModelRunner.state_bytes_per_slot(model, loaded.dtype, state_dtype)
     layout = model.kv_layout
 
     def kv_bytes_per_block(which: str) -> int:
-        return ModelRunner.kv_bytes_per_block(model, loaded.dtype, cache_config.block_size, which)
+        return ModelRunner.kv_bytes_per_block(model, kv_dtype, cache_config.block_size, which)
 
     plan = plan_pools(cache_config, config.scheduler.max_num_batched_tokens,
                       [layout.window(i) for i in range(layout.num_layers)], max_model_len, kv_bytes_per_block,
@@ -82,7 +87,7 @@ def load_parts(config: EngineConfig) -> EngineParts:
     num_live = max_seqs if state_bytes else 0
     eos_token_ids = end_of_sequence_ids(loaded, tokenizer)
     pools = PoolSizes(loaded.dtype, plan.num_blocks, cache_config.block_size, plan.num_window_blocks, num_live,
-                      plan.num_checkpoints, state_dtype, k, draft_rows or 0)
+                      plan.num_checkpoints, state_dtype, k, draft_rows or 0, kv_dtype)
     runner = ModelRunner(model, pools, runner_config, eos_token_ids)
     disk = DiskConnector.create(cache_config.disk, cache, runner, loaded.identity) if cache_config.disk else None
     memory = {"weights": loaded.weight_bytes, "kv_pool": plan.num_blocks * plan.bytes_per_block,
@@ -92,8 +97,33 @@ def load_parts(config: EngineConfig) -> EngineParts:
     log.info("loaded %s (%s, %s) in %.1fs", loaded.path, type(model).__name__,
              str(loaded.dtype).replace("torch.", ""), time.perf_counter() - t0)
     _log_memory(plan, memory, cache_config.block_size, num_live, state_bytes)
+    if plan.bytes_per_block:
+        log.info("K/V cache dtype %s: %.0f blocks (%.0f tokens) per GiB", cache_config.kv_cache_dtype if
+                 kv_dtype != loaded.dtype else str(kv_dtype).replace("torch.", ""),
+                 2**30 / plan.bytes_per_block, 2**30 * cache_config.block_size / plan.bytes_per_block)
     return EngineParts(loaded, tokenizer, eos_token_ids, max_model_len, cache, events, scheduler, runner, disk,
                        state_bytes, memory)
+
+
+def kv_cache_storage(kv_cache_dtype: str, model: torch.nn.Module, device: torch.device,
+                     dtype: torch.dtype) -> torch.dtype:
+    """The K/V tensors' dtype for ``--kv-cache-dtype``: the model's for "auto", else the 8-bit
+    format's (``kv_quant``), refused with the reason where nothing here reads it: off the CPU
+    (the fused reads are CPU kernels), without the decode-attention kernel, or for a latent
+    (MLA) cache."""
+    storage = kv_quant.storage_dtype(kv_cache_dtype)
+    if storage is None:
+        return dtype
+    flag = f"--kv-cache-dtype {kv_cache_dtype}"
+    if device.type != "cpu":
+        raise ValueError(f"{flag} runs on the CPU only: its fused reads are CPU kernels (device {device.type}); "
+                         f"use --kv-cache-dtype auto")
+    if model.kv_layout.latent:
+        raise ValueError(f"{flag} does not take a latent (MLA) cache yet; use --kv-cache-dtype auto")
+    if not decode_attention.available(dtype) or not kv_write.available():
+        raise ValueError(f"{flag} needs the decode-attention and K/V write kernels, and one did not build here "
+                         f"(see the warning above); use --kv-cache-dtype auto")
+    return storage
 
 
 def end_of_sequence_ids(loaded: LoadedModel, tokenizer) -> frozenset[int]:

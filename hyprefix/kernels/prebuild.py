@@ -33,6 +33,7 @@ def _builders() -> dict[str, Callable[[], object]]:
         decode_layers,
         int8_linear,
         invariant_linear,
+        kv_write,
         packed_linear,
         prefill_attention,
         quant_linear,
@@ -50,6 +51,7 @@ def _builders() -> dict[str, Callable[[], object]]:
         "decode_layers": decode_layers.available,
         "recurrent_decode": recurrent_decode.available,
         "decay_scores": decay_scores.available,
+        "kv_write": kv_write.available,
     }
 
 

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from hyprefix.forward import DecodeCascade, ForwardBatch
 from hyprefix.kernels import decode_attention as decode_kernel
+from hyprefix.kernels import kv_write
 from hyprefix.kernels import prefill_attention as prefill_kernel
+from hyprefix.models import kv_quant
 
 # Keys per run of the batch-invariant mode's attention: a row's keys are split into runs of this
 # many positions (whole blocks, at least one) at fixed places, merged in order. Only a decode row
@@ -59,18 +61,26 @@ def paged_attention(
     Returns [T, H, v_dim or D] in the batch's token order (decodes first, then prefills).
     """
     write_kv(k, v, k_cache, v_cache, batch, window)
+    if batch.prefills and kv_quant.is_quantized(k_cache):  # every attention reads the K/V as stored, cached or new
+        k, v = (kv_quant.dequantize_rows(kv_quant.quantize_rows(t, k_cache.dtype), t.dtype) for t in (k, v))
     return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
              window: int | None) -> None:
     """This step's K/V into the paged cache (the window pool's slots for a layer with one); a
-    latent cache (``KVLayout.latent``) is its own V: written once."""
+    latent cache (``KVLayout.latent``) is its own V: written once. An 8-bit cache
+    (``kv_quant``) takes each row quantized as it is written."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
     slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
     flats = [(k_cache, k)] if v_cache is k_cache else [(k_cache, k), (v_cache, v)]
     for cache, rows in flats:
+        if kv_quant.is_quantized(cache):
+            if slot_mapping.numel():
+                kv_write.kv_write_8bit(rows if batch.write_index is None else rows.index_select(0, batch.write_index),
+                                       cache, slot_mapping)
+            continue
         flat = cache.view(-1, num_kv_heads, head_dim)
         if batch.write_index is None:
             flat.index_copy_(0, slot_mapping, rows)
@@ -103,7 +113,7 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """The decode rows' attention (q [n, H, D], one query token a row; the first ``v_dim`` values
     of each head's output where given) through their block tables: in place by the decode kernel
     (a latent cache by its own path there), by a cascade plan's segments, or gathered and padded."""
-    n, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    n, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], q.shape[2]
     view = batch.kv_view(window)
     # One query token per sequence: fold the query heads of a KV group into the
     # "query length" axis so no K/V repeat is needed.
@@ -120,7 +130,7 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                                  scale, window, view.decode_first_pos if view is not None else None,
                                                  v_dim=v_dim)
     else:
-        kd, vd = _gather_blocks(k_cache, v_cache, tables)
+        kd, vd = _gather_blocks(k_cache, v_cache, tables, q.dtype)
         if sinks is not None:
             od, lse = math_attention_with_lse(qd, kd, vd, _additive(batch.decode_mask(window), q.dtype), scale)
         elif torch.compiler.is_compiling():  # a compiled decode step: fused loops, no kernel call per layer
@@ -151,11 +161,11 @@ def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
             blocks = view.prefill_block_tables[i] if view is not None else span.block_table
             first_pos = batch.prefill_first_pos(i, window)
             keys = span.context_len - first_pos
-            if flash:  # the cached keys read where they lie, through the table
+            if flash and not kv_quant.is_quantized(k_cache):  # the cached keys read where they lie, through the table
                 ks, vs, table = k_cache, v_cache, blocks
             else:
-                ks = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:keys]
-                vs = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:keys]
+                ks, vs = (_read_blocks(cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:keys]
+                          for cache in (k_cache, v_cache))
         qs = q[span.token_slice]
         if flash:
             outs.append(prefill_kernel.prefill_attention(qs, ks, vs, scale, span.start_pos, first_pos, window, table,
@@ -197,14 +207,21 @@ def _sunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return _sunk(out[0].transpose(0, 1), lse[0].transpose(0, 1), sinks)
 
 
-def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [rows, KVH, blocks * block_size, D] for a [rows, blocks] table."""
-    rows, kvh, dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [rows, KVH, blocks * block_size, D] for a [rows, blocks] table (an 8-bit cache's
+    rows dequantized to ``dtype``, the queries')."""
+    rows, kvh = tables.shape[0], k_cache.shape[2]
     flat = tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(rows, -1, kvh, dim).transpose(1, 2)
-    return k, v
+    k, v = (_read_blocks(cache, flat, dtype) for cache in (k_cache, v_cache))
+    return k.view(rows, -1, kvh, k.shape[-1]).transpose(1, 2), v.view(rows, -1, kvh, v.shape[-1]).transpose(1, 2)
+
+
+def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``blocks`` of a cache [blocks, block_size, KVH, D(+2)] as values [n, block_size, KVH, D]:
+    dequantized to ``dtype`` where the cache holds 8-bit rows, else as stored."""
+    rows = cache.index_select(0, blocks)
+    return kv_quant.dequantize_rows(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
 def _reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -257,12 +274,14 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                   first_pos=plan.tail_start)
         out, lse = out.view(qd.shape), lse.view(n, kvh, group)
     else:
-        kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables)
+        kt, vt = _gather_blocks(k_cache, v_cache, plan.tail_tables, qd.dtype)
         out, lse = attention_with_lse(qd, kt, vt, plan.tail_mask(qd.dtype), scale)
     out = out.float()
     for g in plan.segments:
         m = g.rows.shape[0]
-        if g.first_block is not None:
+        if kv_quant.is_quantized(k_cache):
+            kp, vp = (_read_blocks(cache, g.blocks, qd.dtype) for cache in (k_cache, v_cache))
+        elif g.first_block is not None:
             blocks = slice(g.first_block, g.first_block + g.blocks.shape[0])
             kp, vp = k_cache[blocks], v_cache[blocks]
         else:

@@ -35,6 +35,11 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in LARGEST
 
 
+def is_quantized_dtype(dtype: torch.dtype) -> bool:
+    """Whether K/V tensors of ``dtype`` hold packed 8-bit rows."""
+    return dtype in LARGEST
+
+
 def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one (token, KV head) row: D codes and a scale, or D values of ``dtype``."""
     return head_dim + SCALE_BYTES if dtype in LARGEST else head_dim * dtype.itemsize
@@ -50,8 +55,10 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     largest = LARGEST[dtype]
     xf = x.float()
     scale = (xf.abs().amax(-1, keepdim=True) / largest).half()  # the stored scale, rounded as stored
+    # times the reciprocal, not divided: Inductor rewrites a division so, and the codes a compiled
+    # step writes must be the eager path's
     divisor = scale.float()
-    scaled = torch.where(divisor > 0, xf / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    scaled = xf * torch.where(divisor > 0, 1.0 / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     if dtype == torch.int8:
         codes = scaled.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
     else:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hyprefix.kernels import decode_attention
+from hyprefix.models import kv_quant
 from hyprefix.models.fused import COMPILE_MIN_TOKENS, Kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState
 from hyprefix.outputs import DECODE_PATHS, PositionLogprobs, ScheduledSeq, SchedulerOutput, StepResult
@@ -34,10 +35,6 @@ log = logging.getLogger("hyprefix.runner")
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class PoolSizes:
     """The cache tensors the runner allocates, as the engine's pool plan sized them.
@@ -49,7 +46,7 @@ class PoolSizes:
     and, for models with recurrent layers, how many rows a step may verify drafts in (each gets
     k scratch state slots: the state after each of its drafts)."""
 
-    dtype: torch.dtype  # the K/V's (the model's)
+    dtype: torch.dtype  # the model's
     num_blocks: int
     block_size: int
     num_window_blocks: int = 0
@@ -58,6 +55,7 @@ class PoolSizes:
     state_dtype: torch.dtype = torch.float32
     num_speculative_tokens: int = 0
     num_draft_rows: int = 0
+    kv_dtype: torch.dtype | None = None  # the K/V tensors' (``kv_quant``'s storage dtypes), None: ``dtype``
 
 
 class ModelRunner:
@@ -71,12 +69,14 @@ class ModelRunner:
         every step eager, with no compiled kernels (a large step's fused loops are not a small
         one's arithmetic), no decode graphs, no one-call decode kernel and no cascade plans."""
         dtype, device = pools.dtype, torch.device(config.device)
+        kv_dtype = pools.kv_dtype or dtype
         num_blocks, block_size, num_window_blocks = pools.num_blocks, pools.block_size, pools.num_window_blocks
         batch_invariant = config.batch_invariant
         compile_enabled = config.compile
         cascade_thresholds = CascadeThresholds(config.cascade_min_saved_tokens, config.cascade_min_solo_run_tokens,
                                                config.cascade_min_traffic_ratio)
         self.batch_invariant = batch_invariant
+        self.kv_dtype = kv_dtype
         compile_enabled = compile_enabled and not batch_invariant
         self.model = model
         self.device = device
@@ -86,15 +86,16 @@ class ModelRunner:
 
         if device.type == "cpu" and layout.num_layers:
             decode_attention.available(dtype)  # built (or found) now, before any step is compiled
-            if not batch_invariant:
+            if not batch_invariant and not kv_quant.is_quantized_dtype(kv_dtype):  # its own K/V reads: model-dtype rows
                 model.use_decode_kernel()
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
-                   block_size, layout.num_kv_heads, layout.head_dim) for i in range(layout.num_layers)]
+                   block_size, layout.num_kv_heads, kv_quant.stored_head_dim(layout.head_dim, kv_dtype))
+                  for i in range(layout.num_layers)]
         # On a CPU, the weights in transparent huge pages where the OS gives them; the K/V
         # mapped as blocks are first written (``huge_pages``: huge-page faults are slow).
         per_layer = layout.tensors_per_layer
-        kv = lazy_zeros([s for shape in shapes for s in (shape,) * per_layer], dtype, device)
+        kv = lazy_zeros([s for shape in shapes for s in (shape,) * per_layer], kv_dtype, device)
         self.huge_page_bytes = move_weights(model)
         if self.huge_page_bytes:
             log.info("transparent huge pages: weights %.1f MiB", self.huge_page_bytes / 2**20)
@@ -123,7 +124,7 @@ class ModelRunner:
         # Decode-only steps by the path that ran them (``DECODE_PATHS``).
         self.decode_steps = dict.fromkeys(DECODE_PATHS, 0)
         self._step_bytes = (model.decode_weight_bytes() if layout.num_layers else 0,
-                            self.kv_bytes_per_block(model, dtype, 1))
+                            self.kv_bytes_per_block(model, kv_dtype, 1))
 
     def map_kv_pages(self) -> bool:
         """Map the next few MiB of the K/V caches' pages ahead of their first write (an idle
@@ -139,11 +140,13 @@ class ModelRunner:
     def kv_bytes_per_block(model: torch.nn.Module, dtype: torch.dtype, block_size: int,
                            layers: str = "all") -> int:
         """K + V bytes of one block over ``layers``: "all" attention layers, the
-        "full"-attention ones, or the sliding-"window" ones."""
+        "full"-attention ones, or the sliding-"window" ones; ``dtype``: the K/V tensors' (a
+        ``kv_quant`` storage dtype: codes and a scale a row)."""
         layout = model.kv_layout
         windowed = sum(layout.window(i) is not None for i in range(layout.num_layers))
         count = {"all": layout.num_layers, "full": layout.num_layers - windowed, "window": windowed}[layers]
-        return layout.tensors_per_layer * count * block_size * layout.num_kv_heads * layout.head_dim * _elem(dtype)
+        return layout.tensors_per_layer * count * block_size * layout.num_kv_heads * kv_quant.row_bytes(layout.head_dim,
+                                                                                                   dtype)
 
     @staticmethod
     def state_bytes_per_slot(model: torch.nn.Module, dtype: torch.dtype,

@@ -376,6 +376,23 @@ def test_another_layout_does_not_see_the_files(tmp_path, dense_dir):
     assert greedy(again) == (tokens, FULL_BLOCKS * BS) and disk_stats(again)["hit_tokens"] == FULL_BLOCKS * BS
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_blocks_keep_to_their_format_on_disk(tmp_path, dense_dir, kv_cache_dtype):
+    """An 8-bit cache's blocks (codes and scales, as stored) go to disk and come back with the same
+    tokens; the float32 files of the same model beside them are never read as 8-bit, nor the
+    8-bit ones as another 8-bit format."""
+    directory = copy_of(dense_dir, tmp_path)
+    llm_a = make("demo-dense-tiny", directory, kv_cache_dtype=kv_cache_dtype)
+    tokens_a, cached = greedy(llm_a)
+    assert cached == 0 and disk_stats(llm_a)["hit_tokens"] == 0
+    llm_a.engine.close()
+    llm_b = make("demo-dense-tiny", directory, kv_cache_dtype=kv_cache_dtype)
+    assert greedy(llm_b) == (tokens_a, FULL_BLOCKS * BS)
+    assert disk_stats(llm_b)["hit_tokens"] == FULL_BLOCKS * BS and disk_stats(llm_b)["refused"] == 0
+    other = "fp8_e4m3" if kv_cache_dtype == "int8" else "int8"
+    assert greedy(make("demo-dense-tiny", directory, kv_cache_dtype=other))[1] == 0
+
+
 def test_another_model_does_not_see_the_files(tmp_path, dense_dir):
     directory = copy_of(dense_dir, tmp_path)
     llm = make("demo-hybrid-tiny", directory)

@@ -1,0 +1,117 @@
+"""``--kv-cache-dtype int8 | fp8_e4m3`` end to end on tiny models: the 8-bit cache holds about
+twice the blocks of a bfloat16 one in the same budget, prefix hits and chunked prefills change its
+greedy tokens only at near ties (every attention reads the K/V as stored), its logprobs stay
+near the model-dtype cache's, its blocks carry their format in their
+identity (memory and disk), and what cannot read it is refused at start."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hyprefix import LLM, SamplingParams
+from hyprefix.models import kv_quant
+from tests.engine.test_prefix_cache_engine import mixed_prompts
+from tests.support.compare import random_prompts
+from tests.support.models import TINY_CASCADE
+
+FORMATS = ("int8", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_blocks_per_gib_and_identity(qwen3_dir, kv_cache_dtype):
+    """The same budget holds ~2x the blocks of bfloat16 (D + 2 bytes a row against 2D), the K/V
+    tensors are the 8-bit format, and the identity every block hash chains from names it."""
+    kwargs = dict(dtype="bfloat16", kv_cache_memory_gb=0.01, log_stats_interval=0)
+    plain, packed = LLM(str(qwen3_dir), **kwargs), LLM(str(qwen3_dir), kv_cache_dtype=kv_cache_dtype, **kwargs)
+    head_dim = plain.engine.runner.model.kv_layout.head_dim
+    ratio = packed.engine.max_pool_tokens / plain.engine.max_pool_tokens
+    assert ratio == pytest.approx(2 * head_dim / (head_dim + 2), rel=0.02)
+    k_cache = packed.engine.runner.kv_caches[0][0]
+    assert k_cache.dtype == kv_quant.STORAGE[kv_cache_dtype] and k_cache.shape[-1] == head_dim + 2
+    facts = packed.engine.model_facts
+    assert facts.kv_cache_dtype == kv_cache_dtype
+    assert facts.kv_bytes_per_token * head_dim * 2 == pytest.approx(plain.engine.model_facts.kv_bytes_per_token
+                                                                    * (head_dim + 2))
+    assert packed.engine.model_identity == f"{plain.engine.model_identity}|kv={kv_cache_dtype}"
+    stats, plain_stats = packed.get_stats(), plain.get_stats()
+    for key in ("kv_blocks_per_gib", "kv_tokens_per_gib"):
+        assert stats[key] / plain_stats[key] == pytest.approx(2 * head_dim / (head_dim + 2))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_hits_and_chunking_change_nothing_but_near_ties(qwen3_dir, kv_cache_dtype):
+    """Prefix hits and chunked prefills read the same stored codes as one whole prefill, but a
+    chunk's matmuls round differently in the last bit (as with any cache: the float32 K differs
+    bitwise here too), and a code can then flip; so the greedy tokens are the cache-off
+    engine's up to a near tie: where they first part, the reference's top two were within
+    NEAR_TIE, and until then every chosen token's logprob is within NEAR_TIE of the reference's.
+    A hit that read a wrong block, or a chunk a wrong row, is far outside that."""
+    near_tie = 0.02
+    prompts = mixed_prompts(16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    kwargs = dict(dtype="float32", num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, log_stats_interval=0,
+                  **TINY_CASCADE)
+
+    def run(llm: LLM, waves: int) -> list:
+        size = -(-len(prompts) // waves)
+        outs = []
+        for i in range(0, len(prompts), size):
+            outs += [o.outputs[0] for o in llm.generate(prompts[i:i + size], params, use_tqdm=False)]
+            llm.check_invariants()
+        return outs
+
+    reference = run(LLM(str(qwen3_dir), enable_prefix_caching=False, **kwargs), 1)
+    for waves, budget in ((3, 24), (1, 7), (3, 2048)):
+        llm = LLM(str(qwen3_dir), max_num_batched_tokens=budget, **kwargs)
+        for ref, got in zip(reference, run(llm, waves), strict=True):
+            for step, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
+                if a != b:
+                    top = sorted(p.logprob for p in ref.logprobs[step].values())[-2:]
+                    assert top[1] - top[0] < near_tie, f"waves={waves} budget={budget} step {step}"
+                    break
+                assert abs(ref.logprobs[step][a].logprob - got.logprobs[step][a].logprob) < near_tie
+        assert llm.get_stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_logprobs_near_the_model_dtype_cache(qwen3_dir, kv_cache_dtype):
+    """Teacher-forced: each prompt's next-token distribution with the 8-bit cache against the
+    float32 cache's, by KL divergence over the returned top logprobs (a bound loose enough for a
+    random tiny model, tight enough to catch a wrong scale or a misread row)."""
+    prompts = random_prompts([40, 70, 100], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    outs = {}
+    for fmt in ("auto", kv_cache_dtype):
+        llm = LLM(str(qwen3_dir), dtype="float32", kv_cache_dtype=fmt, log_stats_interval=0)
+        outs[fmt] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for ref, got in zip(outs["auto"], outs[kv_cache_dtype], strict=True):
+        shared = ref.keys() & got.keys()
+        assert len(shared) >= 15
+        kl = sum(math.exp(ref[t].logprob) * (ref[t].logprob - got[t].logprob) for t in shared)
+        assert abs(kl) < 0.05
+
+
+def test_refused_for_a_latent_cache(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.models import save_tiny_checkpoint, tiny_moe_config
+
+    model = AutoModelForCausalLM.from_config(tiny_moe_config("deepseek_v3"), dtype=torch.float32)
+    save_tiny_checkpoint(model, tmp_path / "ds")
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 does not take a latent"):
+        LLM(str(tmp_path / "ds"), dtype="float32", kv_cache_dtype="int8", log_stats_interval=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_rows_round_trip_within_half_a_step(kv_cache_dtype):
+    """The reference arithmetic (what the write kernel reproduces bit for bit, tests/kernels):
+    each value within half a code step of its row's scale (int8), or E4M3's relative spacing."""
+    x = torch.randn(50, 4, 64) * torch.rand(50, 4, 1) * 10
+    storage = kv_quant.STORAGE[kv_cache_dtype]
+    back = kv_quant.dequantize_rows(kv_quant.quantize_rows(x, storage), torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / kv_quant.LARGEST[storage]
+    bound = scale * 0.5 * 1.001 if storage == torch.int8 else x.abs() / 16 + scale * 2 ** -9
+    assert ((back - x).abs() <= bound + 1e-6).all()
