@@ -39,9 +39,29 @@ GAUGES = ("kv_blocks_total", "kv_blocks_cached", "mamba_checkpoints_used", "mamb
 
 
 def split_arm(name: str) -> tuple[str, str | None]:
-    """``"hyprefix@float32"`` -> ("hyprefix", "float32"); a bare name has no dtype of its own."""
-    base, sep, dtype = name.partition("@")
-    return base, (dtype if sep else None)
+    """``"hyprefix@float32"`` -> ("hyprefix", "float32"); a bare name has no dtype of its own. The
+    suffix's parts join with "+": a dtype and, for hyprefix arms, ``kv-FORMAT`` (``arm_kv_cache_dtype``)."""
+    base, sep, suffix = name.partition("@")
+    dtype = next((part for part in suffix.split("+") if not part.startswith("kv-")), None) if sep else None
+    return base, dtype
+
+
+def arm_kv_cache_dtype(name: str) -> str | None:
+    """``"hyprefix@bfloat16+kv-int8"`` -> "int8": the arm's --kv-cache-dtype, None where it names none."""
+    _, sep, suffix = name.partition("@")
+    return next((part.removeprefix("kv-") for part in suffix.split("+") if part.startswith("kv-")), None) \
+        if sep else None
+
+
+def _suffix_ok(name: str) -> bool:
+    from hyprefix.config import KV_CACHE_DTYPES
+
+    base, sep, suffix = name.partition("@")
+    parts = suffix.split("+") if sep else []
+    dtypes = [p for p in parts if not p.startswith("kv-")]
+    kvs = [p.removeprefix("kv-") for p in parts if p.startswith("kv-")]
+    return (len(dtypes) <= 1 and all(d in ARM_DTYPES for d in dtypes) and len(kvs) <= 1
+            and all(k in KV_CACHE_DTYPES for k in kvs) and (not kvs or base.startswith("hyprefix")))
 
 
 def check_arm_names(names: Sequence[str], allowed: Sequence[str], servers: Sequence[str] = ()) -> None:
@@ -49,11 +69,11 @@ def check_arm_names(names: Sequence[str], allowed: Sequence[str], servers: Seque
     clash = [s for s in servers if split_arm(s)[0] in ARM_BASES or servers.count(s) > 1]
     if clash:
         raise ValueError(f"server arm names must be distinct and differ from {', '.join(ARM_BASES)}: {clash[0]}")
-    bad = [a for a in names if a not in servers and (split_arm(a)[0] not in allowed
-                                                     or split_arm(a)[1] not in (None, *ARM_DTYPES))]
+    bad = [a for a in names if a not in servers and (split_arm(a)[0] not in allowed or not _suffix_ok(a))]
     if bad or not names or len(set(names)) != len(names):
         raise ValueError(f"arms must be distinct names from {', '.join([*servers, *allowed])}, each but a server "
-                         f"optionally with @DTYPE ({', '.join(ARM_DTYPES)}), got {','.join(names)}")
+                         f"optionally with @DTYPE ({', '.join(ARM_DTYPES)}), a hyprefix arm also with @kv-FORMAT "
+                         f"or @DTYPE+kv-FORMAT (its --kv-cache-dtype), got {','.join(names)}")
 
 
 @dataclass
@@ -372,6 +392,8 @@ def load_arm(name: str, model: str, workload: Workload, *, dtype: str, seed: int
     if base not in ("hyprefix", "hyprefix-nocache", COMPARE_ARM):
         raise ValueError(f"unknown arm {name!r}")
     kwargs = {**workload.engine_defaults(), **(engine_kwargs or {})}
+    if arm_kv_cache_dtype(name) is not None:
+        kwargs["kv_cache_dtype"] = arm_kv_cache_dtype(name)
     if "kv_cache_memory_gb" not in kwargs and "num_kv_blocks" not in kwargs:
         kwargs["num_kv_blocks"] = workload_kv_blocks(workload, kwargs.get("block_size", EngineArgs.block_size))
     rounds = [(c, lens) for c in workload.cases().values() for lens in c.prompt_lens()]

@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hyprefix.bench.env import require
-from hyprefix.config import DTYPES, QUANTIZATIONS, STATE_DTYPES
+from hyprefix.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, STATE_DTYPES
 
 log = logging.getLogger("hyprefix.bench")
 
@@ -82,7 +82,7 @@ WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
 }
 ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "state_cache_memory_gb", "max_num_batched_tokens",
-                "enforce_eager", "quantization", "mamba_ssm_cache_dtype", "speculative_config")
+                "enforce_eager", "quantization", "mamba_ssm_cache_dtype", "kv_cache_dtype", "speculative_config")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
 
@@ -108,8 +108,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                             "for transformers); an arm may name its own, e.g. hyprefix@float32")
     bench.add_argument("--arms", type=lambda text: [x.strip() for x in text.split(",") if x.strip()], default=None,
                        help="comma-separated engines to compare, run interleaved in this order, from hyprefix, "
-                            "hyprefix-nocache, transformers, each optionally @DTYPE (default throughput: "
-                            "hyprefix,transformers; request workloads: hyprefix,hyprefix-nocache,transformers)")
+                            "hyprefix-nocache, transformers, each optionally @DTYPE, a hyprefix arm also @kv-FORMAT or "
+                            "@DTYPE+kv-FORMAT (its --kv-cache-dtype, e.g. hyprefix@bfloat16+kv-int8) (default "
+                            "throughput: hyprefix,transformers; request workloads: hyprefix,hyprefix-nocache,"
+                            "transformers)")
     bench.add_argument("--repeats", type=_positive(int), default=3, help="timed repeats per case; medians are reported")
     bench.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (and sampling seeds)")
     bench.add_argument("--threads", type=_positive(int), default=None,
@@ -138,6 +140,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                      help="int8 quantization of the hyprefix arms (transformers stays in --dtype)")
     eng.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default=None,
                      help="hybrid models: the hyprefix arms' recurrent matrix state dtype (default auto: float32)")
+    eng.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                     help="the hyprefix arms' K/V cache dtype (serve's --kv-cache-dtype; default auto: the model's)")
     eng.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="the hyprefix arms' speculative decoding (serve's --speculative-config; default: off)")
 

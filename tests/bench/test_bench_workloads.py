@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from hyprefix.bench import env
-from hyprefix.bench.arms import COMPARE_ARM, RequestRecord, WorkloadRun, check_arm_names, split_arm, workload_kv_blocks
+from hyprefix.bench.arms import (
+    COMPARE_ARM,
+    RequestRecord,
+    WorkloadRun,
+    arm_kv_cache_dtype,
+    check_arm_names,
+    split_arm,
+    workload_kv_blocks,
+)
 from hyprefix.bench.summary import distribution, percentile, prefill_flops, summarise
 from hyprefix.bench.workloads import (
     DEFAULT_VOCAB,
@@ -162,9 +170,15 @@ def test_arm_names() -> None:
     assert split_arm("hyprefix@float32") == ("hyprefix", "float32") and split_arm("transformers") == (
         "transformers", None)
     check_arm_names(["hyprefix", "hyprefix@bfloat16", "transformers@float32"], ["hyprefix", "transformers"])
-    for bad in (["hyprefix@int8"], ["vllm@float32"], ["hyprefix", "hyprefix"], []):
+    for bad in (["hyprefix@int8"], ["vllm@float32"], ["hyprefix", "hyprefix"], [], ["transformers@kv-int8"],
+                ["hyprefix@kv-int4"], ["hyprefix@bfloat16+float32"], ["hyprefix@kv-int8+kv-fp8_e4m3"]):
         with pytest.raises(ValueError, match="arms must be"):
             check_arm_names(bad, ["hyprefix", "transformers"])
+    # a hyprefix arm's --kv-cache-dtype rides in its suffix, beside or without a dtype
+    check_arm_names(["hyprefix@bfloat16", "hyprefix@bfloat16+kv-int8", "hyprefix@kv-fp8_e4m3"], ["hyprefix"])
+    assert split_arm("hyprefix@bfloat16+kv-int8") == ("hyprefix", "bfloat16")
+    assert (arm_kv_cache_dtype("hyprefix@bfloat16+kv-int8"), arm_kv_cache_dtype("hyprefix@kv-fp8_e4m3"),
+            arm_kv_cache_dtype("hyprefix@bfloat16")) == ("int8", "fp8_e4m3", None)
 
 
 def test_bench_kv_pool_holds_the_whole_workload() -> None:
