@@ -91,6 +91,15 @@ def test_a_request_is_bitwise_the_same_in_any_batch(tiny_models, arch, dtype):
 
 
 @needs_kernels
+def test_8bit_caches_are_invariant_too(tiny_models, gemma3_model):
+    """--kv-cache-dtype: the rows a batch-invariant step writes are the same bits in any batch, so
+    their codes are, and the decode kernel reads them in its fixed runs (Qwen3 int8 in bfloat16;
+    Gemma 3's window pool in E4M3)."""
+    _assert_invariant(tiny_models["qwen3"][0], "bfloat16", kv_cache_dtype="int8")
+    _assert_invariant(gemma3_model[0], "float32", kv_cache_dtype="fp8_e4m3")
+
+
+@needs_kernels
 def test_sliding_window_pools_are_invariant_too(tiny_models, gemma3_model):
     """Mistral (every layer in a window pool of its own, whose tables start where the window
     does) and Gemma 3 (sliding and full layers, tanh-GELU MLP)."""
