@@ -1,9 +1,10 @@
-// The 8-bit K/V cache's rows as decode_attention.h reads them in place (--kv-cache-dtype; the
-// format is hyprefix/models/kv_quant.py's): a (token, KV head) row is D one-byte codes, then its
-// scale as float16 bits in the next two bytes (little-endian), value = code * scale. A cache of
-// such rows is a tensor of torch.int8 (int8 codes) or torch.float8_e4m3fn (OCP E4M3 codes) whose
-// last dim is D + 2. Its element type here is a one-byte tag per format (Int8Code, E4m3Code), so
-// the kernel's pointer arithmetic stays in elements: a row is D + kRowExtra<C> of them.
+// The 8-bit K/V cache's rows as the attention kernels read them in place (decode_attention.h,
+// prefill_attention.cpp; --kv-cache-dtype; the format is hyprefix/models/kv_quant.py's): a
+// (token, KV head) row is D one-byte codes, then its scale as float16 bits in the next two bytes
+// (little-endian), value = code * scale. A cache of such rows is a tensor of torch.int8 (int8
+// codes) or torch.float8_e4m3fn (OCP E4M3 codes) whose last dim is D + 2. Its element type here
+// is a one-byte tag per format (Int8Code, E4m3Code), so the kernel's pointer arithmetic stays in
+// elements: a row is D + kRowExtra<C> of them.
 //
 // A row converts to float32 exactly: int8 codes and E4M3 codes are exact in float32, and so is
 // their product with a float16 scale (at most 4 + 11 significant bits), so the dequantized row is
@@ -11,8 +12,9 @@
 // attention of the float32 path over that cache.
 //
 // Written on ATen's vector types with the ISA's intrinsics for the widening loads: one build per
-// CPU capability (AVX512, AVX2), included by decode_attention.h.
+// CPU capability (AVX512, AVX2), included by decode_attention.h and prefill_attention.cpp.
 #pragma once
+#include <ATen/cpu/vec/functional.h>  // convert_from_float
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -121,6 +123,24 @@ inline void to_float(const C* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) (lanes(src + i) * s).store(dst + i);
   for (; i < n; ++i) dst[i] = code_value(src[i]) * scale;
+}
+
+// A packed row of any n values into dst as T (float, c10::BFloat16 or c10::Half), dequantized
+// (exact in float32) and then rounded to T to nearest even, as torch's .to(T) rounds: bit for bit
+// kv_quant.dequantize_rows(row, T), the values a gathered-and-dequantized cache of T holds.
+template <typename T, typename C>
+inline void to_type(const C* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    to_float(src, dst, n);
+  } else {
+    constexpr int64_t w = Vec::size();
+    const float scale = row_scale(src, n);
+    const Vec s(scale);
+    int64_t i = 0;
+    for (; i + 2 * w <= n; i += 2 * w)
+      at::vec::convert_from_float<T>(lanes(src + i) * s, lanes(src + i + w) * s).store(dst + i);
+    for (; i < n; ++i) dst[i] = T(code_value(src[i]) * scale);
+  }
 }
 
 }  // namespace kv8

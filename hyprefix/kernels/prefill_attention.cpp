@@ -8,6 +8,14 @@
 // j % block_size of block table[j / block_size]: the keys are read where they lie, with no
 // gather into a contiguous copy first.
 //
+// k and v hold q's dtype, or both 8-bit packed rows (--kv-cache-dtype int8 / fp8_e4m3, the
+// format of hyprefix/models/kv_quant.py and kv8_rows.h): int8 or float8_e4m3fn with a last dim of
+// D + 2, each (key, KV head) row D codes and its float16 scale. Such rows are dequantized where
+// K and V are packed (pack_head: a key block's rows into a scratch of q's dtype, code * scale
+// exact in float32, then rounded to q's dtype as kv_quant.dequantize_rows rounds), so the packed
+// operands and the result are bit for bit the kernel's over kv_quant.dequantize_rows(cache,
+// q.dtype), with no gathered or dequantized copy of the cache.
+//
 // Flash attention on oneDNN's batch-reduce GEMM micro-kernel (ATen's cpublas::brgemm:
 // bfloat16 x bfloat16 -> float32 on AVX512-BF16 or AMX, float32 on AVX2 / AVX-512):
 // - K^T and V of each KV head are packed once per call, in blocks of 128 keys (bfloat16: VNNI
@@ -33,6 +41,8 @@
 #include <limits>
 #include <optional>
 #include <vector>
+
+#include "kv8_rows.h"
 
 namespace {
 
@@ -101,31 +111,68 @@ inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, c10:
   }
 }
 
+// n rows of d values of T (row stride ld elements) as columns [c, c + n) of one key block's
+// K^T (dst): a transpose of 32-bit units (a bfloat16 VNNI pair is one), key rows to columns.
 template <typename T>
-void pack_head(const Shape& s, const T* k, const T* v, Packed<T>& p) {
+void transpose_rows(const T* src, int64_t ld, T* dst, int64_t c, int64_t n, int64_t d) {
   constexpr int64_t pair = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
+  static_assert(sizeof(T) * pair == sizeof(float));
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(src), ld / pair, reinterpret_cast<float*>(dst) + c,
+                                kKeyLd, n, d / pair);
+}
+
+// Keys [j0, j0 + n) of one head's packed 8-bit cache (kv8_rows.h; `row(j)`: key j's row offset)
+// into dst [n, d] of T, each row dequantized and rounded to T as kv_quant.dequantize_rows(., T)
+// rounds it (exact in float32): the values the gathered-and-dequantized cache would hold.
+template <typename T, typename C, typename Row>
+void dequantize_keys(const C* cache, Row row, int64_t j0, int64_t n, int64_t d, T* dst) {
+  for (int64_t i = 0; i < n; ++i) kv8::to_type(cache + row(j0 + i), dst + i * d, d);
+}
+
+// One head's K and V (caches of C: q's T, or packed 8-bit rows) into p, key block by key block.
+// A packed cache's block of rows is dequantized into a [kKeyBlock, D] scratch of T first, then
+// packed from there as rows of T are, so the panels, and every result after them, are those of
+// the same kernel over kv_quant.dequantize_rows(cache, T).
+template <typename T, typename C>
+void pack_head(const Shape& s, const C* k, const C* v, Packed<T>& p) {
+  constexpr int64_t pair = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
+  constexpr bool kDequantize = kPacked<C>;
   const int64_t d = s.dim, ldv = head_ld(d), blocks = (s.keys + kKeyBlock - 1) / kKeyBlock;
   p.k.assign(blocks * d * kKeyLd, T(0.0f));
   p.v.assign(blocks * kKeyBlock * ldv, T(0.0f));
-  // K^T: a transpose of 32-bit units (a bfloat16 VNNI pair is one), key rows to columns.
-  static_assert(sizeof(T) * pair == sizeof(float));
-  for (int64_t j = 0; j < s.keys;) {  // runs of consecutive rows, none across a key block
-    const int64_t b = j / kKeyBlock, c = j % kKeyBlock, n = s.run(j, std::min(kKeyBlock - c, s.keys - j));
-    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k + s.k_row(j)), s.k_t / pair,
-                                  reinterpret_cast<float*>(p.k.data() + b * d * kKeyLd) + c, kKeyLd, n, d / pair);
-    j += n;
-  }
-  for (int64_t j = 0; j < s.keys; j += pair) {
-    const int64_t b = j / kKeyBlock, c = j % kKeyBlock;
-    T* vb = p.v.data() + b * kKeyBlock * ldv + c * ldv;
-    if constexpr (pair == 2) {
-      if (j + 1 < s.keys) {
-        interleave_rows(v + s.v_row(j), v + s.v_row(j + 1), vb, d);
-      } else {  // an odd last key: its pair partner stays 0
-        for (int64_t i = 0; i < d; ++i) vb[2 * i] = v[s.v_row(j) + i];
-      }
+  std::vector<T> rows(kDequantize ? kKeyBlock * d : 0);
+  const auto k_row = [&](int64_t j) { return s.k_row(j); };
+  const auto v_row = [&](int64_t j) { return s.v_row(j); };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j0 = b * kKeyBlock, n = std::min(kKeyBlock, s.keys - j0);
+    T* kt = p.k.data() + b * d * kKeyLd;
+    if constexpr (kDequantize) {
+      dequantize_keys(k, k_row, j0, n, d, rows.data());
+      transpose_rows(rows.data(), d, kt, 0, n, d);
+      dequantize_keys(v, v_row, j0, n, d, rows.data());
     } else {
-      std::copy_n(v + s.v_row(j), d, vb);
+      for (int64_t j = j0; j < j0 + n;) {  // runs of consecutive rows in the cache
+        const int64_t m = s.run(j, j0 + n - j);
+        transpose_rows(k + s.k_row(j), s.k_t, kt, j - j0, m, d);
+        j += m;
+      }
+    }
+    // Key j's V row of T: in the scratch, or where it lies.
+    const auto v_of = [&](int64_t j) -> const T* {
+      if constexpr (kDequantize) return rows.data() + (j - j0) * d;
+      else return v + s.v_row(j);
+    };
+    for (int64_t j = j0; j < j0 + n; j += pair) {  // kKeyBlock is even: no pair spans two blocks
+      T* vb = p.v.data() + b * kKeyBlock * ldv + (j - j0) * ldv;
+      if constexpr (pair == 2) {
+        if (j + 1 < j0 + n) {
+          interleave_rows(v_of(j), v_of(j + 1), vb, d);
+        } else {  // an odd last key: its pair partner stays 0
+          for (int64_t i = 0; i < d; ++i) vb[2 * i] = v_of(j)[i];
+        }
+      } else {
+        std::copy_n(v_of(j), d, vb);
+      }
     }
   }
 }
@@ -155,8 +202,26 @@ float exp_row(const float* srow, T* prow, int64_t lo, int64_t hi, float scale, f
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
 }
 
+// A task's g * qn output rows (KV head h, query tokens from t0; the accumulator obuf, rows of
+// head_ld(D)) divided by their softmax denominators, a sink's term included, into out in T.
 template <typename T>
-void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
+void store_rows(const Shape& s, int64_t h, int64_t t0, int64_t qn, float* obuf, const float* run_max,
+                const float* run_sum, T* out) {
+  const int64_t d = s.dim, g = s.group, ld = head_ld(d);
+  for (int64_t m = 0; m < g * qn; ++m) {
+    const int64_t gi = m / qn, r = m % qn;
+    T* dst = out + ((t0 + r) * s.heads + h * g + gi) * d;
+    const float total = run_sum[m] + (s.sinks ? std::exp(s.sinks[h * g + gi] - run_max[m]) : 0.0f);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const Vec by(inv);
+    float* orow = obuf + m * ld;
+    at::vec::map([&](Vec x) { return x * by; }, orow, orow, d);
+    at::vec::convert(orow, dst, d);
+  }
+}
+
+template <typename T, typename C>
+void attend(const Shape& s, const T* q, const C* k, const C* v, T* out) {
   constexpr bool kVnni = std::is_same_v<T, c10::BFloat16>;
   const int64_t d = s.dim, g = s.group;
   const int64_t threads = at::get_num_threads();
@@ -229,19 +294,31 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, T* out) {
         }
         brgemm(rows, d, depth, kKeyLd, ld, ld, true, pbuf.data(), p.v.data() + kb * kKeyBlock * ld, obuf.data());
       }
-      for (int64_t m = 0; m < rows; ++m) {
-        const int64_t gi = m / qn, r = m % qn;
-        T* dst = out + ((t0 + r) * s.heads + h * g + gi) * d;
-        const float total = run_sum[m] + (s.sinks ? std::exp(s.sinks[h * g + gi] - run_max[m]) : 0.0f);
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        const Vec by(inv);
-        float* orow = obuf.data() + m * ld;
-        at::vec::map([&](Vec x) { return x * by; }, orow, orow, d);
-        at::vec::convert(orow, dst, d);
-      }
+      store_rows(s, h, t0, qn, obuf.data(), run_max.data(), run_sum.data(), out);
     }
     at::native::cpublas::brgemm_release(kVnni);
   });
+}
+
+// Checks q, k, v; returns whether k and v hold 8-bit packed rows (last dim D + 2).
+bool check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool paged) {
+  const int64_t kd = paged ? 4 : 3;  // [blocks, block_size, KVH, D(+2)] or [S, KVH, D(+2)]
+  TORCH_CHECK(q.dim() == 3 && k.dim() == kd && v.dim() == kd,
+              "prefill_attention: q must be [tokens, heads, dim], k and v [keys, heads, dim] or, with a block table, "
+              "[blocks, block_size, heads, dim]");
+  const bool packed = k.scalar_type() == at::kChar || k.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (packed || q.scalar_type() == k.scalar_type()),
+              "prefill_attention: q, k, v must share a dtype, or k and v hold 8-bit packed rows (int8 / "
+              "float8_e4m3fn)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "prefill_attention: float32 or bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(kd - 1) == 1 && v.stride(kd - 1) == 1,
+              "prefill_attention: the head dim must be contiguous");
+  const int64_t extra = packed ? 2 : 0;  // a packed row: D codes, then the scale's two bytes
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) + extra == k.size(kd - 1) && q.size(1) % k.size(kd - 2) == 0,
+              "prefill_attention: shapes do not match",
+              packed ? " (packed 8-bit rows hold head dim + 2 elements)" : "");
+  return packed;
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
@@ -249,16 +326,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              const std::optional<at::Tensor>& block_table, int64_t keys,
                              const std::optional<at::Tensor>& sinks) {
   const bool paged = block_table.has_value();
-  const int64_t kd = paged ? 4 : 3;  // [blocks, block_size, KVH, D] or [S, KVH, D]
-  TORCH_CHECK(q.dim() == 3 && k.dim() == kd && v.dim() == kd,
-              "prefill_attention: q must be [tokens, heads, dim], k and v [keys, heads, dim] or, with a block table, "
-              "[blocks, block_size, heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "prefill_attention: q, k, v must share a dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(kd - 1) == 1 && v.stride(kd - 1) == 1,
-              "prefill_attention: the head dim must be contiguous");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(2) == k.size(kd - 1) && q.size(1) % k.size(kd - 2) == 0,
-              "prefill_attention: shapes do not match");
+  const bool packed = check_inputs(q, k, v, paged);
+  const int64_t kd = paged ? 4 : 3;
   Shape s{q.size(0), q.size(1), q.size(2), paged ? keys : k.size(0), k.size(kd - 2), q.size(1) / k.size(kd - 2),
           q.stride(0), q.stride(1), k.stride(kd - 3), k.stride(kd - 2), v.stride(kd - 3), v.stride(kd - 2),
           q_pos0, k_pos0, window, static_cast<float>(scale)};
@@ -283,15 +352,26 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   }
   at::Tensor out = at::empty({s.tokens, s.heads, s.dim}, q.options());
   if (s.tokens == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(s.dim % 2 == 0 && s.k_t % 2 == 0, "prefill_attention: bfloat16 needs an even head dim and K row stride");
-    attend(s, q.const_data_ptr<c10::BFloat16>(), k.const_data_ptr<c10::BFloat16>(),
-           v.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "prefill_attention: float32 or bfloat16 only");
-    attend(s, q.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(),
-           out.mutable_data_ptr<float>());
-  }
+  // bfloat16 K^T is a transpose of pairs: of the cache's rows in place (even strides), or of the
+  // packed rows dequantized into a scratch of D per row.
+  TORCH_CHECK(q.scalar_type() != at::kBFloat16 || (s.dim % 2 == 0 && (packed || s.k_t % 2 == 0)),
+              "prefill_attention: bfloat16 needs an even head dim and K row stride");
+  // T: q's type; C: the caches' element, T or a packed code (its bytes read as that type).
+  auto run = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
+    attend(s, q.const_data_ptr<T>(), static_cast<const C*>(k.const_data_ptr()),
+           static_cast<const C*>(v.const_data_ptr()), out.mutable_data_ptr<T>());
+  };
+  auto with_cache = [&](auto q_tag) {
+    switch (k.scalar_type()) {
+      case at::kChar: run(q_tag, Int8Code{}); break;
+      case at::kFloat8_e4m3fn: run(q_tag, E4m3Code{}); break;
+      default: run(q_tag, q_tag);
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16) with_cache(c10::BFloat16{});
+  else with_cache(float{});
   return out;
 }
 

@@ -50,13 +50,16 @@ def _tries(dtype: torch.dtype) -> bool:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos0: int,
                       k_pos0: int, window: int | None, block_table: torch.Tensor | None = None,
                       keys: int = -1, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q [T, H, D] over k, v [S, KVH, D] (the head dim contiguous; H a
-    multiple of KVH) -> [T, H, D] in q's dtype. Query t sits at position ``q_pos0 + t``, key j at
+    """Softmax attention of q [T, H, D] (float32 or bfloat16) over k, v [S, KVH, D] (the head dim
+    contiguous; H a multiple of KVH) -> [T, H, D] in q's dtype. Query t sits at position ``q_pos0 + t``, key j at
     ``k_pos0 + j``; a key is visible when it is not after the query and, with a ``window``,
     fewer than ``window`` positions before it. With ``block_table`` (int64 [n]), k and v are
     paged caches [blocks, block_size, KVH, D] and the ``keys`` keys are what
-    ``k.index_select(0, block_table).flatten(0, 1)[:keys]`` would gather, read in place.
-    ``sinks`` [H]: a logit per head added to each softmax's denominator (gpt-oss). Call only where
+    ``k.index_select(0, block_table).flatten(0, 1)[:keys]`` would gather, read in place. k and v
+    may instead both hold 8-bit packed rows (``models/kv_quant.py``: ``torch.int8`` or
+    ``torch.float8_e4m3fn``, last dim D + 2), each row dequantized as the kernel packs K and V:
+    the result is bit for bit the call over ``kv_quant.dequantize_rows(rows, q.dtype)`` of the
+    same keys. ``sinks`` [H]: a logit per head added to each softmax's denominator (gpt-oss). Call only where
     ``available(q.dtype)``."""
     return torch.ops.hyprefix.prefill_attention(q, k, v, scale, q_pos0, k_pos0, window or 0, block_table, keys, sinks)
 
