@@ -20,6 +20,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 # vLLM's --logprobs-mode: "raw" = the model's logits before any processing, "processed" = the
 # distribution each token was sampled from (``runner/sampler.py``); "_logits" = values before log-softmax.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# --scheduling-policy (vLLM's and SGLang's names; scheduling_policy.py)
+SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
 # deprecated EngineArgs names (keyword arguments and --flags) -> their current ones
 DEPRECATED_NAMES = {"mamba_cache_memory_gb": "state_cache_memory_gb",
                     "max_mamba_checkpoints": "max_state_checkpoints"}
@@ -52,6 +54,18 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": (
         "token budget of one step: the largest prefill chunk, decodes included")})
     max_num_seqs: int = field(default=64, metadata={"help": "sequences running at once"})
+    # scheduling_policy.py; docs/architecture.md "Scheduling policies".
+    scheduling_policy: str = field(default="fcfs", metadata={"help": (
+        "order of admission: fcfs = first come first served within a call, round-robin between calls; priority "
+        "= by each request's priority (lower first; ties by arrival), the lowest-priority running request "
+        "preempted first; cache-aware = the waiting requests with the most cached prefix tokens first, but one "
+        "that has waited --scheduling-max-wait-s goes before them. Only priority takes a non-zero request "
+        "priority (a 400 otherwise); priority and cache-aware share slots between tenants (API key or "
+        "cache_salt) among equals"), "choices": SCHEDULING_POLICIES})
+    scheduling_max_wait_s: float = field(default=3.0, metadata={"help": (
+        "cache-aware: seconds a request may wait before it goes ahead of every request preferred for its "
+        "cached prefix, so none waits more than about this beyond its first-come-first-served turn "
+        "(0: first come first served)")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest prompt + output, in tokens (default: the model's max_position_embeddings)")})
     kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "KV pool budget, GiB"})
@@ -172,6 +186,12 @@ class EngineArgs:
             raise ValueError(f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if not isinstance(self.scheduling_max_wait_s, int | float) or isinstance(self.scheduling_max_wait_s, bool) \
+                or not 0 <= self.scheduling_max_wait_s < float("inf"):
+            raise ValueError(f"scheduling_max_wait_s must be a number of seconds >= 0, got "
+                             f"{self.scheduling_max_wait_s!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.batch_invariant and self.quantization in ("int8", "int4"):

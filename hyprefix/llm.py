@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +15,7 @@ from hyprefix.engine import Engine, PromptInput
 from hyprefix.openmp import release_workers
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
+from hyprefix.scheduling_policy import check_priority
 from hyprefix.text import ChatPrompt
 
 
@@ -34,11 +36,13 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises
-        ValueError and leaves the engine untouched.
+        ``priority`` (vLLM's): one per prompt, for ``scheduling_policy="priority"`` (lower
+        first; it sets each prompt's ``SamplingParams.priority``). All prompts are validated
+        before any is queued, so a bad one raises ValueError and leaves the engine untouched.
         """
         if isinstance(prompts, str | dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -56,6 +60,13 @@ class LLM:
         for p in params_list:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            params_list = [replace(p, priority=q) for p, q in zip(params_list, priority, strict=True)]
+        for p in params_list:
+            check_priority(self.engine.args.scheduling_policy, p.priority)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         self.engine.add_requests(list(zip(ids, prompts, params_list, strict=True)))
         return self._run(ids, use_tqdm)

@@ -62,6 +62,18 @@ class Request:
         return self.request_id if self.group is None else self.group
 
     @property
+    def priority(self) -> int:
+        """Scheduling priority (``SamplingParams.priority``): lower is served earlier."""
+        return self.params.priority
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose request this is, for fair shares between tenants (``scheduling_policy.py``): the
+        API-key tenant a server bound to the cache salt (``"tenant|salt"``,
+        ``server.serving.engine_salt``), else the salt up to its first ``|``; None without a salt."""
+        return None if self.cache_salt is None else self.cache_salt.partition("|")[0]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -22,6 +22,8 @@ MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
 BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
+# ``priority`` (scheduling_policy.py): any 32-bit integer, lower served earlier
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class SamplingParams:
     ``include_stop_str_in_output``; with ``skip_special_tokens=False`` (unlike vLLM) its text
     is kept as well, so no token of ``token_ids`` is missing from the text (unless a ``stop``
     string cut it): RL clients read the text and the ids as one sequence.
+
+    ``priority`` (vLLM's meaning; vLLM passes it beside the params, ``LLM.generate(...,
+    priority=[...])`` here too): under ``--scheduling-policy priority`` lower values are served
+    earlier, ties by arrival (``scheduling_policy.py``); the other policies take only 0.
     """
 
     temperature: float = 1.0
@@ -79,6 +85,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: int = 0
     stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     # ``bad_words`` as token id sequences, set by the engine from its tokenizer (``with_bad_words_ids``)
@@ -97,6 +104,8 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(_is_int(self.priority) and MIN_PRIORITY <= self.priority <= MAX_PRIORITY, "priority",
+               f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer or None, got {self.seed!r}")
         top = MAX_SEED - (self.n - 1)  # sample i of n uses seed + i
         _check(self.seed is None or MIN_SEED <= self.seed <= top, "seed",

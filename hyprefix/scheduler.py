@@ -2,14 +2,21 @@
 
 Each step has a token budget (``max_num_batched_tokens``) and a request cap
 (``max_num_seqs``). Running requests (decodes and unfinished prefill chunks) are
-served first, in admission order, then waiting requests: FCFS within a group (one
-client call), round-robin between groups, groups with fewer running requests first
-(``wait_queue.py``). Long prompts are prefilled in chunks that fit the budget. When
-the KV pool runs out, the newest running request is preempted: its blocks are freed
-and it is recomputed later (prompt plus the tokens it already generated), so nothing
-crashes. When every slot is taken and a group waits with nothing running, a group
-holding more than half the slots gives back its newest one the same way, so one big
-call cannot hold the engine for everyone.
+served first, in admission order, then waiting requests in the order of the scheduling
+policy (``scheduling_policy.py``, ``--scheduling-policy``): by default FCFS within a group
+(one client call), round-robin between groups, groups with fewer running requests first
+(``wait_queue.py``); ``priority`` admits by (priority, arrival) and keeps running requests
+in that order; ``cache-aware`` admits the requests with the most cached tokens first, but a
+request that has waited ``SchedulerConfig.max_wait_s`` (``--scheduling-max-wait-s``, default
+3 s) goes before every one that has not, so none waits more than about that bound beyond
+its FCFS turn. Long prompts are prefilled in chunks that fit the budget. When the KV pool
+runs out, the last running request (the newest; under ``priority`` the lowest priority) is
+preempted: its blocks are freed and it is recomputed later (prompt plus the tokens it
+already generated), so nothing crashes. When every slot is taken and a group waits with
+nothing running, a group holding more than half the slots gives back its newest one the
+same way, so one big call cannot hold the engine for everyone (where the policy would admit
+the waiting group first: under ``priority`` one of no lower priority, under ``cache-aware``
+one that has waited the bound).
 
 Per step, admission looks at no more than ``max(SCAN_MIN, SCAN_PER_SEQ *
 max_num_seqs)`` waiting requests, so a queue of thousands costs no more than a
@@ -29,14 +36,17 @@ overwritten later and never published) and then publishes complete blocks.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
 from hyprefix.outputs import ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
+from hyprefix.scheduling_policy import DEFAULT_MAX_WAIT_S, FCFS, make_policy
 from hyprefix.speculative import DraftState, NgramIndex, SpecStats, SpeculativeConfig
 from hyprefix.wait_queue import WaitQueue
 
@@ -55,14 +65,21 @@ class SchedulerConfig:
     # Hybrids: a row's drafts stop before the next block boundary, so no state checkpoint is
     # ever due inside drafts (its key would name tokens not yet accepted)
     drafts_within_block: bool = False
+    # scheduling_policy.py: "fcfs", "priority" or "cache-aware" (vLLM's SchedulerConfig.policy)
+    policy: str = FCFS
+    # cache-aware: a request that has waited this many seconds goes before every cache-preferred one
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheCoordinator,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.cache = cache
-        self.waiting = WaitQueue()
-        self.running: list[Request] = []  # in admission order
+        self.clock = clock  # wall-clock seconds, as ``Request.arrival_time`` (tests inject their own)
+        self.policy = make_policy(config.policy, config.max_wait_s)
+        self.waiting: WaitQueue = self.policy.new_queue()
+        self.running: list[Request] = []  # in admission order (priority: by (priority, arrival))
         self._running_in_group: Counter[str] = Counter()
         self.requests: dict[str, Request] = {}
         self._finished_since_schedule: list[str] = []
@@ -111,8 +128,8 @@ class Scheduler:
         planned: list[tuple[Request, int, bool, list[int]]] = []
         preempted: list[str] = []
         state_ops: list[StateOp] = []
-        now = time.time()
-        fairness_preempted = self._preempt_for_fairness()
+        now = self.clock()
+        fairness_preempted = self._preempt_for_fairness(now)
 
         i = 0
         draft_rows = self.config.max_draft_rows
@@ -172,7 +189,7 @@ class Scheduler:
 
     def _admit_waiting(self, planned: list[tuple[Request, int, bool, list[int]]], budget: int, now: float,
                        state_ops: list[StateOp]) -> int:
-        """Admit waiting requests FCFS; returns the budget left.
+        """Admit waiting requests in the policy's order; returns the budget left.
 
         A request takes its longest cached prefix first; only the rest counts
         against the budget. A request whose next block another running request is
@@ -183,10 +200,12 @@ class Scheduler:
         admitted: list[Request] = []
         blocked = False
         scan = max(SCAN_MIN, SCAN_PER_SEQ * self.config.max_num_seqs)
-        for request in self.waiting.in_turn(self._running_in_group.__getitem__):
-            scan -= 1
-            if scan < 0:
-                break
+        if budget > 0 and len(self.running) < self.config.max_num_seqs:
+            order = self.policy.admission_order(self.waiting, self.running, self._running_in_group, scan, now,
+                                                self.cache.cached_tokens)
+        else:  # nobody is admitted: the waiting only learn where they branch off (any order does)
+            order = self.waiting.in_turn(self._running_in_group.__getitem__)
+        for request in itertools.islice(order, scan):
             if blocked or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 self.cache.note_waiting(request)  # it may branch off a prefill running now
                 continue
@@ -223,7 +242,10 @@ class Scheduler:
         return budget
 
     def _run(self, request: Request) -> None:
-        self.running.append(request)
+        if self.policy.running_key is None:
+            self.running.append(request)
+        else:  # after its equals: the last one is preempted first
+            bisect.insort(self.running, request, key=self.policy.running_key)
         self._running_in_group[request.group_id] += 1
 
     def _stop_running(self, request: Request) -> None:
@@ -233,23 +255,26 @@ class Scheduler:
         if not self._running_in_group[group]:
             del self._running_in_group[group]
 
-    def _preempt_for_fairness(self) -> list[str]:
+    def _preempt_for_fairness(self, now: float) -> list[str]:
         """While every slot is taken and groups wait with nothing running (and not waiting
         on a sibling's blocks), the group holding the most slots, if more than half,
-        gives back its newest requests: one per such group, down to half."""
+        gives back its newest requests (the last in running order): one per such group
+        whose head the policy would admit before that request, down to half."""
         if len(self.running) < self.config.max_num_seqs or not self.waiting:
             return []
         big, held = max(self._running_in_group.items(), key=lambda item: item[1])
         excess = held - self.config.max_num_seqs // 2
         if excess <= 0:
             return []
-        starving = 0
+        candidates = [r for r in reversed(self.running) if r.group_id == big][:excess]
+        victims: list[Request] = []
         for group in self.waiting.groups():
-            if self._running_in_group[group] == 0 and self.waiting.head(group).waiting_on is None:
-                starving += 1
-                if starving == excess:
+            head = self.waiting.head(group)
+            if self._running_in_group[group] == 0 and head.waiting_on is None \
+                    and self.policy.may_displace(head, candidates[len(victims)], now):
+                victims.append(candidates[len(victims)])
+                if len(victims) == excess:
                     break
-        victims = [r for r in reversed(self.running) if r.group_id == big][:starving]
         for victim in victims:
             self._preempt(victim)
         return [victim.request_id for victim in victims]
@@ -294,7 +319,7 @@ class Scheduler:
         gets the drafts the runner accepted and the token sampled after them (1 to k + 1).
         A request with a structured-outputs grammar advances it by each token appended, in
         order (``_append``)."""
-        now = time.time()
+        now = self.clock()
         advanced: list[Request] = []
         for seq in output.seqs:
             request = self.requests.get(seq.request_id)
@@ -372,7 +397,7 @@ class Scheduler:
         self.cache.free(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
-        request.finished_time = time.time()
+        request.finished_time = self.clock()
         self._finished_since_schedule.append(request_id)
         return request
 
@@ -384,6 +409,7 @@ class Scheduler:
         assert len(ids) == len(set(ids)) == len(self.requests), "request bookkeeping out of sync"
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_in_group == Counter(r.group_id for r in self.running), "group counts out of sync"
+        self.policy.check_invariants(self.waiting, self.running)
         for request in self.waiting:
             assert not self.cache.holds(request.request_id), f"waiting {request.request_id} holds blocks"
             assert request.num_computed_tokens == 0

@@ -41,15 +41,18 @@ class WaitQueue:
         return next(iter(self._groups[group].values()))
 
     def append(self, request: Request) -> None:
-        queue = self._groups.setdefault(request.group_id, OrderedDict())
-        queue[request.request_id] = request
-        self._len += 1
+        self._add(request)
 
     def appendleft(self, request: Request) -> None:
         """Put a preempted request back first: at the front of its group, its group first."""
-        self.append(request)
+        self._add(request)
         self._groups[request.group_id].move_to_end(request.request_id, last=False)
         self._groups.move_to_end(request.group_id, last=False)
+
+    def _add(self, request: Request) -> None:
+        queue = self._groups.setdefault(request.group_id, OrderedDict())
+        queue[request.request_id] = request
+        self._len += 1
 
     def remove(self, request: Request) -> None:
         queue = self._groups[request.group_id]

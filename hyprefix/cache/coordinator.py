@@ -228,17 +228,30 @@ class CacheCoordinator:
         owner = self.kv.pending_owner(request, len(kv_blocks))
         if owner is not None:
             return PrefixHit([], 0, len(kv_blocks), dense, True, wait_for=owner)
-        tokens = dense
-        while True:  # a kind may only shorten the hit, so this ends
-            shortest = min(kind.longest_hit(request, tokens, len(kv_blocks)) for kind in self.kinds)
-            if shortest == tokens:
-                break
-            tokens = shortest
+        tokens = self._resumable(request, dense, len(kv_blocks))
         if self.lower is not None and self.kv.enable_caching and self.lower.num_loadable_tokens(
                 request, len(kv_blocks), tokens, self) > 0:
             return PrefixHit([], 0, len(kv_blocks), dense, True, wait_for=DISK_WAIT)
         blocks = kv_blocks[: hit_num_blocks(request, tokens, len(kv_blocks), bs)]
         return PrefixHit(blocks, tokens, len(kv_blocks), dense, tokens >= len(blocks) * bs)
+
+    def cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix admission could skip from memory now: the longest
+        cached run every kind can resume from (``find_hit``'s hit before any wait for a sibling
+        or the disk). A pure query: it allocates nothing, moves nothing in an LRU and starts no
+        load (the cache-aware scheduling policy ranks waiting requests by it)."""
+        if request.params.prompt_logprobs is not None:
+            return 0
+        kv_blocks = len(self.kv.match_prefix(request))
+        return self._resumable(request, min(kv_blocks * self.kv.block_size, request.num_tokens - 1), kv_blocks)
+
+    def _resumable(self, request: Request, tokens: int, cached_blocks: int) -> int:
+        """The longest prefix of at most ``tokens`` every kind can resume from."""
+        while True:  # a kind may only shorten the hit, so this ends
+            shortest = min(kind.longest_hit(request, tokens, cached_blocks) for kind in self.kinds)
+            if shortest == tokens:
+                return tokens
+            tokens = shortest
 
     def admit(self, request: Request, hit: PrefixHit, num_tokens: int) -> list[StateOp] | None:
         """Give the request the hit's blocks plus room for ``num_tokens`` tokens and

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hyprefix.errors import RequestError
+from hyprefix.sampling import MAX_PRIORITY, MIN_PRIORITY
 from hyprefix.structured.spec import StructuredOutputs
 from hyprefix.text import ChatPrompt
 
@@ -96,6 +97,8 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     prompt_logprobs: int | None = Field(None, ge=-1)
     return_token_ids: bool | None = False  # each choice (and stream chunk) carries its token ids
+    # vLLM's: lower is served earlier under --scheduling-policy priority; non-zero is a 400 under the others
+    priority: int | None = Field(None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     # structured outputs: vLLM's field, and its older guided_* names
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -140,7 +143,7 @@ class _SamplingRequest(_Request):
         for name in ("n", "seed", "stop", "ignore_eos", "stop_token_ids", "temperature", "top_p", "min_p",
                      "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "bad_words",
                      "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
+                     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -22,6 +22,7 @@ from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput
 from hyprefix.sampling import SamplingParams
+from hyprefix.scheduling_policy import check_priority
 from hyprefix.server.chat_output import ChatOptions, ChatOutputRules, ChatStreamer, final_message
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -204,6 +205,7 @@ class OpenAIServing:
         def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             # add_requests checks every prompt before it adds any: a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
+            check_priority(engine.args.scheduling_policy, params.priority)
             salt = engine_salt(req.cache_salt, tenant)
             added = engine.add_requests(
                 [(engine_id, {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt}, params)
@@ -274,6 +276,7 @@ class OpenAIServing:
             # the rules' overrides: a harmony reply decoded with its special tokens, its tool grammar
             kwargs = {**req.sampling_kwargs(), **rules.sampling_overrides()}
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **kwargs)
+            check_priority(engine.args.scheduling_policy, params.priority)
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
             ((_, fed),) = engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
                                               max_total_tokens=self.limits.max_request_tokens)

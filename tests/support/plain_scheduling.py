@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hyprefix.cache.events import EventLog
@@ -19,14 +20,16 @@ from hyprefix.scheduler import Scheduler, SchedulerConfig
 def make_scheduler(num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool = True,
                    model_identity: str = "test-model", checkpoints: int | None = None,
                    attention: bool = True, window: int | None = None, window_blocks: int = 0,
-                   events: EventLog | None = None) -> Scheduler:
+                   events: EventLog | None = None, policy: str = "fcfs", max_wait_s: float = 3.0,
+                   clock: Callable[[], float] = time.time) -> Scheduler:
     """A dense model by default; ``checkpoints``: add a recurrent state with that many
     checkpoint slots (a hybrid, or a pure recurrent model with ``attention=False``);
     ``window``: add sliding-window layers with a pool of ``window_blocks`` of their own;
-    ``events``: the cache announces its changes there."""
+    ``events``: the cache announces its changes there; ``policy``, ``max_wait_s``: the
+    scheduling policy (``scheduling_policy.py``); ``clock``: the scheduler's time."""
     cache = build_cache(num_blocks, block_size, caching, model_identity, events, max_seqs, attention=attention,
                         window=window, window_blocks=window_blocks, checkpoints=checkpoints)
-    return Scheduler(SchedulerConfig(budget, max_seqs), cache)
+    return Scheduler(SchedulerConfig(budget, max_seqs, policy=policy, max_wait_s=max_wait_s), cache, clock=clock)
 
 
 def kv(s: Scheduler) -> KVCacheManager:
