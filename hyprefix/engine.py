@@ -30,6 +30,7 @@ from hyprefix.output_processor import OutputProcessor
 from hyprefix.outputs import RequestOutput
 from hyprefix.request import Request
 from hyprefix.sampling import SamplingParams
+from hyprefix.scheduling_policy import check_priority
 from hyprefix.structured.grammar import GrammarCompiler
 from hyprefix.text import ChatPrompt
 from hyprefix.weight_updates import Weights, WeightUpdater
@@ -157,6 +158,7 @@ class Engine:
             params = params or SamplingParams()
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+            check_priority(self.config.scheduler.policy, params.priority)
             child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
             if self.outputs.knows(request_id) or request_id in taken:
                 raise RequestError(f"request id {request_id!r} is already in use")

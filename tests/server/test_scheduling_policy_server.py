@@ -69,10 +69,12 @@ def test_llm_generate_takes_one_priority_a_prompt(servers):
     with pytest.raises(ValueError, match="priorities"):
         llm.generate(["a", "b"], params, use_tqdm=False, priority=[0])
     assert not llm.engine.has_unfinished()  # nothing was queued
+    # the engine's own entry refuses it too, before queueing anything
+    with pytest.raises(RequestError, match="scheduling-policy priority"):
+        llm.engine.add_requests([("direct", [1, 2, 3], SamplingParams(max_tokens=2, priority=1))])
+    assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.xfail(strict=True, reason="engine_config.py (EngineConfig.from_args) does not yet pass "
-                                       "scheduling_policy / scheduling_max_wait_s to SchedulerConfig")
 def test_the_policy_reaches_the_scheduler_and_orders_generate(servers):
     config = EngineConfig.from_args(EngineArgs(scheduling_policy="cache-aware", scheduling_max_wait_s=7.5))
     assert (config.scheduler.policy, config.scheduler.max_wait_s) == ("cache-aware", 7.5)
