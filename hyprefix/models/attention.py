@@ -60,10 +60,19 @@ def paged_attention(
     first ``v_dim`` values of its attention; the decode kernel then weighs only those.
     Returns [T, H, v_dim or D] in the batch's token order (decodes first, then prefills).
     """
+    if not kv_quant.is_quantized(k_cache):
+        write_kv(k, v, k_cache, v_cache, batch, window)
+        return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
+    # 8-bit rows: K, V and the queries rotated (kv_quant.rotation: q . k unchanged, the outliers
+    # of a few channels spread over all), and every attention reads the K/V as stored, cached or new
+    # (in float32: K and V are written from float32 rows, rounded once, into their codes)
+    rot, dtype = kv_quant.rotation(q.shape[-1], torch.float32, q.device), q.dtype
+    q, k, v = (q.float() @ rot).to(dtype), k.float() @ rot, v.float() @ rot
     write_kv(k, v, k_cache, v_cache, batch, window)
-    if batch.prefills and kv_quant.is_quantized(k_cache):  # every attention reads the K/V as stored, cached or new
-        k, v = (kv_quant.dequantize_rows(kv_quant.quantize_rows(t, k_cache.dtype), t.dtype) for t in (k, v))
-    return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
+    if batch.prefills:
+        k, v = (kv_quant.dequantize_rows(kv_quant.quantize_rows(t, k_cache.dtype), dtype) for t in (k, v))
+    out = attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
+    return (out.float() @ rot.T).to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -146,7 +155,8 @@ def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                    sinks: torch.Tensor | None, spans: set[int] | None = None) -> list[torch.Tensor]:
     """Each prefill span's attention (those in ``spans`` where given) over its own tokens and,
     after a cached prefix, its context: the flash kernel (cached keys read through the span's
-    block table), else torch's SDPA."""
+    block table, an 8-bit cache's rows dequantized by the kernel), else torch's SDPA over the
+    gathered (and dequantized) blocks."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     view = batch.kv_view(window)
     flash = bool(batch.prefills) and q.device.type == "cpu" and prefill_kernel.available(q.dtype)
@@ -161,7 +171,7 @@ def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
             blocks = view.prefill_block_tables[i] if view is not None else span.block_table
             first_pos = batch.prefill_first_pos(i, window)
             keys = span.context_len - first_pos
-            if flash and not kv_quant.is_quantized(k_cache):  # the cached keys read where they lie, through the table
+            if flash:  # the cached keys read where they lie, through the table (8-bit rows dequantized as packed)
                 ks, vs, table = k_cache, v_cache, blocks
             else:
                 ks, vs = (_read_blocks(cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:keys]

@@ -10,13 +10,23 @@ outlier channels of one token from costing the precision of others, and needs no
 earlier rows as a block fills (a scale per block would). The float16 scale costs 2 bytes a row: D
 = 64 stores 66 bytes where bfloat16 stores 128 (1.94x), D = 128 130 against 256 (1.97x).
 
-``quantize_rows`` / ``dequantize_rows`` are the reference arithmetic: the write path runs the
-former, the gathering read paths (prefill over a cached prefix, the padded decode path, the
-cascade's shared prefixes) the latter; the decode kernel reads the rows in place with the
-dequantization fused (``kernels/decode_attention.h``) and is checked against these.
+Before quantizing, K and V rows are rotated by a fixed orthogonal R (``rotation``: a Walsh-Hadamard
+matrix with seeded random signs for a power-of-two D, else a seeded random orthogonal one), and
+the queries with them, so q . k is unchanged and the attention output is un-rotated by R^T
+(``attention.paged_attention``). A few channels of K (RoPE's low frequencies, say) often hold most
+of a row's magnitude and would set its scale; rotated, every channel carries a share of them, the
+scale falls to near the row's typical value and the codes keep more of every channel. On the real
+SmolLM2 file it cut int8's mean next-token KL about Nx (docs/benchmarks.md).
+
+``quantize_rows`` / ``dequantize_rows`` are the reference arithmetic: the write op reproduces the
+former bit for bit (``kernels/kv_write.cpp``), the SDPA paths that gather blocks run the latter;
+the decode and flash prefill kernels read the rows in place, dequantizing as they load them
+(``kernels/kv8_rows.h``), and are checked against these.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -48,6 +58,31 @@ def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
 def stored_head_dim(head_dim: int, dtype: torch.dtype) -> int:
     """The cache tensor's last dimension for rows of ``head_dim`` values."""
     return head_dim + SCALE_BYTES if dtype in LARGEST else head_dim
+
+
+ROTATION_SEED = 67  # fixed: the rotation is part of the format (a stored block's bytes depend on it)
+
+
+@functools.cache
+def _rotation(head_dim: int) -> torch.Tensor:
+    """The fixed orthogonal [D, D] float64 matrix R (module docstring): a Walsh-Hadamard matrix
+    with random signs on its rows, scaled to be orthonormal, for a power-of-two D; else the Q
+    of a seeded Gaussian matrix."""
+    gen = torch.Generator().manual_seed(ROTATION_SEED)
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=gen).double() * 2 - 1
+        return signs[:, None] * h / head_dim ** 0.5
+    q, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+    return q
+
+
+def rotation(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """R in ``dtype`` on ``device``: rows x [.., D] are stored as x @ R, queries meet them as q @ R
+    (q . k unchanged), and an attention output o over rotated values is o @ R^T."""
+    return _rotation(head_dim).to(dtype=dtype, device=device)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
