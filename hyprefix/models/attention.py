@@ -66,7 +66,7 @@ def paged_attention(
     # 8-bit rows: K, V and the queries rotated (kv_quant.rotation: q . k unchanged, the outliers
     # of a few channels spread over all), and every attention reads the K/V as stored, cached or new
     # (in float32: K and V are written from float32 rows, rounded once, into their codes)
-    rot, dtype = kv_quant.rotation(q.shape[-1], torch.float32, q.device), q.dtype
+    rot, dtype = kv_quant.rotation(q.shape[-1], q.device), q.dtype
     q, k, v = (q.float() @ rot).to(dtype), k.float() @ rot, v.float() @ rot
     write_kv(k, v, k_cache, v_cache, batch, window)
     if batch.prefills:

@@ -26,8 +26,6 @@ the decode and flash prefill kernels read the rows in place, dequantizing as the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -63,7 +61,6 @@ def stored_head_dim(head_dim: int, dtype: torch.dtype) -> int:
 ROTATION_SEED = 67  # fixed: the rotation is part of the format (a stored block's bytes depend on it)
 
 
-@functools.cache
 def _rotation(head_dim: int) -> torch.Tensor:
     """The fixed orthogonal [D, D] float64 matrix R (module docstring): a Walsh-Hadamard matrix
     with random signs on its rows, scaled to be orthonormal, for a power-of-two D; else the Q
@@ -79,10 +76,24 @@ def _rotation(head_dim: int) -> torch.Tensor:
     return q
 
 
-def rotation(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """R in ``dtype`` on ``device``: rows x [.., D] are stored as x @ R, queries meet them as q @ R
-    (q . k unchanged), and an attention output o over rotated values is o @ R^T."""
-    return _rotation(head_dim).to(dtype=dtype, device=device)
+# (head dim, device) -> R in float32 there: made eagerly (``rotation``) before any compiled step
+# reads it, which then finds a constant tensor (making it there would put a generator in the graph)
+_ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """R in float32 on ``device``: rows x [.., D] are stored as x @ R, queries meet them as q @ R
+    (q . k unchanged), and an attention output o over rotated values is o @ R^T. The runner makes
+    it at start for its head dim (``ModelRunner``), so a compiled step only looks it up."""
+    key = (head_dim, str(device))
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = _rotation(head_dim).to(dtype=torch.float32, device=device)
+    return _ROTATIONS[key]
+
+
+def rotations() -> list[torch.Tensor]:
+    """Every R made so far: tensors a captured decode step reads, which outlive it."""
+    return list(_ROTATIONS.values())
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -50,6 +50,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from hyprefix.forward import ForwardBatch, WindowKV
 from hyprefix.kernels import decode_attention, packed_linear
+from hyprefix.models import kv_quant
 from hyprefix.models.layers import Linear
 from hyprefix.models.quant import uses_tile_kernels
 from hyprefix.models.recurrent_state import RecurrentLayerState, tap_decode_rows
@@ -176,7 +177,8 @@ class DecodeGraphs:
         model = self.model
         lasting = [*model.parameters(), *model.buffers(), *(t for pair in args[9] for t in pair),
                    *(t for m in model.modules() if isinstance(m, MatrixForms) for t in m.attribute_tensors()),
-                   *(t for layer in args[10] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix))]
+                   *(t for layer in args[10] for t in (layer.conv, layer.matrix, layer.ckpt_conv, layer.ckpt_matrix)),
+                   *kv_quant.rotations()]
         symbolic = [(3, 1), *([(0, 0)] if batched else [])]
         return capture(lambda: compiled(self, *args), args[:_STEP_INPUTS], lasting, symbolic)
 

@@ -94,6 +94,18 @@ def test_logprobs_near_the_model_dtype_cache(qwen3_dir, kv_cache_dtype):
         assert abs(kl) < 0.05
 
 
+@pytest.mark.batched_graphs
+def test_8bit_decode_steps_run_compiled(qwen3_dir):
+    """Batch-1 and batched decode steps with an 8-bit cache run as compiled graphs (the write op and
+    the rotation inside them), none eagerly."""
+    llm = LLM(str(qwen3_dir), dtype="float32", kv_cache_dtype="int8", log_stats_interval=0)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(random_prompts([30], seed=8), params, use_tqdm=False)
+    llm.generate(random_prompts([20, 35, 50], seed=9), params, use_tqdm=False)
+    steps = llm.engine.runner.decode_steps
+    assert steps["eager"] == 0 and steps["graph"] > 0, steps
+
+
 def test_refused_for_a_latent_cache(tmp_path):
     from transformers import AutoModelForCausalLM
 
