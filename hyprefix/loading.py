@@ -108,9 +108,10 @@ def load_parts(config: EngineConfig) -> EngineParts:
 def kv_cache_storage(kv_cache_dtype: str, model: torch.nn.Module, device: torch.device,
                      dtype: torch.dtype) -> torch.dtype:
     """The K/V tensors' dtype for ``--kv-cache-dtype``: the model's for "auto", else the 8-bit
-    format's (``kv_quant``), refused with the reason where nothing here reads it: off the CPU
-    (the fused reads are CPU kernels), without the decode-attention kernel, or for a latent
-    (MLA) cache."""
+    format's (``kv_quant``; a latent (MLA) cache too, its rows rotated per part:
+    ``deepseek.LatentAttention.rotated``), refused with the reason where nothing here reads it:
+    off the CPU (the fused reads are CPU kernels) or without the decode-attention and K/V write
+    kernels."""
     storage = kv_quant.storage_dtype(kv_cache_dtype)
     if storage is None:
         return dtype
@@ -118,8 +119,6 @@ def kv_cache_storage(kv_cache_dtype: str, model: torch.nn.Module, device: torch.
     if device.type != "cpu":
         raise ValueError(f"{flag} runs on the CPU only: its fused reads are CPU kernels (device {device.type}); "
                          f"use --kv-cache-dtype auto")
-    if model.kv_layout.latent:
-        raise ValueError(f"{flag} does not take a latent (MLA) cache yet; use --kv-cache-dtype auto")
     if not decode_attention.available(dtype) or not kv_write.available():
         raise ValueError(f"{flag} needs the decode-attention and K/V write kernels, and one did not build here "
                          f"(see the warning above); use --kv-cache-dtype auto")

@@ -39,7 +39,8 @@
 // each (token, KV head) row is D codes and its float16 scale, read in place like any other row,
 // each row dequantized as it is loaded into registers (code * scale in float32, exact:
 // kv8_rows.h), then the same arithmetic, so the result is the float32 path's over
-// kv_quant.dequantize_rows of the cache. Not for a latent cache (refused).
+// kv_quant.dequantize_rows of the cache. A latent cache of packed rows dequantizes each chunk of
+// rows it reads into its float32 scratch (latent_attention.h), with the same result.
 #include "decode_attention.h"
 
 #include <ATen/Parallel.h>
@@ -82,8 +83,8 @@ void attend(const Shape& s, const T* q, const C* k_cache, const C* v_cache, cons
       work.merge(b, head, out + (b * s.heads + head) * s.vd(), lse + b * s.heads + head, merged.data());
 }
 
-// The caches' shapes and dtypes against q's; whether they hold 8-bit packed rows (kv8_rows.h).
-bool check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// The caches' shapes and dtypes against q's: q's dtype, or 8-bit packed rows (kv8_rows.h).
+void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "decode_attention: q must be [rows, heads, dim] and the caches [blocks, block_size, kv_heads, dim]");
   const at::ScalarType cache_type = k_cache.scalar_type();
@@ -103,7 +104,6 @@ bool check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               packed ? ": packed 8-bit rows hold head dim + 2 elements)" : ")");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: head counts do not match (", q.size(1),
               " query heads over ", k_cache.size(2), " KV heads)");
-  return packed;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -112,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
                                                     const std::optional<at::Tensor>& first_pos, double scale,
                                                     int64_t window, int64_t run_blocks, int64_t v_dim) {
   TORCH_CHECK(run_blocks >= 0, "decode_attention: run_blocks must be >= 0");
-  const bool packed = check_caches(q, k_cache, v_cache);
+  check_caches(q, k_cache, v_cache);
   TORCH_CHECK(v_dim >= 0 && v_dim <= q.size(2), "decode_attention: v_dim must be in [0, head dim]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.stride(1) == 1 &&
                   tables.scalar_type() == at::kLong,
@@ -131,8 +131,6 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
           tables.size(1), q.stride(0), q.stride(1), tables.stride(0), window, static_cast<float>(scale)};
   // K is V (the same memory) with one KV head: a latent cache, whose rows every head reads once.
   s.latent = k_cache.data_ptr() == v_cache.data_ptr() && s.kv_heads == 1;
-  TORCH_CHECK(!(packed && s.latent),
-              "decode_attention: a latent cache (v_cache is k_cache, one KV head) takes no 8-bit packed rows");
   s.value_dim = v_dim;
   const int64_t width = v_dim > 0 ? v_dim : s.dim;
   at::Tensor out = at::empty({s.rows, s.heads, s.vd()}, q.options());

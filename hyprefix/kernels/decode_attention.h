@@ -431,13 +431,11 @@ struct DecodeWork {
       return;
     }
     const int64_t* table = tables + b * s.t_b;
-    if constexpr (std::is_same_v<C, T>) {  // a packed cache is never latent (the op refuses it)
-      if (s.latent) {  // k_cache is v_cache, one KV head: every head from one read of each row
-        latent::Task<T> run(w.latent, q + b * s.q_b, s.q_h, s.scale, heads, d, s.vd(), p.acc);
-        each_block<C>(s, table, j0, j1, [&](int64_t, int64_t count, int64_t off) { run.rows(k_cache + off, count); });
-        run.finish(p.max, p.sum);
-        return;
-      }
+    if (s.latent) {  // k_cache is v_cache, one KV head: every head from one read of each row
+      latent::Task<T, C> run(w.latent, q + b * s.q_b, s.q_h, s.scale, heads, d, s.vd(), p.acc);
+      each_block<C>(s, table, j0, j1, [&](int64_t, int64_t count, int64_t off) { run.rows(k_cache + off, count); });
+      run.finish(p.max, p.sum);
+      return;
     }
     w.qs.resize(heads * d);
     for (int64_t head = 0; head < heads; ++head) {

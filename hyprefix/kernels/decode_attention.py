@@ -48,7 +48,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``torch.float8_e4m3fn``, each row D codes and a float16 scale. The kernel reads them in place,
     each row dequantized as it is loaded (code * scale, exact in float32), so the result is that
     of the float32 cache ``kv_quant.dequantize_rows`` makes; q stays float32 / bfloat16 / float16.
-    A latent cache takes no packed rows.
+    A latent cache may hold packed rows too (its chunks of rows dequantized as they are read).
 
     Row b's table slot j holds position ``j + first_pos[b]`` (first_pos None: 0) and is
     visible when that is before ``context_lens[b]`` and, with a ``window``, no more than

@@ -4,7 +4,8 @@
 // values of the weighted rows (the latent c, kv_lora_rank values; the rope part is never a value).
 //
 // A task's keys go in chunks of up to kChunk rows (a block's rows lie together): the chunk is
-// read once (bfloat16 / float16 converted to float32 into scratch; float32 read in place) and
+// read once (bfloat16 / float16 converted to float32 into scratch; 8-bit packed rows, kv8_rows.h,
+// dequantized into the same scratch, code * scale exact in float32; float32 read in place) and
 // serves every head twice while it sits in L1/L2, as two small GEMMs:
 //   scores S[c, H] = K[c, D] Q^T[D, H]        heads across the vector lanes: the row's scaled
 //                                              queries transposed once a task (qt, [D][hp], the
@@ -27,6 +28,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "kv8_rows.h"
 
 namespace {
 namespace latent {
@@ -157,7 +160,10 @@ struct Scratch {
 // One task of one row: construct (transposes the queries), `rows` for each stretch of its
 // keys in order, then `finish`. Its result is the task's share of the Partial contract
 // (decode_attention.h): acc [heads][vd] = sum_j e^(s_j - max) v_j[:vd], max and sum per head.
-template <typename T>
+// T: q's type; C: the cache's elements, T or a packed 8-bit code (a stored row of d + 2: its
+// codes, then its scale), whose chunk of rows is dequantized once and then takes the same
+// arithmetic, so the result is bit for bit that of a float32 cache of kv_quant.dequantize_rows.
+template <typename T, typename C = T>
 struct Task {
   Scratch& w;
   int64_t heads, d, vd, hp;
@@ -175,19 +181,23 @@ struct Task {
     w.st.resize(kChunk * hp);
     w.max.assign(hp, -std::numeric_limits<float>::infinity());
     w.sum.assign(hp, 0.0f);
-    if constexpr (!std::is_same_v<T, float>) w.k.resize(kChunk * d);
+    if constexpr (!std::is_same_v<C, float>) w.k.resize(kChunk * d);
     std::fill_n(acc, heads * vd, 0.0f);
   }
 
-  // `count` key rows, d apart from `rows` (a block's share of the task's slots).
-  void rows(const T* rows, int64_t count) {
-    for (int64_t i = 0; i < count; i += kChunk) chunk(rows + i * d, std::min(kChunk, count - i));
+  // `count` key rows from `rows`, one stored row (d + kRowExtra<C> elements) apart: a block's
+  // share of the task's slots.
+  void rows(const C* rows, int64_t count) {
+    for (int64_t i = 0; i < count; i += kChunk) chunk(rows + i * (d + kRowExtra<C>), std::min(kChunk, count - i));
   }
 
-  void chunk(const T* rows, int64_t c) {
+  void chunk(const C* rows, int64_t c) {
     const float* k;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       k = rows;
+    } else if constexpr (kPacked<C>) {  // each row by its own scale; the scratch holds c rows of d
+      for (int64_t j = 0; j < c; ++j) kv8::to_float(rows + j * (d + kRowExtra<C>), w.k.data() + j * d, d);
+      k = w.k.data();
     } else {
       to_float(rows, w.k.data(), c * d);
       k = w.k.data();

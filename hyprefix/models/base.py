@@ -32,13 +32,16 @@ class KVLayout:
     """Shape of one attention layer's K (or V) cache per token, for pool sizing, and
     each attention layer's sliding window (None: full attention), in layer order. ``latent``
     (multi-head latent attention, ``models/deepseek.py``): one tensor a layer, its K and V the
-    same (a block's bytes counted once)."""
+    same (a block's bytes counted once). ``rotation_blocks``: an 8-bit cache's rotation
+    (``kv_quant.rotation``) as blocks along the head dim, each its own R (the latent's c and
+    k_pe apart: ``deepseek.LatentAttention.rotated``); () one R over the whole head dim."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     windows: tuple[int | None, ...] = ()
     latent: bool = False
+    rotation_blocks: tuple[int, ...] = ()
 
     @property
     def tensors_per_layer(self) -> int:

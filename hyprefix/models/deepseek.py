@@ -22,6 +22,15 @@ head) and W_UV ([v, rank] a head) are stacks of per-head matrices (``fused_moe.E
 or a GGUF file's ``attn_k_b`` / ``attn_v_b`` kept in their blocks, multiplied head by head by
 ``hyprefix::quant_heads`` (``--quantization`` quantizes them as it does experts).
 
+An 8-bit cache (``--kv-cache-dtype int8 | fp8_e4m3``, ``kv_quant``'s rows: one scale a token's
+latent) stores each latent rotated by blockdiag(R_r, R_p), the format's fixed rotation of the
+latent c and, apart, of k_pe (``LatentAttention.rotated``): the queries turned alike keep their
+scores, and the outputs over the first r values, rotated c alone, turn back with R_r^T before
+W_UV. A rotation over all 576 values would mix k_pe into the values. The decode kernel reads the
+packed rows in place, the prefill kernel through its table; the up-projected path dequantizes
+what it gathers and turns it back; every attention reads the latents as stored (a prefill
+chunk's own rounded through the format first).
+
 DeepSeek rotates the rotary part in interleaved pairs (x0, x1), (x2, x3), ... (V2 always, V3
 where ``rope_interleave``); ``converted`` permutes those rows of q and of ``kv_a_proj_with_mqa``
 into the rotate-half order this engine's RoPE uses. q and k take the same permutation, so their
@@ -43,7 +52,8 @@ from torch import nn
 
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import quant_linear as quant_kernel
-from hyprefix.models.attention import attend, paged_attention, write_kv
+from hyprefix.models import kv_quant
+from hyprefix.models.attention import attend, write_kv
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.fused_moe import Experts
@@ -107,38 +117,84 @@ class LatentAttention(nn.Module):
         if rope is not None:  # None: NoPE (Kimi-Linear's MLA uses its shared key part unrotated)
             pe = kernels.qk_norm_rope(pe, None, rope.cos, rope.sin, 0.0, rope.rotary_dim)
         latent = torch.cat([c, pe[:, -1]], dim=-1)[:, None, :]
+        cache = kv_cache[0]  # V is K (``KVLayout.latent``)
+        latent = self._write(latent, cache, batch)
         up = up_projected_spans(self, batch) if batch.prefills else set()
         if up:
-            out = self._by_cost(q_nope, pe[:, :-1], latent, kv_cache, batch, up)
+            out = self._by_cost(q_nope, pe[:, :-1], latent, cache, batch, up)
             out = out if rows is None else out[rows]
         else:
-            query = torch.cat([per_head(q_nope, self.w_uk), pe[:, :-1]], dim=-1)
-            out = paged_attention(query, latent, latent, kv_cache[0], kv_cache[1], batch, self.scale, None,
-                                  v_dim=self.rank)
-            if rows is not None:
-                out = out[rows]
+            out = self._absorbed(q_nope, pe[:, :-1], latent, cache, batch, rows=rows)
             out = per_head(out, self.w_uv)  # the latent's first rank values (v_dim)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
 
-    def _by_cost(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, up: set[int]) -> torch.Tensor:
+    def _by_cost(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                 batch: ForwardBatch, up: set[int]) -> torch.Tensor:
         """A step with prefill spans ``up`` up-projected (``mla_prefill``), the other rows
-        absorbed: [T, H, v] after W_UV, in the batch's token order."""
-        cache = kv_cache[0]
-        write_kv(latent, latent, cache, cache, batch, None)
+        absorbed: [T, H, v] after W_UV, in the batch's token order. ``latent``: as ``_write``
+        returns it."""
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         kept = set(range(len(batch.prefills))) - up
         if batch.num_decode or kept:
-            query = torch.cat([per_head(q_nope, self.w_uk), q_pe], dim=-1)
-            part = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=kept, v_dim=self.rank)
             spans = [span for i, span in enumerate(batch.prefills) if i in kept]
-            rows = [torch.arange(batch.num_decode), *(torch.arange(s.token_start, s.token_start + s.num_tokens)
-                                                      for s in spans)]
-            out.index_copy_(0, torch.cat(rows).to(out.device), per_head(part, self.w_uv))
+            rows = torch.cat([torch.arange(batch.num_decode),
+                              *(torch.arange(s.token_start, s.token_start + s.num_tokens) for s in spans)])
+            rows = rows.to(out.device)
+            part = self._absorbed(q_nope, q_pe, latent, cache, batch, spans=kept, used=rows)
+            out.index_copy_(0, rows, per_head(part, self.w_uv))
         for i in up:
             sl = batch.prefills[i].token_slice
             out[sl] = up_projected_attention(self, q_nope[sl], q_pe[sl], latent[sl], cache, batch.prefills[i])
         return out
+
+    def _write(self, latent: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """This step's latents [T, 1, r + p] into the cache; returns them as its attention reads
+        them: as they are, or, in an 8-bit cache (``kv_quant``), rotated (``rotated``) and, where
+        a prefill attends over its own rows, rounded through the format as they are stored."""
+        if not kv_quant.is_quantized(cache):
+            write_kv(latent, latent, cache, cache, batch, None)
+            return latent
+        rows = self.rotated(latent.float())  # quantized from float32, rounded once
+        write_kv(rows, rows, cache, cache, batch, None)
+        if not batch.prefills:  # decode rows read the cache alone
+            return rows.to(latent.dtype)
+        return kv_quant.dequantize_rows(kv_quant.quantize_rows(rows, cache.dtype), latent.dtype)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                  batch: ForwardBatch, spans: set[int] | None = None, rows: torch.Tensor | None = None,
+                  used: torch.Tensor | None = None) -> torch.Tensor:
+        """Absorbed attention over the written cache (``attend``; ``spans`` as there): [n, H, r],
+        each head's output over the latent c in the model's axes, at ``rows`` of the result
+        (None: all). ``used``: the token rows whose queries attend (None: all); an 8-bit cache's
+        rotation is applied to those alone."""
+        query = torch.cat([per_head(q_nope, self.w_uk), q_pe], dim=-1)
+        packed = kv_quant.is_quantized(cache)
+        if packed:  # queries meet the rotated latents (q . k unchanged)
+            turned = self.rotated((query if used is None else query.index_select(0, used)).float()).to(query.dtype)
+            query = turned if used is None else query.index_copy(0, used, turned)
+        out = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=spans, v_dim=self.rank)
+        if rows is not None:
+            out = out[rows]
+        return self.unrotated(out) if packed else out
+
+    def rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., r + p] (float32) as an 8-bit cache stores latents: x @ blockdiag(R_r, R_p), the
+        format's fixed rotation (``kv_quant.rotation``) of the r latent values and, apart, of the
+        p rope values, so a query rotated alike has the same dot product with it (c's and k_pe's
+        parts each unchanged) and the first r values, those attention weighs as values, stay a
+        rotation of c alone (no k_pe mixed in): ``unrotated`` takes them back with R_r^T. Made at
+        start (``KVLayout.rotation_blocks``), so a compiled decode step finds them as constants."""
+        c, pe = x.split([self.rank, self.rope_dim], dim=-1)
+        return torch.cat([c @ kv_quant.rotation(self.rank, x.device), pe @ kv_quant.rotation(self.rope_dim, x.device)],
+                         dim=-1)
+
+    def unrotated(self, x: torch.Tensor) -> torch.Tensor:
+        """``rotated`` undone, in x's dtype (computed in float32): x [..., r] (an attention output
+        over the latent values) or [..., r + p] (latents)."""
+        c = x[..., :self.rank].float() @ kv_quant.rotation(self.rank, x.device).T
+        if x.shape[-1] > self.rank:
+            c = torch.cat([c, x[..., self.rank:].float() @ kv_quant.rotation(self.rope_dim, x.device).T], dim=-1)
+        return c.to(x.dtype)
 
     def up_matrix(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj transposed, [rank, H * (nope + v)] (each head's W_UK^T then W_UV^T columns):
@@ -233,7 +289,8 @@ class DeepseekV2ForCausalLM(CausalLM):
             raise ValueError(f"DeepSeek-V2 topk_method {cfg.topk_method!r} is not supported")
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         attn = self.layers[0].attn
-        self.kv_layout = KVLayout(cfg.num_hidden_layers, 1, attn.latent_dim, latent=True)
+        self.kv_layout = KVLayout(cfg.num_hidden_layers, 1, attn.latent_dim, latent=True,
+                                  rotation_blocks=(attn.rank, attn.rope_dim))
         self.interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, attn.rope_dim)
 

@@ -128,7 +128,8 @@ class KimiLinearForCausalLM(CausalLM):
         self.layers = nn.ModuleList(KimiLinearLayer(cfg, i, dims, dtype, device) for i in range(cfg.num_hidden_layers))
         mlas = [layer.mixer for layer in self.layers if layer.kind == FULL]
         kdas = [layer for layer in self.layers if layer.kind == LINEAR]
-        self.kv_layout = KVLayout(len(mlas), 1, mlas[0].latent_dim, latent=True)
+        self.kv_layout = KVLayout(len(mlas), 1, mlas[0].latent_dim, latent=True,
+                                  rotation_blocks=(mlas[0].rank, mlas[0].rope_dim))
         self.state_layout = StateLayout(tuple(dims.state_shape for _ in kdas)) if kdas else None
         self._init_head(cfg, dtype, device, max_positions, cfg.rms_norm_eps, None)
 

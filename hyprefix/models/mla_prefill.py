@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from hyprefix.forward import ForwardBatch, PrefillSpan
 from hyprefix.kernels import prefill_attention as prefill_kernel
+from hyprefix.models import kv_quant
 
 if TYPE_CHECKING:
     from hyprefix.models.deepseek import LatentAttention
@@ -68,12 +69,18 @@ def up_projected_spans(attn: LatentAttention, batch: ForwardBatch) -> set[int]:
 def up_projected_attention(attn: LatentAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                            cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
     """One span's attention, up-projected: q_nope [T, H, n] and the rotated q_pe [T, H, p] of its
-    tokens; ``latent`` [T, 1, r + p] its own latents; ``cache`` the layer's latent blocks, this
-    step's already written (a cached prefix is gathered from them). Returns [T, H, v]."""
+    tokens; ``latent`` [T, 1, r + p] its own latents as the attention reads them
+    (``LatentAttention._write``); ``cache`` the layer's latent blocks, this step's already written
+    (a cached prefix is gathered from them). An 8-bit cache's context is read as stored: the
+    gathered rows dequantized, then, as the span's own, turned back from the cache's rotation
+    (``LatentAttention.unrotated``) before the up-projection. Returns [T, H, v]."""
     if span.start_pos == 0:
         context = latent[:, 0]
     else:
-        context = cache.index_select(0, span.block_table).view(-1, attn.latent_dim)[:span.context_len]
+        blocks = cache.index_select(0, span.block_table)
+        context = kv_quant.read_rows(cache, blocks, latent.dtype).view(-1, attn.latent_dim)[:span.context_len]
+    if kv_quant.is_quantized(cache):
+        context = attn.unrotated(context)
     keys, heads = context.shape[0], attn.num_heads
     c, k_pe = context.split([attn.rank, attn.rope_dim], dim=-1)
     kv = (c @ attn.up_matrix(c.dtype)).view(keys, heads, attn.nope + attn.v_dim)

@@ -89,7 +89,8 @@ class ModelRunner:
             if not batch_invariant and not kv_quant.is_quantized_dtype(kv_dtype):  # its own K/V reads: model-dtype rows
                 model.use_decode_kernel()
         if kv_quant.is_quantized_dtype(kv_dtype):
-            kv_quant.rotation(layout.head_dim, device)  # made now, found as a constant by compiled steps
+            for dim in layout.rotation_blocks or (layout.head_dim,):
+                kv_quant.rotation(dim, device)  # made now, found as a constant by compiled steps
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
                    block_size, layout.num_kv_heads, kv_quant.stored_head_dim(layout.head_dim, kv_dtype))

@@ -106,17 +106,6 @@ def test_8bit_decode_steps_run_compiled(qwen3_dir):
     assert steps["eager"] == 0 and steps["graph"] > 0, steps
 
 
-def test_refused_for_a_latent_cache(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.models import save_tiny_checkpoint, tiny_moe_config
-
-    model = AutoModelForCausalLM.from_config(tiny_moe_config("deepseek_v3"), dtype=torch.float32)
-    save_tiny_checkpoint(model, tmp_path / "ds")
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8 does not take a latent"):
-        LLM(str(tmp_path / "ds"), dtype="float32", kv_cache_dtype="int8", log_stats_interval=0)
-
-
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_rows_round_trip_within_half_a_step(kv_cache_dtype):
     """The reference arithmetic (what the write kernel reproduces bit for bit, tests/kernels):

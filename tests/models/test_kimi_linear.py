@@ -4,11 +4,12 @@ layers over the latent cache, with dense and MoE feed-forward parts. A tiny rand
 greedy-decodes as transformers does, from its hub-form checkpoint and from the ``kimi-linear``
 GGUF file llama.cpp's own converter writes; prefix hits on and off give the same tokens when
 prompts longer than the step's token budget follow a cached prefix; the chunked KDA scan equals
-the token-by-token recurrence."""
+the token-by-token recurrence; the latent pool in 8-bit rows stays near the float32 cache."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,31 @@ def test_cache_on_and_off_agree_over_a_cached_prefix(kimi):
     assert hit.outputs[0].token_ids == _tokens(plain, [follow_up])[0]
     assert cached.get_stats()["mamba_checkpoints_used"] > 0
     cached.check_invariants()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_latent_cache_near_the_auto_cache(kimi, kv_cache_dtype):
+    """The MLA layers' latent pool in 8-bit rows (rotated per part, as DeepSeek's:
+    ``deepseek.LatentAttention.rotated``), prompts in chunks of 32: teacher-forced next-token
+    distributions near the float32 cache's (KL over the top logprobs, test_kv_cache_dtype's
+    bound), the same first greedy token but at a near tie."""
+    path, _ = kimi
+    prompts = random_prompts((23, 57), seed=4)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    kwargs = dict(dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=32, log_stats_interval=0)
+    outs = {}
+    for fmt in ("auto", kv_cache_dtype):
+        llm = LLM(str(path), kv_cache_dtype=fmt, **kwargs)
+        outs[fmt] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.runner.kv_caches[0][0].shape[-1] == llm.engine.runner.model.kv_layout.head_dim + 2
+    for ref, got in zip(outs["auto"], outs[kv_cache_dtype], strict=True):
+        if ref.token_ids != got.token_ids:  # fp8's 3-bit mantissas move a random model's logprobs ~0.1
+            top = sorted(p.logprob for p in ref.logprobs[0].values())[-2:]
+            assert top[1] - top[0] < 0.1
+        ref, got = ref.logprobs[0], got.logprobs[0]
+        shared = ref.keys() & got.keys()
+        assert len(shared) >= 15
+        assert abs(sum(math.exp(ref[t].logprob) * (ref[t].logprob - got[t].logprob) for t in shared)) < 0.05
 
 
 @pytest.mark.hybrid_graphs
