@@ -66,6 +66,21 @@ class EngineArgs:
         "cache-aware: seconds a request may wait before it goes ahead of every request preferred for its "
         "cached prefix, so none waits more than about this beyond its first-come-first-served turn "
         "(0: first come first served)")})
+    # cache/retention.py; docs/architecture.md "Retention".
+    max_retention_s: float = field(default=3600.0, metadata={"help": (
+        "longest a finished request's prefix is kept for it (its cache_control ttl, SamplingParams.cache_ttl_s); "
+        "longer asks are capped to this and the response says what was granted (0: no retention)")})
+    retention_budget_fraction: float = field(default=0.5, metadata={"help": (
+        "share of each cache pool (KV blocks, sliding-window blocks, state checkpoints) kept prefixes may hold; "
+        "they are evicted only after every other cached block, and one that does not fit keeps the head of its "
+        "prefix that does")})
+    retention_tenant_fraction: float = field(default=0.25, metadata={"help": (
+        "share of each cache pool the kept prefixes of one tenant may hold (the API key with --cache-per-key, "
+        "else the cache_salt; requests with neither are one tenant)")})
+    tool_call_retention_s: float = field(default=0.0, metadata={"help": (
+        "server: keep the prefix of a chat turn that ends in tool calls this many seconds (capped by "
+        "--max-retention-s), so the next turn hits it after the tool ran, unless the request sets its own "
+        "cache_control (0: off)")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest prompt + output, in tokens (default: the model's max_position_embeddings)")})
     kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "KV pool budget, GiB"})
@@ -192,6 +207,14 @@ class EngineArgs:
                 or not 0 <= self.scheduling_max_wait_s < float("inf"):
             raise ValueError(f"scheduling_max_wait_s must be a number of seconds >= 0, got "
                              f"{self.scheduling_max_wait_s!r}")
+        for name in ("max_retention_s", "tool_call_retention_s", "retention_budget_fraction",
+                     "retention_tenant_fraction"):
+            value = getattr(self, name)
+            top = 1 if name.endswith("fraction") else float("inf")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= top \
+                    or value == float("inf"):
+                raise ValueError(f"{name} must be a number in [0, {top}], got {value!r}" if top == 1 else
+                                 f"{name} must be a number of seconds >= 0, got {value!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.batch_invariant and self.quantization in ("int8", "int4"):

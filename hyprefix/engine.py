@@ -47,7 +47,7 @@ class Engine:
         "has_unfinished_sequences", "tokenize_prompt", "encode_chat", "validate", "warmup", "update_weights",
         "get_stats", "reset_prefix_cache", "close", "check_invariants", "model_facts", "max_pool_tokens",
         "max_model_len", "vocab_size", "tokenizer", "eos_token_ids", "model_identity", "weight_version",
-        "memory_bytes", "args", "config", "kv_events_endpoints", "map_kv_pages",
+        "memory_bytes", "args", "config", "kv_events_endpoints", "map_kv_pages", "release_retention",
     })
 
     def __init__(self, args: EngineArgs) -> None:
@@ -159,7 +159,7 @@ class Engine:
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
             check_priority(self.config.scheduler.policy, params.priority)
-            child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+            child_ids = sample_ids(request_id, params.n)
             if self.outputs.knows(request_id) or request_id in taken:
                 raise RequestError(f"request id {request_id!r} is already in use")
             for child_id in child_ids:  # e.g. "a#1" given by the user, then "a" with n=2
@@ -204,6 +204,13 @@ class Engine:
         """Abort a request (all its samples); its blocks are freed at once. Returns
         whether it was known and unfinished."""
         return self.outputs.abort(request_id)
+
+    def release_retention(self, request_id: str, n: int = 1, samples: Sequence[int] | None = None) -> int:
+        """End now the retention of a finished request's prefix (``SamplingParams.cache_ttl_s``;
+        ``cache/retention.py``): of the samples ``samples`` (None: all ``n``). Returns how many
+        retentions ended."""
+        ids = sample_ids(request_id, n)
+        return self.scheduler.release_retention(ids if samples is None else [ids[i] for i in samples])
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -254,6 +261,11 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.core.check_invariants()
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine's ids of a request's ``n`` samples."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 def freeze_startup_heap() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyprefix.cache.retention import RetentionConfig
 from hyprefix.catalog import DEFAULT_MODEL, default_quantization
 from hyprefix.config import EngineArgs
 from hyprefix.kv_events import KVEventsConfig
@@ -108,7 +109,9 @@ class EngineConfig:
                               args.swa_full_tokens_ratio, args.disable_hybrid_swa_memory, disk, args.kv_cache_dtype),
             scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                       speculative=args.speculative_config, policy=args.scheduling_policy,
-                                      max_wait_s=args.scheduling_max_wait_s),
+                                      max_wait_s=args.scheduling_max_wait_s,
+                                      retention=RetentionConfig(args.max_retention_s, args.retention_budget_fraction,
+                                                                args.retention_tenant_fraction)),
             runner=RunnerConfig(args.device, not args.enforce_eager, args.batch_invariant, args.seed,
                                 args.logprobs_mode, args.cascade_min_saved_tokens, args.cascade_min_solo_run_tokens,
                                 args.cascade_min_traffic_ratio),

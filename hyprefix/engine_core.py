@@ -87,8 +87,10 @@ class EngineCore:
 
     def set_model_identity(self, identity: str) -> None:
         """New weights run from now on: hashes chain from ``identity``, so nothing cached under
-        the old weights is hit again (waiting requests rehash)."""
+        the old weights is hit again (waiting requests rehash), nor kept for a later turn
+        (retentions end: their blocks age out as plain cached blocks)."""
         self.cache.kv.set_model_identity(identity)
+        self.cache.retention.clear()
         self.scheduler.forget_unstarted_hashes()
 
     def reset_prefix_cache(self) -> int:

@@ -96,6 +96,12 @@ def engine_stats(scheduler: Scheduler, cache: CacheCoordinator, runner: ModelRun
         "hybrid_hit_tokens_lost": pools["hit_tokens_lost"],
         **{key: pools.get(key, 0) for key in ("swa_blocks_total", "swa_blocks_used", "swa_blocks_cached",
                                                "swa_blocks_released")},
+        # cache/retention.py: finished requests' prefixes kept (SamplingParams.cache_ttl_s)
+        "kv_retentions": pools["kv_retentions"],
+        "kv_blocks_retained": pools["kv_blocks_retained"],
+        "kv_retained_blocks_evicted": pools["kv_retained_blocks_evicted"],
+        "mamba_checkpoints_retained": pools.get("state_checkpoints_retained", 0),
+        "swa_blocks_retained": pools.get("swa_blocks_retained", 0),
     }
 
 

@@ -177,7 +177,8 @@ class OutputProcessor:
                 token_ids=list(request.output_token_ids),
                 finish_reason=request.finish_reason if finished else None,
                 stop_reason=request.stop_reason if finished else None,
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                retention=request.retention if finished else None))
         reqs = [s.request for s in parent.samples]
         drafting = [r.drafting.counts for r in reqs if r.drafting is not None]
         metrics = RequestMetrics(

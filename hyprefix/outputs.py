@@ -114,6 +114,16 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class RetentionGrant:
+    """What a finished request's retention got (``SamplingParams.cache_ttl_s``, the server's
+    ``cache_control``; ``cache/retention.py``): its prefix's first ``num_tokens`` tokens kept
+    ``ttl_s`` seconds after it finished (capped by the limits; 0 and 0: nothing kept)."""
+
+    ttl_s: float
+    num_tokens: int
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -122,6 +132,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None  # one per token id, where ``SamplingParams.logprobs`` asked
+    retention: RetentionGrant | None = None  # once finished, where a retention was asked
 
     @property
     def finished(self) -> bool:
@@ -140,3 +151,12 @@ class RequestOutput:
     # Where ``SamplingParams.prompt_logprobs`` asked: None for the first prompt token, then
     # one entry per prompt token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def retention(self) -> RetentionGrant | None:
+        """What the retention of its prefix got (``cache_ttl_s``), the least over its samples
+        (None: none asked, or not finished)."""
+        grants = [c.retention for c in self.outputs if c.retention is not None]
+        if not grants:
+            return None
+        return RetentionGrant(min(g.ttl_s for g in grants), min(g.num_tokens for g in grants))

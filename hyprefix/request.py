@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyprefix.outputs import RetentionGrant
 from hyprefix.sampling import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
     # made on its first drafting chance
     drafting: Any = None
     num_new_tokens: int = 0  # tokens the last step appended (more than one after accepted drafts)
+    # What the retention of its prefix got when it finished (``params.cache_ttl_s``; cache/retention.py)
+    retention: RetentionGrant | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -59,6 +59,16 @@ class SamplingParams:
     ``priority`` (vLLM's meaning; vLLM passes it beside the params, ``LLM.generate(...,
     priority=[...])`` here too): under ``--scheduling-policy priority`` lower values are served
     earlier, ties by arrival (``scheduling_policy.py``); the other policies take only 0.
+
+    ``cache_ttl_s``: keep this request's prefix (prompt + output blocks, and for hybrids the state
+    checkpoint at its end) cached this many seconds after it finishes, evicted only after every
+    other cached block, within the engine's limits (``--max-retention-s``, the retention budget and
+    the tenant's share: ``cache/retention.py``); what it got is ``CompletionOutput.retention``.
+    None (the default): no retention of its own (the server may still keep a chat turn that ends
+    in tool calls, ``--tool-call-retention-s``); 0: none at all. The server's field is
+    ``cache_control`` (Anthropic's ``{"type": "ephemeral", "ttl": "5m"}``, as SGLang's and Dynamo's
+    pinning take it); vLLM's RFCs propose the same under other names (``agent_hint`` TTLs, a
+    ``kv_hints`` retain action, ``retention_directives``).
     """
 
     temperature: float = 1.0
@@ -86,6 +96,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputs | None = None
     priority: int = 0
+    cache_ttl_s: float | None = None
     stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     # ``bad_words`` as token id sequences, set by the engine from its tokenizer (``with_bad_words_ids``)
@@ -106,6 +117,8 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(_is_int(self.priority) and MIN_PRIORITY <= self.priority <= MAX_PRIORITY, "priority",
                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        _check(self.cache_ttl_s is None or (_is_number(self.cache_ttl_s) and self.cache_ttl_s >= 0), "cache_ttl_s",
+               f"cache_ttl_s must be a number of seconds >= 0 (or None), got {self.cache_ttl_s!r}")
         _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer or None, got {self.seed!r}")
         top = MAX_SEED - (self.n - 1)  # sample i of n uses seed + i
         _check(self.seed is None or MIN_SEED <= self.seed <= top, "seed",

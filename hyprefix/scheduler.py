@@ -26,7 +26,9 @@ With prefix caching, admission takes the longest cached prefix (skipped, not
 counted against the budget), requests wait for blocks a running sibling is
 computing, and blocks are published after the step that completed them. Every
 cache question goes to the ``CacheCoordinator``, whatever kinds of layers the
-model has (attention, recurrent state or both).
+model has (attention, recurrent state or both). A request that asked for it
+(``SamplingParams.cache_ttl_s``) keeps its prefix a while when it finishes, evicted after every
+other cached block (``cache/retention.py``); retentions expire at the start of each step.
 
 With speculative decoding (``speculative.py``), a decoding request's step also carries the
 tokens its context predicts (drafts): one row of 1 + k tokens. ``update`` takes the tokens the
@@ -41,10 +43,11 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
-from hyprefix.outputs import ScheduledSeq, SchedulerOutput
+from hyprefix.cache.retention import RetentionConfig
+from hyprefix.outputs import RetentionGrant, ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
 from hyprefix.scheduling_policy import DEFAULT_MAX_WAIT_S, FCFS, make_policy
 from hyprefix.speculative import DraftState, NgramIndex, SpecStats, SpeculativeConfig
@@ -69,6 +72,8 @@ class SchedulerConfig:
     policy: str = FCFS
     # cache-aware: a request that has waited this many seconds goes before every cache-preferred one
     max_wait_s: float = DEFAULT_MAX_WAIT_S
+    # finished requests' prefixes kept a while (``SamplingParams.cache_ttl_s``; cache/retention.py)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 class Scheduler:
@@ -78,6 +83,7 @@ class Scheduler:
         self.cache = cache
         self.clock = clock  # wall-clock seconds, as ``Request.arrival_time`` (tests inject their own)
         self.policy = make_policy(config.policy, config.max_wait_s)
+        cache.retention.configure(config.retention)
         self.waiting: WaitQueue = self.policy.new_queue()
         self.running: list[Request] = []  # in admission order (priority: by (priority, arrival))
         self._running_in_group: Counter[str] = Counter()
@@ -129,6 +135,7 @@ class Scheduler:
         preempted: list[str] = []
         state_ops: list[StateOp] = []
         now = self.clock()
+        self.cache.retention.expire(now)
         fairness_preempted = self._preempt_for_fairness(now)
 
         i = 0
@@ -386,20 +393,31 @@ class Scheduler:
             request.grammar.accept(token)
 
     def finish(self, request_id: str, reason: str) -> Request | None:
-        """Finish (or abort, with reason "abort") a request and free its blocks at once."""
+        """Finish (or abort, with reason "abort") a request and free its blocks at once; one that
+        asked for it (``cache_ttl_s``) and was not aborted keeps its prefix a while first
+        (``request.retention`` says what it got)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        now = self.clock()
         if request.status == Status.RUNNING:
             self._stop_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        ttl = request.params.cache_ttl_s
+        if ttl is not None and reason != "abort":
+            request.retention = self.cache.retention.retain(request, ttl, now) \
+                if self.cache.holds(request_id) else RetentionGrant(0.0, 0)
         self.cache.free(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
-        request.finished_time = self.clock()
+        request.finished_time = now
         self._finished_since_schedule.append(request_id)
         return request
+
+    def release_retention(self, request_ids: Sequence[str]) -> int:
+        """End the retentions of these finished requests now (``cache/retention.py``); returns how many."""
+        return sum(self.cache.retention.release(request_id) for request_id in request_ids)
 
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:

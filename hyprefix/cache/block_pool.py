@@ -4,7 +4,10 @@ Invariants (see ``check_invariants``):
 - a block is in the free list iff its ref count is 0;
 - every hash in the index names a block that carries that hash;
 - free blocks that carry a hash stay findable until they are reused; reuse takes
-  the least recently freed block first.
+  the least recently freed block first;
+- retained blocks (``mark_retained``: a finished request's prefix kept for a while,
+  ``retention.py``) are reused only when no other free block is left: free ones wait
+  in a list of their own, in the order they were freed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the first key is reused next.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._retained: set[int] = set()  # blocks a retention keeps (``mark_retained``), free or not
+        self._free_retained: OrderedDict[int, None] = OrderedDict()  # free and retained: reused last
+        self._retention_lost: list[int] = []  # retained blocks reused since ``take_retention_lost``
         self._hash_index: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still carry a hash
         self._forgotten: list[bytes] = []  # hashes forgotten since the last take_forgotten()
@@ -53,8 +59,8 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks no request references (some may still be findable by hash)."""
-        return len(self._free)
+        """Blocks no request references (some may still be findable by hash; retained ones too)."""
+        return len(self._free) + len(self._free_retained)
 
     @property
     def num_cached_free(self) -> int:
@@ -71,15 +77,20 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return len(self.blocks) - len(self._free)
+        return len(self.blocks) - self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` blocks off the free list (ref count 1), or None and no change."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         ids = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            if self._free:
+                block_id, _ = self._free.popitem(last=False)
+            else:  # only retained blocks are left: the least recently freed goes, its retention with it
+                block_id, _ = self._free_retained.popitem(last=False)
+                self._retained.discard(block_id)
+                self._retention_lost.append(block_id)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evicted from the cache
                 self._num_cached_free -= 1
@@ -95,7 +106,7 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
-                del self._free[block_id]
+                del (self._free_retained if block_id in self._retained else self._free)[block_id]
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
             block.ref_cnt += 1
@@ -108,7 +119,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"block {block_id} released with ref count 0"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block_id] = None
+                (self._free_retained if block_id in self._retained else self._free)[block_id] = None
                 if block.block_hash is not None:
                     self._num_cached_free += 1
 
@@ -133,7 +144,13 @@ class BlockPool:
         return True
 
     def reset_cache(self) -> int:
-        """Forget the hash of every free block; returns how many were dropped."""
+        """Forget the hash of every free block, retained ones too (their retention ends:
+        ``take_retention_lost``); returns how many were dropped."""
+        for block_id in self._free_retained:
+            self._retained.discard(block_id)
+            self._retention_lost.append(block_id)
+            self._free[block_id] = None
+        self._free_retained.clear()
         dropped = 0
         for block_id in self._free:
             block = self.blocks[block_id]
@@ -150,6 +167,38 @@ class BlockPool:
                 self._forgotten.append(block.block_hash)
                 self.events.add(BlockRemoved([block.block_hash]))
             block.block_hash = None
+
+    # -------------------------------------------------------------- retention
+    def mark_retained(self, block_ids: list[int]) -> None:
+        """Keep these blocks (cached, findable) until ``unmark_retained``: while free they are
+        reused only after every other free block, and then one that is reused is reported by
+        ``take_retention_lost``."""
+        for block_id in block_ids:
+            if block_id in self._retained:
+                continue
+            self._retained.add(block_id)
+            if self.blocks[block_id].ref_cnt == 0:
+                del self._free[block_id]
+                self._free_retained[block_id] = None
+
+    def unmark_retained(self, block_ids: list[int]) -> None:
+        """End the retention of these blocks (pass a chain head first): free ones join the free list
+        as if freed now, tail first."""
+        for block_id in reversed(block_ids):
+            if block_id not in self._retained:
+                continue
+            self._retained.discard(block_id)
+            if block_id in self._free_retained:
+                del self._free_retained[block_id]
+                self._free[block_id] = None
+
+    def retained_ids(self) -> set[int]:
+        return set(self._retained)
+
+    def take_retention_lost(self) -> list[int]:
+        """Retained blocks reused (their hash dropped) since the last call: no longer retained."""
+        lost, self._retention_lost = self._retention_lost, []
+        return lost
 
     def take_forgotten(self) -> list[bytes]:
         """Hashes the pool stopped indexing (eviction, reset) since the last call: what
@@ -187,15 +236,18 @@ class BlockPool:
         expected_refs = dict(expected_refs)
         for block_id, refs in self._import_refs.items():
             expected_refs[block_id] = expected_refs.get(block_id, 0) + refs
+        assert not self._free.keys() & self._free_retained.keys(), "a block on both free lists"
         for block in self.blocks:
             want = expected_refs.get(block.block_id, 0)
             assert block.ref_cnt == want, (
                 f"block {block.block_id}: ref count {block.ref_cnt}, held by {want} tables")
-            assert (block.ref_cnt == 0) == (block.block_id in self._free), (
-                f"block {block.block_id}: ref count {block.ref_cnt} but free={block.block_id in self._free}")
+            retained = block.block_id in self._retained
+            on_list = block.block_id in (self._free_retained if retained else self._free)
+            assert (block.ref_cnt == 0) == on_list, (
+                f"block {block.block_id}: ref count {block.ref_cnt} but on its free list={on_list}")
         for block_hash, block_id in self._hash_index.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale hash for block {block_id}"
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert hashed == len(self._hash_index), "a block carries a hash the index does not know"
-        cached_free = sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        cached_free = sum(1 for i in [*self._free, *self._free_retained] if self.blocks[i].block_hash is not None)
         assert cached_free == self._num_cached_free, "cached-free counter out of sync"

@@ -25,6 +25,10 @@ shorten a hit; a kind with blocks of its own says whether they fit
 nothing; state copies it needs before a forward are returned as ``StateOp``s;
 whatever it keys on a coordinator block dies when the pool forgets the block
 (``forget``).
+
+Finished requests' prefixes a request asked to keep (``retention.py``) are the coordinator's
+``retention``: it holds blocks of every pool (main, window, checkpoints) that a hit at the kept
+prefix's end reads, where ``_resumable`` says every kind can resume.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Protocol
 from hyprefix.cache.block_pool import ImportHold
 from hyprefix.cache.events import AllBlocksCleared, SaveLog
 from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.retention import Retention
 from hyprefix.cache.state_pool import block_of
 from hyprefix.request import Request
 
@@ -205,6 +210,8 @@ class CacheCoordinator:
         self.lower: LowerTier | None = None  # the disk tier (``attach_lower``)
         self._window = next((kind for kind in kinds if kind.has_own_blocks), None)
         self._states = next((kind.pool for kind in kinds if kind.has_live_state), None)
+        # finished requests' prefixes kept a while (``retention.py``; the scheduler grants and expires them)
+        self.retention = Retention(kv, self._window, self._states, self._resumable)  # type: ignore[arg-type]
 
     @property
     def block_size(self) -> int:
@@ -320,7 +327,8 @@ class CacheCoordinator:
             self.lower.release(request.request_id)
 
     def reset_cache(self) -> int:
-        """Forget every cached block no request holds; returns how many."""
+        """Forget every cached block no request holds (retained ones too); returns how many."""
+        self.retention.clear()
         dropped = self.kv.reset_cache()
         self._forget_evicted(evicted=False)
         for kind in self.kinds:
@@ -443,11 +451,12 @@ class CacheCoordinator:
                "hit_tokens_lost": self.hit_tokens_lost}
         for kind in self.kinds:
             out.update(kind.stats())
-        return out
+        return out | self.retention.stats()
 
     def check_invariants(self, running_ids: set[str]) -> None:
         self.kv.check_invariants(running_ids)
         for kind in self.kinds:
             kind.check_invariants(running_ids, self.kv.pool.lookup)
+        self.retention.check_invariants()
         if not running_ids:
             assert self.kv.pool.num_used == self.kv.pool.num_import_held, "blocks referenced while nothing runs"

@@ -8,7 +8,8 @@ right after the last token of the block whose hash keys it. Rules:
   findable, only after the step has finished.
 - Committed checkpoints are evicted least recently used first (a hit counts as
   a use) when a reservation finds no free slot; reservations never evict each
-  other.
+  other. Retained checkpoints (``mark_retained``: at the end of a finished
+  request's kept prefix, ``retention.py``) go only when no other one is left.
 - A checkpoint dies with its KV block: ``drop`` is called for every hash the
   block pool forgets (``CacheCoordinator`` passes them on).
 - Zero capacity is valid: nothing is ever checkpointed (hybrid hits disabled).
@@ -46,6 +47,8 @@ class StatePool:
         self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # committed slots, least recently used first
+        self._kept: OrderedDict[int, bytes] = OrderedDict()  # committed and retained: evicted after ``_lru``
+        self._retention_lost: list[int] = []  # retained slots evicted or dropped since the last take
         self._reserved: dict[int, bytes] = {}  # slot -> key being written (not findable yet)
         self._import_slots: set[int] = set()  # those of them a lower tier's import fills
         # A min-heap: the lowest free slot first, so requests admitted together get
@@ -87,8 +90,9 @@ class StatePool:
         return list(self._index.items())
 
     def touch(self, slot: int) -> None:
-        if slot in self._lru:
-            self._lru.move_to_end(slot)
+        for lru in (self._lru, self._kept):
+            if slot in lru:
+                lru.move_to_end(slot)
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self._index or block_hash in self._reserved.values()
@@ -101,8 +105,12 @@ class StatePool:
             return None
         if self._free_ckpt:
             slot = self._free_ckpt.pop()
-        elif self._lru:
-            slot, old_hash = self._lru.popitem(last=False)
+        elif self._lru or self._kept:
+            if self._lru:
+                slot, old_hash = self._lru.popitem(last=False)
+            else:  # only retained checkpoints are left: the least recently used goes, its retention with it
+                slot, old_hash = self._kept.popitem(last=False)
+                self._retention_lost.append(slot)
             del self._index[old_hash]
             if self.save_log is not None:
                 self.save_log.entries.append((old_hash, slot))
@@ -136,7 +144,11 @@ class StatePool:
         slot = self._index.pop(key, None)
         if slot is None:
             return False
-        del self._lru[slot]
+        if slot in self._kept:
+            del self._kept[slot]
+            self._retention_lost.append(slot)
+        else:
+            del self._lru[slot]
         self._free_ckpt.append(slot)
         self._announce(StateRemoved, key)
         return True
@@ -157,6 +169,27 @@ class StatePool:
         dropped = self.drop_key(keys[0])
         return self.drop_key(keys[1]) or dropped
 
+    # -------------------------------------------------------------- retention
+    def mark_retained(self, slots: list[int]) -> None:
+        """Keep these committed checkpoints until ``unmark_retained``: evicted only after every
+        other one (then reported by ``take_retention_lost``, as is one dropped with its block)."""
+        for slot in slots:
+            if slot in self._lru:
+                self._kept[slot] = self._lru.pop(slot)
+
+    def unmark_retained(self, slots: list[int]) -> None:
+        """End their retention: they rejoin the LRU as if used now."""
+        for slot in slots:
+            if slot in self._kept:
+                self._lru[slot] = self._kept.pop(slot)
+
+    def retained_ids(self) -> set[int]:
+        return set(self._kept)
+
+    def take_retention_lost(self) -> list[int]:
+        lost, self._retention_lost = self._retention_lost, []
+        return lost
+
     @property
     def reserved_slots(self) -> set[int]:
         """Slots reserved for a step's taps (imports' reservations excluded)."""
@@ -168,9 +201,9 @@ class StatePool:
 
     def check_invariants(self, kv_lookup) -> None:
         """``kv_lookup(hash)``: the KV block index. Every checkpoint sits on a cached block."""
-        assert len(self._index) == len(self._lru)
+        assert len(self._index) == len(self._lru) + len(self._kept) and not self._lru.keys() & self._kept.keys()
         for block_hash, slot in self._index.items():
-            assert self._lru.get(slot) == block_hash, "checkpoint LRU out of sync"
+            assert (self._lru.get(slot) or self._kept.get(slot)) == block_hash, "checkpoint LRU out of sync"
             assert kv_lookup(block_of(block_hash)) is not None, "checkpoint on a block that is no longer cached"
         used = set(self._index.values()) | set(self._reserved)
         assert len(used) + len(self._free_ckpt) == self.capacity and not used & set(self._free_ckpt)

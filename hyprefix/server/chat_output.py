@@ -257,6 +257,11 @@ class ChatStreamer:
             delta["tool_calls"] = calls
         return delta
 
+    @property
+    def called_tools(self) -> bool:
+        """Whether the reply so far holds a tool call (any tool mode, a named function's too)."""
+        return self.tools is not None and self.tools.called
+
     def finish_reason(self, reason: str | None) -> str | None:
-        called = self.tools is not None and self.tools.called and self.rules.tool_mode in ("auto", "required")
+        called = self.called_tools and self.rules.tool_mode in ("auto", "required")
         return "tool_calls" if called and reason == "stop" else reason

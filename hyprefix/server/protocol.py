@@ -10,6 +10,8 @@ docs/serving.md has the table of every field.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +62,39 @@ class StreamOptions(_Request):
 
 TokenId = Annotated[int, Field(ge=0)]
 
+# Anthropic's default cache_control ttl ("5m"); units its ttl strings and Dynamo's take
+DEFAULT_CACHE_TTL_S = 300.0
+_TTL = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)\s*")
+_TTL_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class CacheControl(_Request):
+    """Keep this request's prefix cached after it finishes (``SamplingParams.cache_ttl_s``):
+    Anthropic's prompt-caching marker, ``{"type": "ephemeral", "ttl": "5m"}``, as SGLang's and
+    Dynamo's pinning take it, on the request. ``ttl``: "30s", "5m", "1h" or a number of seconds
+    (default "5m"); capped by the server's ``--max-retention-s`` (the response's
+    ``cache_retention`` says what was granted)."""
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: str | int | float | None = None
+
+    def seconds(self) -> float:
+        """The ttl in seconds; ``RequestError`` (a 400, ``param: "cache_control"``) when it is not
+        a duration >= 0."""
+        ttl = self.ttl
+        if ttl is None:
+            return DEFAULT_CACHE_TTL_S
+        if isinstance(ttl, str):
+            match = _TTL.fullmatch(ttl)
+            if match is None:
+                raise RequestError(f'cache_control ttl must be a duration such as "30s", "5m", "1h" or a number of '
+                                   f"seconds, got {ttl!r}", param="cache_control")
+            ttl = float(match[1]) * _TTL_UNITS[match[2]]
+        if not math.isfinite(ttl) or ttl < 0:
+            raise RequestError(f"cache_control ttl must be a number of seconds >= 0, got {self.ttl!r}",
+                               param="cache_control")
+        return float(ttl)
+
 
 class _SamplingRequest(_Request):
     model: str | None = None
@@ -99,6 +134,8 @@ class _SamplingRequest(_Request):
     return_token_ids: bool | None = False  # each choice (and stream chunk) carries its token ids
     # vLLM's: lower is served earlier under --scheduling-policy priority; non-zero is a 400 under the others
     priority: int | None = Field(None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # keep the prefix after the request finishes (Anthropic's shape; cache/retention.py)
+    cache_control: CacheControl | None = None
     # structured outputs: vLLM's field, and its older guided_* names
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -151,6 +188,8 @@ class _SamplingRequest(_Request):
             kwargs["top_k"] = -1 if self.top_k == 0 else self.top_k
         if self.logit_bias:
             kwargs["logit_bias"] = _token_keys(self.logit_bias)
+        if self.cache_control is not None:
+            kwargs["cache_ttl_s"] = self.cache_control.seconds()
         if self.logprobs_wanted() is not None:
             kwargs["logprobs"] = self.logprobs_wanted()
         structured = self.structured()

@@ -27,6 +27,15 @@ class Usage(BaseModel):
         self.prompt_tokens_details.cached_tokens += cached_tokens
 
 
+class CacheRetention(BaseModel):
+    """What the request's ``cache_control`` (or the server's ``--tool-call-retention-s``) got: its
+    prefix's first ``tokens`` tokens kept ``ttl_s`` seconds after it finished (capped by the
+    server's limits; 0 and 0: nothing kept). The least over the call's choices."""
+
+    ttl_s: float
+    tokens: int
+
+
 class CompletionLogprobs(BaseModel):
     """OpenAI's legacy completions logprobs: per token its text, log-probability, the top
     ones by text, and where its text starts in the choice's text."""
@@ -64,6 +73,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    cache_retention: CacheRetention | None = None  # where a retention was asked (cache_control)
 
 
 class AssistantMessage(BaseModel):
@@ -106,6 +116,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered conversation's ids
+    cache_retention: CacheRetention | None = None  # where a retention was asked or tool calls were kept
 
 
 class TokenizeResponse(BaseModel):
@@ -137,20 +148,24 @@ class ModelList(BaseModel):
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None = None, token_ids: list[int] | None = None,
                      logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None,
-                     prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+                     prompt_token_ids: list[int] | None = None,
+                     retention: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
     if prompt_token_ids is not None:
         choice["prompt_token_ids"] = prompt_token_ids
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if retention is not None:  # a choice's final chunk: what its retention got
+        chunk["cache_retention"] = retention
+    return chunk
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
                stop_reason: str | int | None = None, token_ids: list[int] | None = None,
-               prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+               prompt_token_ids: list[int] | None = None, retention: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                               "stop_reason": stop_reason}
     if token_ids is not None:
@@ -159,6 +174,8 @@ def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dic
              "choices": [choice]}
     if prompt_token_ids is not None:  # vLLM's: top level, as on the whole response
         chunk["prompt_token_ids"] = prompt_token_ids
+    if retention is not None:  # a choice's final chunk: what its retention got
+        chunk["cache_retention"] = retention
     return chunk
 
 

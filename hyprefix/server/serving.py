@@ -8,6 +8,7 @@ stream. Outputs are cumulative; streams send the new text of each choice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,7 +21,7 @@ from hyprefix.async_engine import AsyncEngine, EngineClosedError, EngineDeadErro
 from hyprefix.detokenizer import text_decoder
 from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
-from hyprefix.outputs import RequestOutput
+from hyprefix.outputs import RequestOutput, RetentionGrant
 from hyprefix.sampling import SamplingParams
 from hyprefix.scheduling_policy import check_priority
 from hyprefix.server.chat_output import ChatOptions, ChatOutputRules, ChatStreamer, final_message
@@ -37,6 +38,7 @@ from hyprefix.server.protocol import (
 )
 from hyprefix.server.responses import (
     AssistantMessage,
+    CacheRetention,
     ChatChoice,
     ChatCompletionResponse,
     CompletionChoice,
@@ -140,6 +142,7 @@ class OpenAIServing:
         self.chat_options = chat or ChatOptions()
         # calls in flight by response id, for /abort_request (an entry goes with its call)
         self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
+        self._releases: set[asyncio.Task] = set()  # retentions being ended (``_release_soon``)
 
     async def abort(self, rid: str | None) -> int:
         """Abort a call by its response id or the ``request_id`` its client gave (None: every
@@ -234,7 +237,8 @@ class OpenAIServing:
                                                 prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids
                                                 else None,
                                                 prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
-        return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage,
+                                  cache_retention=cache_retention([c.retention for o in outs for c in o.outputs]))
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
@@ -242,13 +246,14 @@ class OpenAIServing:
 
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
-                  text_offset: int = 0, full_text: str = "") -> dict:
+                  text_offset: int = 0, full_text: str = "", retention: RetentionGrant | None = None) -> dict:
             formatted = None if logprobs is None else completion_logprobs(*logprobs, text_offset)
             prompt_ids = None
             if call.return_token_ids and index not in prompt_sent:
                 prompt_sent.add(index)
                 prompt_ids = call.prompt_ids[index // call.n]
-            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason, prompt_ids)
+            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason, prompt_ids,
+                                    _retention_dict(cache_retention([retention])))
 
         try:
             if echo:
@@ -269,12 +274,16 @@ class OpenAIServing:
         rules = self._output_rules(req)
         self.limits.check_seqs(1, req.choices)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        # --tool-call-retention-s: kept from the finish, let go unless the turn ends in tool calls
+        provisional = req.cache_control is None and rules.tool_mode != "none"
 
         def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             ids = engine.encode_chat(chat)
             room = min(engine.max_model_len, engine.max_pool_tokens)
             # the rules' overrides: a harmony reply decoded with its special tokens, its tool grammar
             kwargs = {**req.sampling_kwargs(), **rules.sampling_overrides()}
+            if provisional and engine.args.tool_call_retention_s > 0:
+                kwargs["cache_ttl_s"] = engine.args.tool_call_retention_s
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **kwargs)
             check_priority(engine.args.scheduling_policy, params.priority)
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
@@ -288,19 +297,37 @@ class OpenAIServing:
         echo = last["content"] if req.echo and last["role"] == "assistant" else ""
         call = await self._start(req, request_id, [request_id], model, add, "messages")
         if req.stream:
-            return finalize_on_gc(self._stream_chat(call, echo, rules), call.stream.close)
+            return finalize_on_gc(self._stream_chat(call, echo, rules, provisional), call.stream.close)
         (out,), usage = await self._collect(call)
-        choices = []
+        choices, dropped = [], []
         for c in out.outputs:
             message, finish_reason = final_message(rules, echo + c.text, c.finish_reason)
+            if provisional and c.retention is not None and not (message["tool_calls"] and c.finish_reason == "stop"):
+                dropped.append(c.index)  # the server keeps only a turn that ends in tool calls
             choices.append(ChatChoice(
                 index=c.index, message=AssistantMessage(**message),
                 logprobs=None if c.logprobs is None else chat_logprobs(c.token_ids, c.logprobs, call.logprobs or 0),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
-        return ChatCompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
-                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+        if dropped:
+            await self._release_retention(call, dropped)
+        return ChatCompletionResponse(
+            id=call.request_id, created=call.created, model=model, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
+            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+            cache_retention=cache_retention([c.retention for c in out.outputs if c.index not in dropped]))
+
+    async def _release_retention(self, call: _Call, samples: list[int]) -> None:
+        """End the retentions of these choices (the server's, for a turn without tool calls)."""
+        engine = self.async_engine.engine
+        with contextlib.suppress(EngineClosedError, EngineDeadError):  # the engine, and its cache, are gone
+            await self.async_engine.call(lambda: engine.release_retention(call.engine_ids[0], call.n, samples))
+
+    def _release_soon(self, call: _Call, samples: list[int]) -> None:
+        """``_release_retention`` from a stream's synchronous chunk builder."""
+        task = asyncio.get_running_loop().create_task(self._release_retention(call, samples))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _output_rules(self, req: ChatCompletionRequest) -> ChatOutputRules:
         """How this request's replies are read (tool mode, parsers); a 400 for a tool choice
@@ -314,19 +341,22 @@ class OpenAIServing:
         return ChatOutputRules(options.reasoning_parser, mode, function, options.tool_call_parser,
                                tuple(req.tool_dicts()), req.parallel_tool_calls is not False)
 
-    async def _stream_chat(self, call: _Call, echo: str = "", rules: ChatOutputRules | None = None
-                           ) -> AsyncIterator[str]:
+    async def _stream_chat(self, call: _Call, echo: str = "", rules: ChatOutputRules | None = None,
+                           provisional: bool = False) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
         streamers = [ChatStreamer(rules or ChatOutputRules()) for _ in range(call.n)]
 
         def chunk(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
                   logprobs: tuple[list[int], list] | None = None, stop_reason: str | int | None = None,
-                  text_offset: int = 0, full_text: str = "") -> dict:
+                  text_offset: int = 0, full_text: str = "", retention: RetentionGrant | None = None) -> dict:
             formatted = None if logprobs is None else chat_logprobs(*logprobs, call.logprobs or 0)
             streamer = streamers[index]
             delta = streamer.deltas(echo + full_text, finish_reason is not None)
+            if provisional and retention is not None and not (streamer.called_tools and finish_reason == "stop"):
+                self._release_soon(call, [index])  # the server keeps only a turn that ends in tool calls
+                retention = None
             return chat_chunk(*args, index, delta, streamer.finish_reason(finish_reason), formatted, stop_reason,
-                              token_ids)
+                              token_ids, retention=_retention_dict(cache_retention([retention])))
 
         try:
             prompt_ids = call.prompt_ids[0] if call.return_token_ids else None
@@ -372,7 +402,8 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
                         sent_ids[index] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(index)
-                        yield sse(chunk(index, "", c.finish_reason, stop_reason=c.stop_reason, full_text=c.text))
+                        yield sse(chunk(index, "", c.finish_reason, stop_reason=c.stop_reason, full_text=c.text,
+                                        retention=c.retention))
                 if out.finished:
                     finals[out.request_id] = out
         if call.include_usage:
@@ -381,6 +412,18 @@ async def _stream_choices(call: _Call, chunk: Callable[..., dict], object: str) 
     except (EngineClosedError, EngineDeadError) as exc:
         yield sse(APIError(503, str(exc), type="service_unavailable").body())
     yield "data: [DONE]\n\n"
+
+
+def cache_retention(grants: list[RetentionGrant | None]) -> CacheRetention | None:
+    """A response's ``cache_retention``: the least of its engine requests' grants (None: none asked)."""
+    asked = [grant for grant in grants if grant is not None]
+    if not asked:
+        return None
+    return CacheRetention(ttl_s=min(g.ttl_s for g in asked), tokens=min(g.num_tokens for g in asked))
+
+
+def _retention_dict(retention: CacheRetention | None) -> dict[str, Any] | None:
+    return None if retention is None else retention.model_dump()
 
 
 def engine_salt(cache_salt: str | None, tenant: str | None) -> str | None:
