@@ -66,13 +66,14 @@ def paged_attention(
     # 8-bit rows: K, V and the queries rotated (kv_quant.rotation: q . k unchanged, the outliers
     # of a few channels spread over all), and every attention reads the K/V as stored, cached or new
     # (in float32: K and V are written from float32 rows, rounded once, into their codes)
-    rot, dtype = kv_quant.rotation(q.shape[-1], q.device), q.dtype
-    q, k, v = (q.float() @ rot).to(dtype), k.float() @ rot, v.float() @ rot
+    dtype, invariant = q.dtype, batch.batch_invariant
+    q, k, v = (kv_quant.rotate(t.float(), invariant=invariant) for t in (q, k, v))
+    q = q.to(dtype)
     write_kv(k, v, k_cache, v_cache, batch, window)
     if batch.prefills:
         k, v = (kv_quant.dequantize_rows(kv_quant.quantize_rows(t, k_cache.dtype), dtype) for t in (k, v))
     out = attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
-    return (out.float() @ rot.T).to(dtype)
+    return kv_quant.rotate(out.float(), inverse=True, invariant=invariant).to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -154,7 +154,7 @@ class LatentAttention(nn.Module):
         if not kv_quant.is_quantized(cache):
             write_kv(latent, latent, cache, cache, batch, None)
             return latent
-        rows = self.rotated(latent.float())  # quantized from float32, rounded once
+        rows = self.rotated(latent.float(), batch.batch_invariant)  # quantized from float32, rounded once
         write_kv(rows, rows, cache, cache, batch, None)
         if not batch.prefills:  # decode rows read the cache alone
             return rows.to(latent.dtype)
@@ -170,30 +170,32 @@ class LatentAttention(nn.Module):
         query = torch.cat([per_head(q_nope, self.w_uk), q_pe], dim=-1)
         packed = kv_quant.is_quantized(cache)
         if packed:  # queries meet the rotated latents (q . k unchanged)
-            turned = self.rotated((query if used is None else query.index_select(0, used)).float()).to(query.dtype)
+            turned = self.rotated((query if used is None else query.index_select(0, used)).float(),
+                                  batch.batch_invariant).to(query.dtype)
             query = turned if used is None else query.index_copy(0, used, turned)
         out = attend(query, latent, latent, cache, cache, batch, self.scale, None, spans=spans, v_dim=self.rank)
         if rows is not None:
             out = out[rows]
-        return self.unrotated(out) if packed else out
+        return self.unrotated(out, batch.batch_invariant) if packed else out
 
-    def rotated(self, x: torch.Tensor) -> torch.Tensor:
+    def rotated(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [..., r + p] (float32) as an 8-bit cache stores latents: x @ blockdiag(R_r, R_p), the
         format's fixed rotation (``kv_quant.rotation``) of the r latent values and, apart, of the
         p rope values, so a query rotated alike has the same dot product with it (c's and k_pe's
         parts each unchanged) and the first r values, those attention weighs as values, stay a
         rotation of c alone (no k_pe mixed in): ``unrotated`` takes them back with R_r^T. Made at
-        start (``KVLayout.rotation_blocks``), so a compiled decode step finds them as constants."""
+        start (``KVLayout.rotation_blocks``), so a compiled decode step finds them as constants.
+        ``invariant``: as ``kv_quant.rotate``'s."""
         c, pe = x.split([self.rank, self.rope_dim], dim=-1)
-        return torch.cat([c @ kv_quant.rotation(self.rank, x.device), pe @ kv_quant.rotation(self.rope_dim, x.device)],
-                         dim=-1)
+        return torch.cat([kv_quant.rotate(c, invariant=invariant), kv_quant.rotate(pe, invariant=invariant)], dim=-1)
 
-    def unrotated(self, x: torch.Tensor) -> torch.Tensor:
+    def unrotated(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """``rotated`` undone, in x's dtype (computed in float32): x [..., r] (an attention output
         over the latent values) or [..., r + p] (latents)."""
-        c = x[..., :self.rank].float() @ kv_quant.rotation(self.rank, x.device).T
+        c = kv_quant.rotate(x[..., :self.rank].float(), inverse=True, invariant=invariant)
         if x.shape[-1] > self.rank:
-            c = torch.cat([c, x[..., self.rank:].float() @ kv_quant.rotation(self.rope_dim, x.device).T], dim=-1)
+            pe = kv_quant.rotate(x[..., self.rank:].float(), inverse=True, invariant=invariant)
+            c = torch.cat([c, pe], dim=-1)
         return c.to(x.dtype)
 
     def up_matrix(self, dtype: torch.dtype) -> torch.Tensor:

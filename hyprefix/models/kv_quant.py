@@ -76,19 +76,35 @@ def _rotation(head_dim: int) -> torch.Tensor:
     return q
 
 
-# (head dim, device) -> R in float32 there: made eagerly (``rotation``) before any compiled step
-# reads it, which then finds a constant tensor (making it there would put a generator in the graph)
-_ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
+# (head dim, device, transposed) -> R (or R^T, contiguous) in float32 there: made eagerly
+# (``rotation``) before any compiled step reads it, which then finds a constant tensor (making it
+# there would put a generator in the graph)
+_ROTATIONS: dict[tuple[int, str, bool], torch.Tensor] = {}
 
 
-def rotation(head_dim: int, device: torch.device) -> torch.Tensor:
-    """R in float32 on ``device``: rows x [.., D] are stored as x @ R, queries meet them as q @ R
-    (q . k unchanged), and an attention output o over rotated values is o @ R^T. The runner makes
-    it at start for its head dim (``ModelRunner``), so a compiled step only looks it up."""
-    key = (head_dim, str(device))
+def rotation(head_dim: int, device: torch.device, transposed: bool = False) -> torch.Tensor:
+    """R in float32 on ``device`` (``transposed``: R^T, contiguous): rows x [.., D] are stored as
+    x @ R, queries meet them as q @ R (q . k unchanged), and an attention output o over rotated
+    values is o @ R^T. The runner makes both at start for its head dims (``ModelRunner``), so a
+    compiled step only looks them up."""
+    key = (head_dim, str(device), transposed)
     if key not in _ROTATIONS:
-        _ROTATIONS[key] = _rotation(head_dim).to(dtype=torch.float32, device=device)
+        r = _rotation(head_dim)
+        _ROTATIONS[key] = (r.T if transposed else r).contiguous().to(dtype=torch.float32, device=device)
     return _ROTATIONS[key]
+
+
+def rotate(x: torch.Tensor, inverse: bool = False, invariant: bool = False) -> torch.Tensor:
+    """x [..., D] (float32) @ R, or @ R^T when ``inverse``. ``invariant`` (the batch-invariant mode):
+    through ``kernels/invariant_linear``, each row's bits independent of the other rows (a plain
+    matmul's blocking follows the row count)."""
+    d = x.shape[-1]
+    if invariant:
+        from hyprefix.kernels import invariant_linear
+
+        # x @ M = linear(x, M^T): M^T is R^T to rotate, R to turn back
+        return invariant_linear.invariant_linear(x.contiguous(), rotation(d, x.device, transposed=not inverse))
+    return x @ rotation(d, x.device, transposed=inverse)
 
 
 def rotations() -> list[torch.Tensor]:

@@ -90,7 +90,8 @@ class ModelRunner:
                 model.use_decode_kernel()
         if kv_quant.is_quantized_dtype(kv_dtype):
             for dim in layout.rotation_blocks or (layout.head_dim,):
-                kv_quant.rotation(dim, device)  # made now, found as a constant by compiled steps
+                for transposed in (False, True):  # made now, found as constants by compiled steps
+                    kv_quant.rotation(dim, device, transposed)
         self.has_window_pool = num_window_blocks > 0
         shapes = [(num_window_blocks if self.has_window_pool and layout.window(i) is not None else num_blocks,
                    block_size, layout.num_kv_heads, kv_quant.stored_head_dim(layout.head_dim, kv_dtype))
