@@ -17,6 +17,7 @@ from hyprefix.hardware import device_caps
 from hyprefix.kernels import decode_attention as kernel
 from hyprefix.models import kv_quant
 from tests.kernels.test_decode_attention import _reference
+from tests.support.compare import with_threads
 
 pytestmark = pytest.mark.skipif(not device_caps("cpu").paged_decode(torch.float32),
                                 reason="no x86 AVX2/AVX-512 CPU: the model gathers for SDPA (test_decode_attention)")
@@ -53,15 +54,6 @@ def _packed_inputs(case, fmt, q_dtype, seed=0):
             first_pos, window, run_blocks)
 
 
-def _with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 def _against_dequantized(q, k_cache, v_cache, tables, lens, first_pos, window, run_blocks, threads):
     """The kernel over the packed caches and, as the reference, over their float32 dequantization
     with q in float32 (the packed path's arithmetic), its output rounded to q's dtype."""
@@ -74,7 +66,7 @@ def _against_dequantized(q, k_cache, v_cache, tables, lens, first_pos, window, r
         ref = kernel.decode_attention(q.float(), k_ref, v_ref, tables, lens, scale, window, first_pos, run_blocks)
         return got, ref
 
-    (out, lse), (ref, ref_lse) = _with_threads(threads, both)
+    (out, lse), (ref, ref_lse) = with_threads(threads, both)
     return out, lse, ref.to(q.dtype), ref_lse, k_ref, v_ref
 
 

@@ -18,6 +18,7 @@ import torch
 from hyprefix.hardware import device_caps
 from hyprefix.kernels import decode_attention as kernel
 from tests.kernels.test_decode_attention import _reference
+from tests.support.compare import with_threads
 
 pytestmark = pytest.mark.skipif(not device_caps("cpu").paged_decode(torch.float32),
                                 reason="no x86 AVX2/AVX-512 CPU: the model gathers for SDPA (test_decode_attention)")
@@ -45,15 +46,6 @@ def _latent_inputs(case, dtype, seed=0):
     return q, cache, tables, torch.tensor(lens), torch.tensor(first) if first else None
 
 
-def _with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
@@ -63,7 +55,7 @@ def test_latent_decode_matches_float64(case, dtype, threads):
     assert kernel.available(dtype)
     q, cache, tables, lens, first_pos = _latent_inputs(case, dtype)
     v_dim, scale = case[2], case[1] ** -0.5
-    out, lse = _with_threads(threads, lambda: kernel.decode_attention(q, cache, cache, tables, lens, scale,
+    out, lse = with_threads(threads, lambda: kernel.decode_attention(q, cache, cache, tables, lens, scale,
                                                                       first_pos=first_pos, v_dim=v_dim))
     ref, ref_lse = _reference(q, cache, cache, tables, lens, first_pos, scale, 0)
     assert out.dtype == dtype and out.shape == (*q.shape[:2], v_dim) and out.is_contiguous()
@@ -95,7 +87,7 @@ def test_a_long_latent_context_splits_into_runs_that_merge_exactly():
     thread's single pass, to float32 rounding."""
     q, cache, tables, lens, _ = _latent_inputs((16, 576, 512, [2000], None, 16), torch.float32, seed=1)
     call = lambda: kernel.decode_attention(q, cache, cache, tables, lens, 0.05, v_dim=512)  # noqa: E731
-    one, split = _with_threads(1, call), _with_threads(2, call)
+    one, split = with_threads(1, call), with_threads(2, call)
     assert (one[0] - split[0]).abs().max().item() < 1e-6
     assert (one[1] - split[1]).abs().max().item() < 1e-5
 
@@ -107,9 +99,9 @@ def test_batch_invariant_latent_rows_keep_their_bits(dtype):
     q, cache, tables, lens, _ = _latent_inputs((16, 576, 512, [300, 5, 520, 64, 129], None, 16), dtype, seed=3)
     call = lambda idx: kernel.decode_attention(q[idx], cache, cache, tables[idx], lens[idx], 0.05,  # noqa: E731
                                                run_blocks=4, v_dim=512)
-    together = _with_threads(2, lambda: call(slice(None)))
+    together = with_threads(2, lambda: call(slice(None)))
     for b in range(q.shape[0]):
-        alone = _with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
+        alone = with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
         assert torch.equal(alone[0][0], together[0][b]) and torch.equal(alone[1][0], together[1][b])
     ref, _ = _reference(q, cache, cache, tables, lens, None, 0.05, 0)
     tol = 2e-6 if dtype == torch.float32 else 2e-2

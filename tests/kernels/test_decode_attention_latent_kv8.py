@@ -18,6 +18,7 @@ from hyprefix.hardware import device_caps
 from hyprefix.kernels import decode_attention as kernel
 from hyprefix.models import kv_quant
 from tests.kernels.test_decode_attention import _reference
+from tests.support.compare import with_threads
 
 pytestmark = pytest.mark.skipif(not device_caps("cpu").paged_decode(torch.float32),
                                 reason="no x86 AVX2/AVX-512 CPU: the model gathers for SDPA (test_decode_attention)")
@@ -52,15 +53,6 @@ def _packed_latent(case, fmt, q_dtype, seed=0):
     return q, kv_quant.quantize_rows(rows, fmt), tables, torch.tensor(lens), torch.tensor(first) if first else None
 
 
-def _with_threads(threads, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 def _both(case, fmt, q_dtype, threads, seed=0):
     """(out, lse) over the packed cache and over its float32 dequantization (q in float32, the
     output rounded to q's dtype), and the inputs."""
@@ -75,7 +67,7 @@ def _both(case, fmt, q_dtype, threads, seed=0):
                                       run_blocks=run_blocks, v_dim=v_dim)
         return got, ref
 
-    (out, lse), (ref, ref_lse) = _with_threads(threads, calls)
+    (out, lse), (ref, ref_lse) = with_threads(threads, calls)
     return out, lse, ref.to(q_dtype), ref_lse, (q, deq, tables, lens, first_pos, scale)
 
 
@@ -115,7 +107,7 @@ def test_a_long_packed_latent_context_splits_into_runs_that_merge_exactly(fmt):
     case = (16, 576, 512, [2000], None, 16, 0)
     q, cache, tables, lens, _ = _packed_latent(case, fmt, torch.float32, seed=1)
     call = lambda: kernel.decode_attention(q, cache, cache, tables, lens, 0.05, v_dim=512)  # noqa: E731
-    one, split = _with_threads(1, call), _with_threads(2, call)
+    one, split = with_threads(1, call), with_threads(2, call)
     assert (one[0] - split[0]).abs().max().item() < 2e-6
     assert (one[1] - split[1]).abs().max().item() < 1e-5
 
@@ -127,7 +119,7 @@ def test_batch_invariant_packed_latent_rows_keep_their_bits(fmt):
     q, cache, tables, lens, _ = _packed_latent(CASES[7], fmt, torch.bfloat16, seed=3)
     call = lambda idx: kernel.decode_attention(q[idx], cache, cache, tables[idx], lens[idx], 0.05,  # noqa: E731
                                                run_blocks=4, v_dim=512)
-    together = _with_threads(2, lambda: call(slice(None)))
+    together = with_threads(2, lambda: call(slice(None)))
     for b in range(q.shape[0]):
-        alone = _with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
+        alone = with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
         assert torch.equal(alone[0][0], together[0][b]) and torch.equal(alone[1][0], together[1][b])

@@ -61,3 +61,51 @@ def logit_errors(llm, hf, prompts: list[list[int]], chunk: int | None = None) ->
             ref = hf(torch.tensor([p])).logits[0, -1].float()
         out.append(((ours[i] - ref).abs().max().item(), ref.abs().max().item()))
     return out
+
+
+def with_threads(threads: int, fn):
+    """fn() with torch's thread count set to ``threads``, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def generate_in_waves(llm, prompts: list[list[int]], params, waves: int) -> list:
+    """Each prompt's first completion (``CompletionOutput``), the prompts submitted in ``waves``
+    batches one after another (later ones can hit earlier ones' blocks), invariants checked after each."""
+    size = -(-len(prompts) // waves)
+    outs = []
+    for i in range(0, len(prompts), size):
+        outs += [o.outputs[0] for o in llm.generate(prompts[i:i + size], params, use_tqdm=False)]
+        llm.check_invariants()
+    return outs
+
+
+def assert_same_up_to_a_near_tie(ref, got, near_tie: float) -> None:
+    """Greedy outputs (with logprobs) of a reference and another engine: equal up to a near tie;
+    where they first part the reference's top two were within ``near_tie``, and until then every
+    chosen token's logprob is within ``near_tie`` of the reference's."""
+    for step, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
+        if a != b:
+            top = sorted(p.logprob for p in ref.logprobs[step].values())[-2:]
+            assert top[1] - top[0] < near_tie, f"step {step}: {top}"
+            return
+        assert abs(ref.logprobs[step][a].logprob - got.logprobs[step][a].logprob) < near_tie, f"step {step}"
+
+
+def assert_first_step_near(ref, got, near_tie: float = 0.1, kl_bound: float = 0.05) -> None:
+    """One-token outputs with top logprobs (``CompletionOutput``) of a reference and an engine
+    whose K/V is perturbed (an 8-bit cache): the same token unless the reference's top two were
+    within ``near_tie``, and the KL over the tokens both list below ``kl_bound``."""
+    import math
+
+    if ref.token_ids != got.token_ids:
+        top = sorted(p.logprob for p in ref.logprobs[0].values())[-2:]
+        assert top[1] - top[0] < near_tie
+    ref, got = ref.logprobs[0], got.logprobs[0]
+    shared = ref.keys() & got.keys()
+    assert len(shared) >= 15
+    assert abs(sum(math.exp(ref[t].logprob) * (ref[t].logprob - got[t].logprob) for t in shared)) < kl_bound
