@@ -71,7 +71,7 @@ def paged_attention(
     q = q.to(dtype)
     write_kv(k, v, k_cache, v_cache, batch, window)
     if batch.prefills:
-        k, v = (kv_quant.dequantize_rows(kv_quant.quantize_rows(t, k_cache.dtype), dtype) for t in (k, v))
+        k, v = (kv_quant.as_stored(t, k_cache.dtype, dtype) for t in (k, v))
     out = attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
     return kv_quant.rotate(out.float(), inverse=True, invariant=invariant).to(dtype)
 
@@ -175,7 +175,7 @@ def _prefill_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
             if flash:  # the cached keys read where they lie, through the table (8-bit rows dequantized as packed)
                 ks, vs, table = k_cache, v_cache, blocks
             else:
-                ks, vs = (_read_blocks(cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:keys]
+                ks, vs = (kv_quant.read_blocks(cache, blocks, q.dtype).view(-1, num_kv_heads, head_dim)[:keys]
                           for cache in (k_cache, v_cache))
         qs = q[span.token_slice]
         if flash:
@@ -224,15 +224,9 @@ def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.T
     rows dequantized to ``dtype``, the queries')."""
     rows, kvh = tables.shape[0], k_cache.shape[2]
     flat = tables.reshape(-1)
-    k, v = (_read_blocks(cache, flat, dtype) for cache in (k_cache, v_cache))
+    k, v = (kv_quant.read_blocks(cache, flat, dtype) for cache in (k_cache, v_cache))
     return k.view(rows, -1, kvh, k.shape[-1]).transpose(1, 2), v.view(rows, -1, kvh, v.shape[-1]).transpose(1, 2)
 
-
-def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks ``blocks`` of a cache [blocks, block_size, KVH, D(+2)] as values [n, block_size, KVH, D]:
-    dequantized to ``dtype`` where the cache holds 8-bit rows, else as stored."""
-    rows = cache.index_select(0, blocks)
-    return kv_quant.dequantize_rows(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
 def _reduction_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -291,7 +285,7 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for g in plan.segments:
         m = g.rows.shape[0]
         if kv_quant.is_quantized(k_cache):
-            kp, vp = (_read_blocks(cache, g.blocks, qd.dtype) for cache in (k_cache, v_cache))
+            kp, vp = (kv_quant.read_blocks(cache, g.blocks, qd.dtype) for cache in (k_cache, v_cache))
         elif g.first_block is not None:
             blocks = slice(g.first_block, g.first_block + g.blocks.shape[0])
             kp, vp = k_cache[blocks], v_cache[blocks]

@@ -158,7 +158,7 @@ class LatentAttention(nn.Module):
         write_kv(rows, rows, cache, cache, batch, None)
         if not batch.prefills:  # decode rows read the cache alone
             return rows.to(latent.dtype)
-        return kv_quant.dequantize_rows(kv_quant.quantize_rows(rows, cache.dtype), latent.dtype)
+        return kv_quant.as_stored(rows, cache.dtype, latent.dtype)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                   batch: ForwardBatch, spans: set[int] | None = None, rows: torch.Tensor | None = None,

@@ -41,7 +41,7 @@ def storage_dtype(kv_cache_dtype: str) -> torch.dtype | None:
 
 def is_quantized(cache: torch.Tensor) -> bool:
     """Whether ``cache`` holds packed 8-bit rows (its dtype is a storage dtype)."""
-    return cache.dtype in LARGEST
+    return is_quantized_dtype(cache.dtype)
 
 
 def is_quantized_dtype(dtype: torch.dtype) -> bool:
@@ -118,8 +118,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     largest = LARGEST[dtype]
     xf = x.float()
     scale = (xf.abs().amax(-1, keepdim=True) / largest).half()  # the stored scale, rounded as stored
-    # times the reciprocal, not divided: Inductor rewrites a division so, and the codes a compiled
-    # step writes must be the eager path's
+    # times the reciprocal, not divided, as kernels/kv_write.cpp computes it: the codes are its bits
     divisor = scale.float()
     scaled = xf * torch.where(divisor > 0, 1.0 / divisor.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     if dtype == torch.int8:
@@ -138,6 +137,14 @@ def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (codes * scale).to(dtype)
 
 
-def read_rows(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A cache's rows as values of ``dtype``: dequantized where the cache is packed, else as they are."""
+def as_stored(rows: torch.Tensor, storage: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [..., D] as a cache of ``storage`` holds them once written, read back as ``dtype``
+    (what a prefill's attention over its own new rows reads: the same values as the cached ones)."""
+    return dequantize_rows(quantize_rows(rows, storage), dtype)
+
+
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``blocks`` of a cache [blocks, block_size, KVH, D(+2)] as values [n, block_size, KVH, D]:
+    dequantized to ``dtype`` where the cache holds 8-bit rows, else as stored."""
+    rows = cache.index_select(0, blocks)
     return dequantize_rows(rows, dtype) if is_quantized(cache) else rows

@@ -77,8 +77,8 @@ def up_projected_attention(attn: LatentAttention, q_nope: torch.Tensor, q_pe: to
     if span.start_pos == 0:
         context = latent[:, 0]
     else:
-        blocks = cache.index_select(0, span.block_table)
-        context = kv_quant.read_rows(cache, blocks, latent.dtype).view(-1, attn.latent_dim)[:span.context_len]
+        context = kv_quant.read_blocks(cache, span.block_table, latent.dtype).view(-1, attn.latent_dim)
+        context = context[:span.context_len]
     if kv_quant.is_quantized(cache):
         context = attn.unrotated(context)
     keys, heads = context.shape[0], attn.num_heads

@@ -92,17 +92,24 @@ def test_a_long_latent_context_splits_into_runs_that_merge_exactly():
     assert (one[1] - split[1]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_invariant_latent_rows_keep_their_bits(dtype):
-    """Fixed runs (``run_blocks``, the batch-invariant mode): each row alone on one thread and all
-    rows together on two give the same bits, equal to float64 attention."""
-    q, cache, tables, lens, _ = _latent_inputs((16, 576, 512, [300, 5, 520, 64, 129], None, 16), dtype, seed=3)
+def assert_rows_keep_their_bits(q, cache, tables, lens):
+    """Fixed runs of 4 blocks over a latent cache: each row alone on one thread gives the bits of
+    all rows together on two. Returns (out, lse) of all rows together."""
     call = lambda idx: kernel.decode_attention(q[idx], cache, cache, tables[idx], lens[idx], 0.05,  # noqa: E731
                                                run_blocks=4, v_dim=512)
     together = with_threads(2, lambda: call(slice(None)))
     for b in range(q.shape[0]):
         alone = with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
         assert torch.equal(alone[0][0], together[0][b]) and torch.equal(alone[1][0], together[1][b])
+    return together
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_latent_rows_keep_their_bits(dtype):
+    """Fixed runs (``run_blocks``, the batch-invariant mode): each row alone on one thread and all
+    rows together on two give the same bits, equal to float64 attention."""
+    q, cache, tables, lens, _ = _latent_inputs((16, 576, 512, [300, 5, 520, 64, 129], None, 16), dtype, seed=3)
+    together = assert_rows_keep_their_bits(q, cache, tables, lens)
     ref, _ = _reference(q, cache, cache, tables, lens, None, 0.05, 0)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     assert (together[0].double() - ref[..., :512]).abs().max().item() < tol

@@ -18,6 +18,7 @@ from hyprefix.hardware import device_caps
 from hyprefix.kernels import decode_attention as kernel
 from hyprefix.models import kv_quant
 from tests.kernels.test_decode_attention import _reference
+from tests.kernels.test_decode_attention_latent import assert_rows_keep_their_bits
 from tests.support.compare import with_threads
 
 pytestmark = pytest.mark.skipif(not device_caps("cpu").paged_decode(torch.float32),
@@ -117,9 +118,4 @@ def test_batch_invariant_packed_latent_rows_keep_their_bits(fmt):
     """Fixed runs (the batch-invariant mode): each row alone on one thread and all rows together
     on two give the same bits."""
     q, cache, tables, lens, _ = _packed_latent(CASES[7], fmt, torch.bfloat16, seed=3)
-    call = lambda idx: kernel.decode_attention(q[idx], cache, cache, tables[idx], lens[idx], 0.05,  # noqa: E731
-                                               run_blocks=4, v_dim=512)
-    together = with_threads(2, lambda: call(slice(None)))
-    for b in range(q.shape[0]):
-        alone = with_threads(1, lambda: call(slice(b, b + 1)))  # noqa: B023
-        assert torch.equal(alone[0][0], together[0][b]) and torch.equal(alone[1][0], together[1][b])
+    assert_rows_keep_their_bits(q, cache, tables, lens)
