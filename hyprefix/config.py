@@ -7,6 +7,8 @@ import warnings
 from dataclasses import InitVar, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from hyprefix.sampling import MAX_PRIORITY, MIN_PRIORITY
+
 if TYPE_CHECKING:
     from hyprefix.kv_events import KVEventsConfig
     from hyprefix.speculative import SpeculativeConfig
@@ -62,10 +64,14 @@ class EngineArgs:
         "that has waited --scheduling-max-wait-s goes before them. Only priority takes a non-zero request "
         "priority (a 400 otherwise); priority and cache-aware share slots between tenants (API key or "
         "cache_salt) among equals"), "choices": SCHEDULING_POLICIES})
-    scheduling_max_wait_s: float = field(default=3.0, metadata={"help": (
-        "cache-aware: seconds a request may wait before it goes ahead of every request preferred for its "
-        "cached prefix, so none waits more than about this beyond its first-come-first-served turn "
+    scheduling_max_wait_s: float | None = field(default=None, metadata={"help": (
+        "aging bound, seconds: under cache-aware a request that has waited this long goes ahead of every "
+        "request preferred for its cached prefix (default 3), under priority it is promoted above every "
+        "priority (default 60), so none waits more than about this beyond its first-come-first-served turn "
         "(0: first come first served)")})
+    highest_request_priority: int | None = field(default=None, metadata={"help": (
+        "priority: the most urgent priority (the lowest value) a request may have; one asking for a lower "
+        "value gets this one, and the response's priority field says what was granted (default: any)")})
     # cache/retention.py; docs/architecture.md "Retention".
     max_retention_s: float = field(default=3600.0, metadata={"help": (
         "longest a finished request's prefix is kept for it (its cache_control ttl, SamplingParams.cache_ttl_s); "
@@ -203,10 +209,16 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if not isinstance(self.scheduling_max_wait_s, int | float) or isinstance(self.scheduling_max_wait_s, bool) \
-                or not 0 <= self.scheduling_max_wait_s < float("inf"):
-            raise ValueError(f"scheduling_max_wait_s must be a number of seconds >= 0, got "
-                             f"{self.scheduling_max_wait_s!r}")
+        wait = self.scheduling_max_wait_s
+        if wait is not None and (not isinstance(wait, int | float) or isinstance(wait, bool)
+                                 or not 0 <= wait < float("inf")):
+            raise ValueError(f"scheduling_max_wait_s must be a number of seconds >= 0, got {wait!r}")
+        highest = self.highest_request_priority
+        if highest is not None and (type(highest) is not int or not MIN_PRIORITY <= highest <= MAX_PRIORITY):
+            raise ValueError(f"highest_request_priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], "
+                             f"got {highest!r}")
+        if highest is not None and self.scheduling_policy != "priority":
+            raise ValueError("highest_request_priority needs scheduling_policy='priority'")
         for name in ("max_retention_s", "tool_call_retention_s", "retention_budget_fraction",
                      "retention_tenant_fraction"):
             value = getattr(self, name)

@@ -17,6 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hyprefix.config import EngineArgs
 from hyprefix.engine_config import EngineConfig
@@ -30,7 +31,7 @@ from hyprefix.output_processor import OutputProcessor
 from hyprefix.outputs import RequestOutput
 from hyprefix.request import Request
 from hyprefix.sampling import SamplingParams
-from hyprefix.scheduling_policy import check_priority
+from hyprefix.scheduling_policy import check_priority, grant_priority
 from hyprefix.structured.grammar import GrammarCompiler
 from hyprefix.text import ChatPrompt
 from hyprefix.weight_updates import Weights, WeightUpdater
@@ -159,6 +160,9 @@ class Engine:
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
             check_priority(self.config.scheduler.policy, params.priority)
+            granted = grant_priority(params.priority, self.config.scheduler.highest_priority)
+            if granted != params.priority:  # capped (--highest-request-priority): the server's response says so
+                params = replace(params, priority=granted)
             child_ids = sample_ids(request_id, params.n)
             if self.outputs.knows(request_id) or request_id in taken:
                 raise RequestError(f"request id {request_id!r} is already in use")

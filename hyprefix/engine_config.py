@@ -110,6 +110,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                       speculative=args.speculative_config, policy=args.scheduling_policy,
                                       max_wait_s=args.scheduling_max_wait_s,
+                                      highest_priority=args.highest_request_priority,
                                       retention=RetentionConfig(args.max_retention_s, args.retention_budget_fraction,
                                                                 args.retention_tenant_fraction)),
             runner=RunnerConfig(args.device, not args.enforce_eager, args.batch_invariant, args.seed,

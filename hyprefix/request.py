@@ -55,6 +55,9 @@ class Request:
     num_new_tokens: int = 0  # tokens the last step appended (more than one after accepted drafts)
     # What the retention of its prefix got when it finished (``params.cache_ttl_s``; cache/retention.py)
     retention: RetentionGrant | None = None
+    # Promoted by the priority policy's aging (scheduling_policy.py): it waited the bound, and
+    # from then on ranks before every priority, waiting or running
+    aged: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -9,7 +9,8 @@ policy (``scheduling_policy.py``, ``--scheduling-policy``): by default FCFS with
 in that order; ``cache-aware`` admits the requests with the most cached tokens first, but a
 request that has waited ``SchedulerConfig.max_wait_s`` (``--scheduling-max-wait-s``, default
 3 s) goes before every one that has not, so none waits more than about that bound beyond
-its FCFS turn. Long prompts are prefilled in chunks that fit the budget. When the KV pool
+its FCFS turn (under ``priority`` such a request is promoted above every priority; default
+60 s). Long prompts are prefilled in chunks that fit the budget. When the KV pool
 runs out, the last running request (the newest; under ``priority`` the lowest priority) is
 preempted: its blocks are freed and it is recomputed later (prompt plus the tokens it
 already generated), so nothing crashes. When every slot is taken and a group waits with
@@ -49,7 +50,7 @@ from hyprefix.cache.coordinator import DISK_WAIT, CacheCoordinator, StateOp
 from hyprefix.cache.retention import RetentionConfig
 from hyprefix.outputs import RetentionGrant, ScheduledSeq, SchedulerOutput
 from hyprefix.request import Request, Status
-from hyprefix.scheduling_policy import DEFAULT_MAX_WAIT_S, FCFS, make_policy
+from hyprefix.scheduling_policy import FCFS, make_policy
 from hyprefix.speculative import DraftState, NgramIndex, SpecStats, SpeculativeConfig
 from hyprefix.wait_queue import WaitQueue
 
@@ -70,8 +71,11 @@ class SchedulerConfig:
     drafts_within_block: bool = False
     # scheduling_policy.py: "fcfs", "priority" or "cache-aware" (vLLM's SchedulerConfig.policy)
     policy: str = FCFS
-    # cache-aware: a request that has waited this many seconds goes before every cache-preferred one
-    max_wait_s: float = DEFAULT_MAX_WAIT_S
+    # the aging bound: a request that has waited this many seconds goes before every cache-preferred
+    # one (cache-aware) or every priority (priority); None: the policy's default
+    max_wait_s: float | None = None
+    # priority: the most urgent priority a request gets (``grant_priority``); None: any
+    highest_priority: int | None = None
     # finished requests' prefixes kept a while (``SamplingParams.cache_ttl_s``; cache/retention.py)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
 

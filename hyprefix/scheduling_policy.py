@@ -7,8 +7,14 @@ preempts first (plain data, no torch). ``--scheduling-policy`` takes vLLM's and 
   served earlier). Waiting requests are admitted in (priority, arrival) order, and running
   requests are kept in that order, so when the KV pool runs out the request preempted is the
   lowest-priority one (the largest value; the latest arrival among equals) and the highest
-  ones get the step's budget first. No aging, as in vLLM: a stream of higher-priority requests
-  keeps lower ones waiting.
+  ones get the step's budget first. With aging (vLLM has none, so there a stream of
+  higher-priority requests keeps lower ones waiting indefinitely): a request that has waited
+  ``max_wait_s`` (``--scheduling-max-wait-s``, default ``DEFAULT_PRIORITY_MAX_WAIT_S``) since it
+  arrived is promoted for good (``Request.aged``): it ranks above every priority, first come
+  first served among the promoted, both waiting and running (so it is not the next preemption
+  victim either). ``highest_priority`` (``--highest-request-priority``) caps what a request
+  may claim: a lower value is granted as that one (``grant_priority``), and the server's
+  response says what was granted.
 - ``cache-aware``: the waiting requests admission looks at are ranked by how many of their
   tokens the cache holds now (``CacheCoordinator.cached_tokens``: nothing allocated, no LRU
   moved), most first (SGLang's longest-prefix-match), with aging: a request that has waited
@@ -43,12 +49,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from hyprefix.errors import RequestError
 from hyprefix.request import Request
+from hyprefix.sampling import MIN_PRIORITY
 from hyprefix.wait_queue import WaitQueue
 
 FCFS, PRIORITY, CACHE_AWARE = "fcfs", "priority", "cache-aware"
 POLICIES = (FCFS, PRIORITY, CACHE_AWARE)
 # cache-aware: seconds a request waits before it goes ahead of every cache-preferred one
 DEFAULT_MAX_WAIT_S = 3.0
+# priority: seconds a request waits before it is promoted above every priority (longer than
+# cache-aware's: a priority is a promise to the client, a cache preference only a speed-up)
+DEFAULT_PRIORITY_MAX_WAIT_S = 60.0
+AGED_RANK = MIN_PRIORITY - 1  # the rank of a promoted request: before every priority
 
 FairKey = tuple[str, str]  # ("tenant", name) or ("group", group id)
 
@@ -58,6 +69,22 @@ def check_priority(policy: str, priority: int) -> None:
     if priority != 0 and policy != PRIORITY:
         raise RequestError(f"priority {priority} needs --scheduling-policy priority (this engine's policy is "
                            f"{policy}): send 0 or leave it out", param="priority")
+
+
+def default_max_wait_s(policy: str) -> float:
+    """``--scheduling-max-wait-s``'s default under ``policy``."""
+    return DEFAULT_PRIORITY_MAX_WAIT_S if policy == PRIORITY else DEFAULT_MAX_WAIT_S
+
+
+def grant_priority(priority: int, highest: int | None) -> int:
+    """The priority a request asking for ``priority`` gets: at most as urgent as ``highest``
+    (the lowest value allowed; None: any)."""
+    return priority if highest is None else max(priority, highest)
+
+
+def priority_rank(request: Request) -> int:
+    """Where the priority policy ranks a request: its priority, or before all once aged."""
+    return AGED_RANK if request.aged else request.priority
 
 
 def fair_key(request: Request) -> FairKey:
@@ -93,43 +120,73 @@ def fair_turns(requests: Sequence[Request], running: Mapping[FairKey, int]) -> l
 
 
 class PriorityWaitQueue(WaitQueue):
-    """The waiting requests in (priority, arrival) order as well as by group (the groups'
-    queues keep membership, the groups' heads the fairness preemption reads, and plain
-    iteration). Adding or removing is a binary search and a list insertion or deletion;
-    nothing compares requests (every entry's key ends with a number of its own)."""
+    """The waiting requests in (rank, arrival) order (``priority_rank``) as well as by group
+    (the groups' queues keep membership, the groups' heads the fairness preemption reads, and
+    plain iteration), and the ones not yet aged in arrival order (``promote`` takes a prefix
+    of it). Adding or removing is a binary search and a list insertion or deletion; nothing
+    compares requests (every entry's key ends with a number of its own)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._order: list[tuple[int, float, int, Request]] = []
         self._places: dict[str, tuple[int, float, int]] = {}  # request id -> its key in ``_order``
+        self._young: list[tuple[float, int, Request]] = []  # not aged, by (arrival, seq)
         self._seq = itertools.count()
 
     def _add(self, request: Request) -> None:
         super()._add(request)
-        place = (request.priority, request.arrival_time, next(self._seq))
+        seq = next(self._seq)
+        self._insert(request, seq)
+        if not request.aged:
+            bisect.insort(self._young, (request.arrival_time, seq, request))
+
+    def _insert(self, request: Request, seq: int) -> None:
+        place = (priority_rank(request), request.arrival_time, seq)
         self._places[request.request_id] = place
         bisect.insort(self._order, (*place, request))
 
-    def remove(self, request: Request) -> None:
-        super().remove(request)
+    def _delete(self, request: Request) -> tuple[int, float, int]:
         place = self._places.pop(request.request_id)
         del self._order[bisect.bisect_left(self._order, place)]  # (p, t, s) sorts just before (p, t, s, request)
+        return place
+
+    def remove(self, request: Request) -> None:
+        super().remove(request)
+        place = self._delete(request)
+        if not request.aged:
+            del self._young[bisect.bisect_left(self._young, place[1:])]
+
+    def promote(self, arrived_by: float) -> None:
+        """Age every waiting request that arrived at or before ``arrived_by``: it ranks first
+        from now on (``Request.aged`` stays set when it runs or is preempted)."""
+        end = bisect.bisect_right(self._young, (arrived_by, float("inf")))
+        for _, seq, request in self._young[:end]:
+            self._delete(request)
+            request.aged = True
+            self._insert(request, seq)
+        del self._young[:end]
 
     def by_priority(self, running: Mapping[FairKey, int], limit: int) -> Iterator[Request]:
-        """The first ``limit`` waiting requests by (priority, arrival), each priority's in
-        tenants' turns (``fair_turns``). Do not change the queue while iterating."""
+        """The first ``limit`` waiting requests by (rank, arrival), each rank's in tenants'
+        turns (``fair_turns``; the aged ones first come first served). Do not change the queue
+        while iterating."""
         order, end, start = self._order, min(limit, len(self._order)), 0
         while start < end:
             stop = start
             while stop < end and order[stop][0] == order[start][0]:
                 stop += 1
-            yield from fair_turns([entry[3] for entry in order[start:stop]], running)
+            block = [entry[3] for entry in order[start:stop]]
+            yield from block if order[start][0] == AGED_RANK else fair_turns(block, running)
             start = stop
 
     def check_invariants(self) -> None:
         assert len(self._order) == len(self._places) == len(self), "priority order out of sync"
         assert all(self._places[entry[3].request_id] == entry[:3] for entry in self._order)
         assert all(a[:3] < b[:3] for a, b in itertools.pairwise(self._order)), "priority order unsorted"
+        assert all(self._places[request.request_id][1:] == (arrival, seq) and not request.aged
+                   for arrival, seq, request in self._young), "young requests out of sync"
+        assert all(a[:2] < b[:2] for a, b in itertools.pairwise(self._young)), "young requests unsorted"
+        assert len(self._young) == sum(not entry[3].aged for entry in self._order), "young requests out of sync"
 
 
 class Fcfs:
@@ -163,9 +220,12 @@ class Fcfs:
 class Priority(Fcfs):
     name = PRIORITY
 
+    def __init__(self, max_wait_s: float = DEFAULT_PRIORITY_MAX_WAIT_S) -> None:
+        self.max_wait_s = max_wait_s
+
     @staticmethod
     def running_key(request: Request) -> tuple:
-        return request.priority, request.arrival_time
+        return priority_rank(request), request.arrival_time
 
     def new_queue(self) -> WaitQueue:
         return PriorityWaitQueue()
@@ -173,10 +233,13 @@ class Priority(Fcfs):
     def admission_order(self, waiting: WaitQueue, running: Sequence[Request], running_in_group: Counter[str],
                         scan: int, now: float, cached_tokens: Callable[[Request], int]) -> Iterator[Request]:
         assert isinstance(waiting, PriorityWaitQueue)
+        waiting.promote(now - self.max_wait_s)
         return waiting.by_priority(running_by_tenant(running), scan)
 
     def may_displace(self, head: Request, victim: Request, now: float) -> bool:
-        return head.priority <= victim.priority
+        # equal ranks: the head's tenant runs nothing, so fair turns put it before the victim
+        aged = head.aged or now - head.arrival_time >= self.max_wait_s
+        return (AGED_RANK if aged else head.priority) <= priority_rank(victim)
 
     def check_invariants(self, waiting: WaitQueue, running: Sequence[Request]) -> None:
         super().check_invariants(waiting, running)
@@ -216,11 +279,13 @@ class CacheAware(Fcfs):
         return self.aged(head, now)
 
 
-def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Fcfs:
+def make_policy(name: str, max_wait_s: float | None = None) -> Fcfs:
+    """``max_wait_s``: the aging bound (None: the policy's default)."""
+    wait = default_max_wait_s(name) if max_wait_s is None else max_wait_s
     if name == FCFS:
         return Fcfs()
     if name == PRIORITY:
-        return Priority()
+        return Priority(wait)
     if name == CACHE_AWARE:
-        return CacheAware(max_wait_s)
+        return CacheAware(wait)
     raise ValueError(f"scheduling policy must be one of {POLICIES}, got {name!r}")

@@ -74,6 +74,7 @@ class CompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     cache_retention: CacheRetention | None = None  # where a retention was asked (cache_control)
+    priority: int | None = None  # the priority granted, where the request sent one (--highest-request-priority)
 
 
 class AssistantMessage(BaseModel):
@@ -117,6 +118,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered conversation's ids
     cache_retention: CacheRetention | None = None  # where a retention was asked or tool calls were kept
+    priority: int | None = None  # the priority granted, where the request sent one (--highest-request-priority)
 
 
 class TokenizeResponse(BaseModel):

@@ -23,7 +23,7 @@ from hyprefix.engine import Engine
 from hyprefix.errors import RequestError
 from hyprefix.outputs import RequestOutput, RetentionGrant
 from hyprefix.sampling import SamplingParams
-from hyprefix.scheduling_policy import check_priority
+from hyprefix.scheduling_policy import check_priority, grant_priority
 from hyprefix.server.chat_output import ChatOptions, ChatOutputRules, ChatStreamer, final_message
 from hyprefix.server.limits import ServerLimits
 from hyprefix.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -73,6 +73,7 @@ class _Call:
     include_usage: bool
     return_token_ids: bool = False
     logprobs: int | None = None  # top logprobs per token where the request asked
+    priority: int | None = None  # the priority granted, where the request sent one (--highest-request-priority)
 
     def __post_init__(self) -> None:
         self._index = {engine_id: i for i, engine_id in enumerate(self.engine_ids)}
@@ -164,9 +165,10 @@ class OpenAIServing:
         return model
 
     async def _start(self, req: _SamplingRequest, request_id: str, engine_ids: list[str], model: str,
-                     add: Callable[[Engine], list[tuple[str | None, list[int]]]], prompt_param: str) -> _Call:
+                     add: Callable[[Engine], list[tuple[str | None, list[int]]]], prompt_param: str,
+                     granted: list[int]) -> _Call:
         """Add the call's engine requests in one engine-thread command; ``add`` answers each
-        prompt's (text or None, token ids)."""
+        prompt's (text or None, token ids) and appends the priority granted to ``granted``."""
         stream = self.async_engine.open_stream()
         try:
             added = await self.async_engine.add(stream, engine_ids, add)
@@ -178,7 +180,8 @@ class OpenAIServing:
             raise error from exc
         call = _Call(request_id, model, int(time.time()), req.choices, stream, engine_ids,
                      [text for text, _ in added], [ids for _, ids in added], req.include_usage,
-                     bool(req.return_token_ids), req.logprobs_wanted())
+                     bool(req.return_token_ids), req.logprobs_wanted(),
+                     granted[-1] if req.priority is not None and granted else None)
         self._calls[request_id] = call
         return call
 
@@ -205,10 +208,12 @@ class OpenAIServing:
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
+        granted: list[int] = []  # the priority granted (``add`` runs on the engine thread)
+
         def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             # add_requests checks every prompt before it adds any: a bad one leaves nothing behind.
             params = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs())
-            check_priority(engine.args.scheduling_policy, params.priority)
+            granted.append(checked_priority(engine, params))
             salt = engine_salt(req.cache_salt, tenant)
             added = engine.add_requests(
                 [(engine_id, {"prompt" if isinstance(p, str) else "prompt_token_ids": p, "cache_salt": salt}, params)
@@ -216,7 +221,7 @@ class OpenAIServing:
                 arrival_time=arrival, group=request_id, max_total_tokens=self.limits.max_request_tokens)
             return [(engine.tokenizer.decode(ids) if req.echo and text is None else text, ids) for text, ids in added]
 
-        call = await self._start(req, request_id, engine_ids, model, add, "prompt")
+        call = await self._start(req, request_id, engine_ids, model, add, "prompt", granted)
         if req.stream:
             return finalize_on_gc(self._stream_completion(call, bool(req.echo)), call.stream.close)
         outs, usage = await self._collect(call)
@@ -238,7 +243,8 @@ class OpenAIServing:
                                                 else None,
                                                 prompt_logprobs=prompt_logprobs(out.prompt_logprobs)))
         return CompletionResponse(id=call.request_id, created=call.created, model=model, choices=choices, usage=usage,
-                                  cache_retention=cache_retention([c.retention for o in outs for c in o.outputs]))
+                                  cache_retention=cache_retention([c.retention for o in outs for c in o.outputs]),
+                                  priority=call.priority)
 
     async def _stream_completion(self, call: _Call, echo: bool) -> AsyncIterator[str]:
         args = (call.request_id, call.created, call.model)
@@ -252,8 +258,9 @@ class OpenAIServing:
             if call.return_token_ids and index not in prompt_sent:
                 prompt_sent.add(index)
                 prompt_ids = call.prompt_ids[index // call.n]
-            return completion_chunk(*args, index, text, finish_reason, token_ids, formatted, stop_reason, prompt_ids,
-                                    _retention_dict(cache_retention([retention])))
+            return _granted(call, finish_reason, completion_chunk(
+                *args, index, text, finish_reason, token_ids, formatted, stop_reason, prompt_ids,
+                _retention_dict(cache_retention([retention]))))
 
         try:
             if echo:
@@ -277,6 +284,8 @@ class OpenAIServing:
         # --tool-call-retention-s: kept from the finish, let go unless the turn ends in tool calls
         provisional = req.cache_control is None and rules.tool_mode != "none"
 
+        granted: list[int] = []  # the priority granted (``add`` runs on the engine thread)
+
         def add(engine: Engine) -> list[tuple[str | None, list[int]]]:
             ids = engine.encode_chat(chat)
             room = min(engine.max_model_len, engine.max_pool_tokens)
@@ -285,7 +294,7 @@ class OpenAIServing:
             if provisional and engine.args.tool_call_retention_s > 0:
                 kwargs["cache_ttl_s"] = engine.args.tool_call_retention_s
             params = SamplingParams(max_tokens=req.max_new_tokens(len(ids), room), **kwargs)
-            check_priority(engine.args.scheduling_policy, params.priority)
+            granted.append(checked_priority(engine, params))
             prompt = {"prompt_token_ids": ids, "cache_salt": engine_salt(req.cache_salt, tenant)}
             ((_, fed),) = engine.add_requests([(request_id, prompt, params)], arrival_time=arrival,
                                               max_total_tokens=self.limits.max_request_tokens)
@@ -295,7 +304,7 @@ class OpenAIServing:
         # assistant's own (continue_final_message)
         last = chat.messages[-1]
         echo = last["content"] if req.echo and last["role"] == "assistant" else ""
-        call = await self._start(req, request_id, [request_id], model, add, "messages")
+        call = await self._start(req, request_id, [request_id], model, add, "messages", granted)
         if req.stream:
             return finalize_on_gc(self._stream_chat(call, echo, rules, provisional), call.stream.close)
         (out,), usage = await self._collect(call)
@@ -315,7 +324,8 @@ class OpenAIServing:
             id=call.request_id, created=call.created, model=model, choices=choices, usage=usage,
             prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
             prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
-            cache_retention=cache_retention([c.retention for c in out.outputs if c.index not in dropped]))
+            cache_retention=cache_retention([c.retention for c in out.outputs if c.index not in dropped]),
+            priority=call.priority)
 
     async def _release_retention(self, call: _Call, samples: list[int]) -> None:
         """End the retentions of these choices (the server's, for a turn without tool calls)."""
@@ -355,8 +365,9 @@ class OpenAIServing:
             if provisional and retention is not None and not (streamer.called_tools and finish_reason == "stop"):
                 self._release_soon(call, [index])  # the server keeps only a turn that ends in tool calls
                 retention = None
-            return chat_chunk(*args, index, delta, streamer.finish_reason(finish_reason), formatted, stop_reason,
-                              token_ids, retention=_retention_dict(cache_retention([retention])))
+            return _granted(call, finish_reason, chat_chunk(
+                *args, index, delta, streamer.finish_reason(finish_reason), formatted, stop_reason, token_ids,
+                retention=_retention_dict(cache_retention([retention]))))
 
         try:
             prompt_ids = call.prompt_ids[0] if call.return_token_ids else None
@@ -424,6 +435,19 @@ def cache_retention(grants: list[RetentionGrant | None]) -> CacheRetention | Non
 
 def _retention_dict(retention: CacheRetention | None) -> dict[str, Any] | None:
     return None if retention is None else retention.model_dump()
+
+
+def _granted(call: _Call, finish_reason: str | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    """A choice's final chunk carries the priority granted, where the request sent one."""
+    if finish_reason is not None and call.priority is not None:
+        chunk["priority"] = call.priority
+    return chunk
+
+
+def checked_priority(engine: Engine, params: SamplingParams) -> int:
+    """The priority ``params`` will get (``grant_priority``); a 400 where the policy takes none."""
+    check_priority(engine.args.scheduling_policy, params.priority)
+    return grant_priority(params.priority, engine.args.highest_request_priority)
 
 
 def engine_salt(cache_salt: str | None, tenant: str | None) -> str | None:

@@ -18,9 +18,13 @@ from hyprefix.server import build_app
 MODEL = "demo"
 
 
+HIGHEST = -3  # the priority server's --highest-request-priority
+
+
 def _llm(policy: str) -> LLM:
+    cap = {"highest_request_priority": HIGHEST} if policy == "priority" else {}
     return LLM(str(demo_model_path("dense")), num_kv_blocks=64, max_num_seqs=1, enforce_eager=True,
-               log_stats_interval=0, scheduling_policy=policy)
+               log_stats_interval=0, scheduling_policy=policy, **cap)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,25 @@ def test_priority_is_honoured_under_the_priority_policy_and_a_400_under_fcfs(ser
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert error["param"] == "priority" and "scheduling-policy priority" in error["message"]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_priority_above_the_highest_allowed_is_capped_and_the_response_says_so(servers, endpoint):
+    llm, http, _, _ = servers
+    if endpoint == "completions":  # the engine queues what it granted
+        llm.engine.add_requests([("capped", [5, 6, 7], SamplingParams(max_tokens=1, priority=-9))])
+        assert llm.engine.scheduler.requests["capped"].priority == HIGHEST
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    for asked, granted in ((-9, HIGHEST), (HIGHEST, HIGHEST), (4, 4), (None, None)):
+        body = _post(http, endpoint, priority=asked).json()
+        assert body.get("priority") == granted, (asked, body)
+        chunks = [line for line in _post(http, endpoint, priority=asked, stream=True).text.splitlines()
+                  if line.startswith("data: {")]
+        finals = [c for c in chunks if '"finish_reason":"' in c.replace(" ", "")]
+        assert finals and all((f'"priority":{granted}' in c.replace(" ", "")) == (granted is not None)
+                              for c in finals), (asked, finals)
+        assert not any('"priority"' in c for c in chunks if c not in finals)
 
 
 @pytest.mark.parametrize("bad", ["high", 1.5, True, 2**31, -(2**31) - 1, [1]])

@@ -21,14 +21,15 @@ from hyprefix.scheduler import Scheduler, SchedulerConfig
 def make_scheduler(num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool = True,
                    model_identity: str = "test-model", checkpoints: int | None = None,
                    attention: bool = True, window: int | None = None, window_blocks: int = 0,
-                   events: EventLog | None = None, policy: str = "fcfs", max_wait_s: float = 3.0,
+                   events: EventLog | None = None, policy: str = "fcfs", max_wait_s: float | None = None,
                    clock: Callable[[], float] = time.time, retention: RetentionConfig | None = None) -> Scheduler:
     """A dense model by default; ``checkpoints``: add a recurrent state with that many
     checkpoint slots (a hybrid, or a pure recurrent model with ``attention=False``);
     ``window``: add sliding-window layers with a pool of ``window_blocks`` of their own;
     ``events``: the cache announces its changes there; ``policy``, ``max_wait_s``: the
-    scheduling policy (``scheduling_policy.py``); ``clock``: the scheduler's time; ``retention``:
-    the limits of finished requests' retentions (``cache/retention.py``)."""
+    scheduling policy and its aging bound (``scheduling_policy.py``; None: the policy's
+    default); ``clock``: the scheduler's time; ``retention``: the limits of finished requests'
+    retentions (``cache/retention.py``)."""
     cache = build_cache(num_blocks, block_size, caching, model_identity, events, max_seqs, attention=attention,
                         window=window, window_blocks=window_blocks, checkpoints=checkpoints)
     return Scheduler(SchedulerConfig(budget, max_seqs, policy=policy, max_wait_s=max_wait_s,

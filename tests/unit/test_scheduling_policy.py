@@ -1,7 +1,8 @@
 """The scheduling policies (``scheduling_policy.py``) on plain data, no model: priority order and
-ties, the priority preemption victim, priority refused outside the priority policy, cache-aware
-admission preferring hits, its aging bound under an injected clock, fair shares between tenants,
-no starvation under a stream of hot requests, and the scan limit."""
+ties, the priority preemption victim, priority refused outside the priority policy and capped by
+``--highest-request-priority``, cache-aware admission preferring hits, both policies' aging bound
+under an injected clock, fair shares between tenants, no starvation under a stream of hot or
+urgent requests, and the scan limit."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from hyprefix.errors import RequestError
 from hyprefix.request import Request, Status
 from hyprefix.sampling import MAX_PRIORITY, MIN_PRIORITY, SamplingParams
 from hyprefix.scheduler import SCAN_MIN, SCAN_PER_SEQ, Scheduler, SchedulerConfig
-from hyprefix.scheduling_policy import DEFAULT_MAX_WAIT_S, POLICIES, check_priority, fair_turns
+from hyprefix.scheduling_policy import (
+    DEFAULT_MAX_WAIT_S,
+    DEFAULT_PRIORITY_MAX_WAIT_S,
+    POLICIES,
+    check_priority,
+    fair_turns,
+    grant_priority,
+)
 from hyprefix.speculative import SpeculativeConfig
 from tests.support.plain_scheduling import expected_output, kv, make_scheduler, run_to_end, step, toks
 
@@ -35,7 +43,7 @@ class Clock:
 
 
 def make(policy: str, clock: Clock | None = None, num_blocks: int = 256, budget: int = 64, max_seqs: int = 1,
-         caching: bool = True, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Scheduler:
+         caching: bool = True, max_wait_s: float | None = None) -> Scheduler:
     return make_scheduler(num_blocks, 4, budget, max_seqs, caching, policy=policy, max_wait_s=max_wait_s,
                           clock=clock or Clock())
 
@@ -85,14 +93,21 @@ def first_scheduled(s: Scheduler, max_steps: int = 500, clock: Clock | None = No
 def test_the_flags_defaults_and_validation():
     assert SCHEDULING_POLICIES == POLICIES == ("fcfs", "priority", "cache-aware")
     args = EngineArgs()
-    assert args.scheduling_policy == "fcfs" and args.scheduling_max_wait_s == DEFAULT_MAX_WAIT_S
-    assert SchedulerConfig(1, 1).policy == "fcfs" and SchedulerConfig(1, 1).max_wait_s == DEFAULT_MAX_WAIT_S
+    assert args.scheduling_policy == "fcfs" and args.scheduling_max_wait_s is None
+    assert args.highest_request_priority is None
+    assert SchedulerConfig(1, 1).policy == "fcfs" and SchedulerConfig(1, 1).max_wait_s is None
+    assert make("cache-aware").policy.max_wait_s == DEFAULT_MAX_WAIT_S == 3.0
+    assert make("priority").policy.max_wait_s == DEFAULT_PRIORITY_MAX_WAIT_S == 60.0
     for bad in ({"scheduling_policy": "lifo"}, {"scheduling_policy": "lpm"}, {"scheduling_max_wait_s": -1},
                 {"scheduling_max_wait_s": math.nan}, {"scheduling_max_wait_s": math.inf},
                 {"scheduling_max_wait_s": "3"}):
         with pytest.raises(ValueError, match="scheduling_"):
             EngineArgs(**bad)
     assert EngineArgs(scheduling_policy="cache-aware", scheduling_max_wait_s=0).scheduling_max_wait_s == 0
+    for bad in ({"highest_request_priority": 1.5}, {"highest_request_priority": MIN_PRIORITY - 1},
+                {"highest_request_priority": True}, {"highest_request_priority": 0, "scheduling_policy": "fcfs"}):
+        with pytest.raises(ValueError, match="highest_request_priority"):
+            EngineArgs(**{"scheduling_policy": "priority", **bad})
 
 
 def test_priority_is_refused_outside_the_priority_policy_and_checked():
@@ -189,6 +204,53 @@ def test_fairness_preemption_under_priority_only_for_a_head_of_no_lower_priority
     assert low.output_token_ids == expected_output(low)
 
 
+def test_a_priority_above_the_highest_allowed_is_capped_to_it():
+    assert [grant_priority(p, None) for p in (-5, 0, 7)] == [-5, 0, 7]
+    assert [grant_priority(p, 0) for p in (-5, 0, 7)] == [0, 0, 7]
+    assert grant_priority(MIN_PRIORITY, -3) == -3
+
+
+def test_a_steady_stream_of_urgent_requests_does_not_starve_a_low_priority_one():
+    """Aging (vLLM's priority policy has none): the low one is promoted after the bound, then
+    runs ahead of every priority; without aging it waits for the whole stream."""
+    def low_wait(max_wait_s: float) -> tuple[float, int]:
+        clock = Clock()
+        s = make("priority", clock, max_wait_s=max_wait_s, caching=False)
+        low = cold("low", clock.t, max_tokens=2, priority=9)
+        s.add_request(low)
+        stream = []
+        for i in range(40):  # one urgent request a step, each holds the one slot for 2 steps
+            stream.append(cold(f"u{i}", clock.t, max_tokens=2, priority=-1))
+            s.add_request(stream[-1])
+            step(s)
+            clock.t += 1.0
+        first_scheduled(s, clock=clock)
+        assert low.is_finished and all(r.is_finished for r in stream)
+        return low.first_scheduled_time - low.arrival_time, sum(
+            r.first_scheduled_time < low.first_scheduled_time for r in stream)
+
+    wait, urgent_before = low_wait(5.0)
+    assert urgent_before > 0 and wait <= 5.0 + 2 + 1
+    starved, _ = low_wait(1e9)
+    assert starved >= 40
+
+
+def test_an_aged_request_ranks_first_while_running_too():
+    """Once promoted it is not the next preemption victim: the lowest priority not aged is."""
+    clock = Clock()
+    s = make("priority", clock, num_blocks=4, max_seqs=3, caching=False, max_wait_s=2.0)
+    old = req("old", toks(10, 4), max_tokens=6, priority=50, arrival=0.0)
+    s.add_request(old)
+    clock.t = 2.0
+    for rid, priority in [("a", 0), ("b", 5)]:
+        s.add_request(req(rid, toks(100 * ord(rid), 4), max_tokens=6, priority=priority, arrival=2.0))
+    step(s)
+    assert old.aged and [r.request_id for r in s.running] == ["old", "a", "b"]
+    assert step(s).preempted_ids == ["b"]
+    run_to_end(s)
+    assert old.output_token_ids == expected_output(old)
+
+
 # --------------------------------------------------------------------------- cache-aware
 @pytest.mark.parametrize("policy, first", [("cache-aware", "h1"), ("fcfs", "c1")])
 def test_cache_aware_admits_the_request_with_more_cached_tokens_first(policy, first):
@@ -265,20 +327,24 @@ def test_a_steady_stream_of_hot_requests_does_not_starve_a_cold_one():
     assert starved >= 40
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("policy", ["cache-aware", "priority"])
+@settings(max_examples=30, deadline=None)
 @given(arrivals=st.lists(st.lists(st.booleans(), max_size=3), min_size=1, max_size=16),
        max_wait_s=st.sampled_from([0.0, 1.0, 3.0, 6.0]), max_tokens=st.integers(1, 3))
-def test_no_request_waits_more_than_the_bound_beyond_the_requests_before_it(arrivals, max_wait_s, max_tokens):
-    """One slot; every request holds it ``max_tokens`` steps of 1 s. Once a request has waited the
-    bound only older ones go before it, so it waits at most the bound plus one turn for each
-    request that arrived before it and one for the request running then: nothing waits forever."""
+def test_no_request_waits_more_than_the_bound_beyond_the_requests_before_it(policy, arrivals, max_wait_s,
+                                                                             max_tokens):
+    """One slot; every request holds it ``max_tokens`` steps of 1 s; hot requests are cached
+    (cache-aware) or urgent (priority -1 against 3). Once a request has waited the bound only
+    older ones go before it, so it waits at most the bound plus one turn for each request that
+    arrived before it and one for the request running then: nothing waits forever."""
     clock = Clock()
-    s = make("cache-aware", clock, max_wait_s=max_wait_s, num_blocks=512)
+    s = make(policy, clock, max_wait_s=max_wait_s, num_blocks=512)
     warm(s)
     added: list[Request] = []
     for step_arrivals in arrivals:
         for is_hot in step_arrivals:
-            r = (hot if is_hot else cold)(f"r{len(added)}", clock.t, max_tokens=max_tokens)
+            priority = (-1 if is_hot else 3) if policy == "priority" else 0
+            r = (hot if is_hot else cold)(f"r{len(added)}", clock.t, max_tokens=max_tokens, priority=priority)
             s.add_request(r)
             added.append(r)
         step(s)
