@@ -24,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # --scheduling-policy (vLLM's and SGLang's names; scheduling_policy.py)
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
+# --state-cache-eviction-policy (named after SGLang's --radix-eviction-policy; cache/checkpoint_policy.py)
+STATE_EVICTION_POLICIES = ("lru", "cost-aware")
 # deprecated EngineArgs names (keyword arguments and --flags) -> their current ones
 DEPRECATED_NAMES = {"mamba_cache_memory_gb": "state_cache_memory_gb",
                     "max_mamba_checkpoints": "max_state_checkpoints"}
@@ -98,6 +100,12 @@ class EngineArgs:
         "hybrid prefix hits (deprecated name: mamba_cache_memory_gb)")})
     max_state_checkpoints: int = field(default=4096, metadata={"help": (
         "cap on recurrent-state checkpoint slots (deprecated name: max_mamba_checkpoints)")})
+    # cache/checkpoint_policy.py; docs/hybrid.md "State: live slots and checkpoints".
+    state_cache_eviction_policy: str = field(default="lru", metadata={"help": (
+        "hybrid models: which state checkpoint goes when the pool is full (as SGLang's --radix-eviction-policy "
+        "does for KV): lru = the least recently used; cost-aware = the one with the least recency + prefill "
+        "FLOPs a hit on it saves (Marconi's utility: a long conversation's checkpoint outlives short one-off "
+        "prompts' even when older). Retained checkpoints go last under both"), "choices": STATE_EVICTION_POLICIES})
     # models/recurrent_state.py: the matrix states of live slots and checkpoints.
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"help": (
         "hybrid models: dtype of the recurrent matrix states (Mamba2's SSM state, Gated DeltaNet's delta-rule "
@@ -207,6 +215,9 @@ class EngineArgs:
             raise ValueError(f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.state_cache_eviction_policy not in STATE_EVICTION_POLICIES:
+            raise ValueError(f"state_cache_eviction_policy must be one of {STATE_EVICTION_POLICIES}, got "
+                             f"{self.state_cache_eviction_policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         wait = self.scheduling_max_wait_s
