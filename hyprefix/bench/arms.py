@@ -10,7 +10,9 @@ batch; an arm that cannot run the model is skipped. ``llama.cpp``: llama-cpp-pyt
 on the same GGUF file (it computes in the file's types: run an F32 or Q8_0 file for a like-for-like
 decode), one request at a time with this process's thread count; skipped when llama_cpp is not
 installed (``pip install llama-cpp-python``). ``server``: ``hyprefix.bench.online``.
-A round's time runs from its first request sent to its last one's end.
+A round's time runs from its first request sent to its last one's end. Timed workloads
+(``timed.py``) run on the hyprefix arms and servers only (``run_timed``). Arm names:
+``arm_names.py``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from hyprefix.bench.arm_names import (  # noqa: F401 (ARM_BASES, check_arm_names: for the bench's callers)
+    ARM_BASES,
+    arm_engine_options,
+    arm_kv_cache_dtype,
+    check_arm_names,
+    split_arm,
+)
 from hyprefix.bench.env import CpuMeter, RssPeak
 from hyprefix.bench.workloads import BenchRequest, Workload
-from hyprefix.config import DTYPES as ARM_DTYPES
 
 log = logging.getLogger("hyprefix.bench")
 
-ARM_BASES = ("hyprefix", "hyprefix-nocache", "transformers", "llama.cpp")
 COMPARE_ARM = "compare-hyprefix"  # the hyprefix arm on --compare-model
 SERVER_ARM = "server"
 # Cumulative engine counters whose change over a run is reported; gauges as at the end of a run.
@@ -36,44 +43,6 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefill_computed_token
             "decode_tokens", "num_preemptions", "sibling_waits", "hybrid_hit_tokens_lost")
 GAUGES = ("kv_blocks_total", "kv_blocks_cached", "mamba_checkpoints_used", "mamba_checkpoints_capacity",
           "mamba_checkpoint_bytes")
-
-
-def split_arm(name: str) -> tuple[str, str | None]:
-    """``"hyprefix@float32"`` -> ("hyprefix", "float32"); a bare name has no dtype of its own. The
-    suffix's parts join with "+": a dtype and, for hyprefix arms, ``kv-FORMAT`` (``arm_kv_cache_dtype``)."""
-    base, sep, suffix = name.partition("@")
-    dtype = next((part for part in suffix.split("+") if not part.startswith("kv-")), None) if sep else None
-    return base, dtype
-
-
-def arm_kv_cache_dtype(name: str) -> str | None:
-    """``"hyprefix@bfloat16+kv-int8"`` -> "int8": the arm's --kv-cache-dtype, None where it names none."""
-    _, sep, suffix = name.partition("@")
-    return next((part.removeprefix("kv-") for part in suffix.split("+") if part.startswith("kv-")), None) \
-        if sep else None
-
-
-def _suffix_ok(name: str) -> bool:
-    from hyprefix.config import KV_CACHE_DTYPES
-
-    base, sep, suffix = name.partition("@")
-    parts = suffix.split("+") if sep else []
-    dtypes = [p for p in parts if not p.startswith("kv-")]
-    kvs = [p.removeprefix("kv-") for p in parts if p.startswith("kv-")]
-    return (len(dtypes) <= 1 and all(d in ARM_DTYPES for d in dtypes) and len(kvs) <= 1
-            and all(k in KV_CACHE_DTYPES for k in kvs) and (not kvs or base.startswith("hyprefix")))
-
-
-def check_arm_names(names: Sequence[str], allowed: Sequence[str], servers: Sequence[str] = ()) -> None:
-    """``servers``: the names of the ``--url`` arms (no @DTYPE: a server runs its own)."""
-    clash = [s for s in servers if split_arm(s)[0] in ARM_BASES or servers.count(s) > 1]
-    if clash:
-        raise ValueError(f"server arm names must be distinct and differ from {', '.join(ARM_BASES)}: {clash[0]}")
-    bad = [a for a in names if a not in servers and (split_arm(a)[0] not in allowed or not _suffix_ok(a))]
-    if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"arms must be distinct names from {', '.join([*servers, *allowed])}, each but a server "
-                         f"optionally with @DTYPE ({', '.join(ARM_DTYPES)}), a hyprefix arm also with @kv-FORMAT "
-                         f"or @DTYPE+kv-FORMAT (its --kv-cache-dtype), got {','.join(names)}")
 
 
 @dataclass
@@ -88,6 +57,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens the engine or server took from its cache
     call_start: float | None = None  # transformers, one at a time: its own generate call started
     answer_ids: list[int] | None = field(default=None, repr=False)  # what the next turn appends, if not output_ids
+    retained_tokens: int | None = None  # prompt + output tokens its retention kept (None: none asked)
 
     @property
     def ttft(self) -> float | None:
@@ -105,7 +75,8 @@ class RequestRecord:
     def to_dict(self) -> dict:
         return {"tag": self.tag, "round": self.round, "prompt_len": self.prompt_len,
                 "output_len": len(self.output_ids), "ttft": self.ttft, "e2e": self.end - self.sent,
-                "tpot": self.tpot, "cached_tokens": self.cached_tokens, "ttft_own": self.ttft_own}
+                "tpot": self.tpot, "cached_tokens": self.cached_tokens, "ttft_own": self.ttft_own,
+                "retained_tokens": self.retained_tokens}
 
 
 @dataclass
@@ -195,6 +166,12 @@ class EngineArm:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.llm.get_stats())
+
+    def run_timed(self, workload: Any) -> list[RequestRecord]:
+        """A timed workload's sessions in real time (``timed.run_engine_timed``)."""
+        from hyprefix.bench.timed import run_engine_timed
+
+        return run_engine_timed(self.llm.engine, workload, self._ids)
 
     def run_round(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
         from hyprefix import SamplingParams
@@ -374,8 +351,7 @@ def _gguf_weight_bytes(path: str) -> tuple[int, int, list[str]]:
 
 def workload_kv_blocks(workload: Workload, block_size: int) -> int:
     """KV blocks for every token of every request of the workload (its largest case)."""
-    return max(sum(-(-(n + case.output_len) // block_size) for lens in case.prompt_lens() for n in lens)
-               for case in workload.cases().values())
+    return max(case.kv_blocks(block_size) for case in workload.cases().values())
 
 
 def load_arm(name: str, model: str, workload: Workload, *, dtype: str, seed: int = 0,
@@ -391,15 +367,17 @@ def load_arm(name: str, model: str, workload: Workload, *, dtype: str, seed: int
         return LlamaCppArm(name, model)
     if base not in ("hyprefix", "hyprefix-nocache", COMPARE_ARM):
         raise ValueError(f"unknown arm {name!r}")
-    kwargs = {**workload.engine_defaults(), **(engine_kwargs or {})}
+    # the arm's own options (its name's NAME=VALUE parts) over the bench's flags over the workload's needs
+    kwargs = {**workload.engine_defaults(), **(engine_kwargs or {}), **arm_engine_options(name)}
     if arm_kv_cache_dtype(name) is not None:
         kwargs["kv_cache_dtype"] = arm_kv_cache_dtype(name)
     if "kv_cache_memory_gb" not in kwargs and "num_kv_blocks" not in kwargs:
         kwargs["num_kv_blocks"] = workload_kv_blocks(workload, kwargs.get("block_size", EngineArgs.block_size))
     rounds = [(c, lens) for c in workload.cases().values() for lens in c.prompt_lens()]
-    arm = EngineArm(name, model, dtype=dtype, enable_prefix_caching=base != "hyprefix-nocache", seed=seed,
-                    max_num_seqs=max(64, *(len(lens) for _, lens in rounds)), **kwargs)
-    live = max(sum(n + c.output_len for n in lens) for c, lens in rounds)
+    kwargs.setdefault("max_num_seqs", max(64, *(len(lens) for _, lens in rounds)))
+    arm = EngineArm(name, model, dtype=dtype, enable_prefix_caching=base != "hyprefix-nocache", seed=seed, **kwargs)
+    live = max(sum(n + c.output_len for n in sorted(lens, reverse=True)[:kwargs["max_num_seqs"]])
+               for c, lens in rounds)  # the longest requests that can run at once
     if arm.llm.engine.max_pool_tokens < live:
         log.warning("%s: the KV pool holds %d tokens, less than the %d one round needs at once: expect preemptions "
                     "(raise --kv-cache-memory-gb)", name, arm.llm.engine.max_pool_tokens, live)
@@ -415,21 +393,8 @@ def run_workload(arm: Arm, workload: Workload, case: str, repeat: int, max_round
     meter.start()
     if rss is not None:
         rss.start()
-    previous: list[BenchRequest] = []
-    answers: list[list[int]] = []
-    records: list[RequestRecord] = []
-    round_seconds = []
-    for k in range(min(max_rounds or workload.num_rounds, workload.num_rounds)):
-        requests = workload.round_requests(k, previous, answers)
-        results = arm.run_round(requests)
-        for req, rec in zip(requests, results, strict=True):
-            rec.round = k
-            if len(rec.output_ids) != req.max_tokens:
-                raise RuntimeError(f"{arm.name} produced {len(rec.output_ids)} tokens for {req.tag}, not the "
-                                   f"{req.max_tokens} asked for (does it honour ignore_eos?)")
-        round_seconds.append(max(r.end for r in results) - min(r.sent for r in results))
-        records.extend(results)
-        previous, answers = requests, [r.output_ids if r.answer_ids is None else r.answer_ids for r in results]
+    records, round_seconds = (_run_timed(arm, workload) if workload.timed
+                              else _run_rounds(arm, workload, max_rounds))
     other = meter.stop()["other_cores_avg"]
     memory = rss.stop() if rss is not None else {}
     after = arm.stats()
@@ -446,9 +411,51 @@ def run_workload(arm: Arm, workload: Workload, case: str, repeat: int, max_round
                        stats=stats, other_cores_avg=other, **memory)
 
 
+def _run_rounds(arm: Arm, workload: Workload, max_rounds: int | None) -> tuple[list[RequestRecord], list[float]]:
+    """The records and each round's time of the rounds of a round workload."""
+    previous: list[BenchRequest] = []
+    answers: list[list[int]] = []
+    records: list[RequestRecord] = []
+    round_seconds = []
+    for k in range(min(max_rounds or workload.num_rounds, workload.num_rounds)):
+        requests = workload.round_requests(k, previous, answers)
+        results = arm.run_round(requests)
+        for req, rec in zip(requests, results, strict=True):
+            rec.round = k
+            _check_length(arm, rec, req.max_tokens)
+        round_seconds.append(max(r.end for r in results) - min(r.sent for r in results))
+        records.extend(results)
+        previous, answers = requests, [r.output_ids if r.answer_ids is None else r.answer_ids for r in results]
+    return records, round_seconds
+
+
+def _run_timed(arm: Arm, workload: Any) -> tuple[list[RequestRecord], list[float]]:
+    """The records of a timed workload; its time runs from the first request's scheduled start
+    to the last one's end (pauses included)."""
+    if not hasattr(arm, "run_timed"):
+        raise ValueError(f"the {arm.name} arm runs one request at a time: it does not take the timed workload "
+                         f"{workload.name} (use hyprefix arms or --url)")
+    records = arm.run_timed(workload)
+    expected = sum(len(s.turns) for s in workload.sessions())
+    if len(records) != expected:
+        raise RuntimeError(f"{arm.name} finished {len(records)} of the {expected} requests of {workload.name}")
+    for rec in records:
+        _check_length(arm, rec, workload.output_len)
+    return records, [max(r.end for r in records) - min(r.sent for r in records)]
+
+
+def _check_length(arm: Arm, rec: RequestRecord, max_tokens: int) -> None:
+    if len(rec.output_ids) != max_tokens:
+        raise RuntimeError(f"{arm.name} produced {len(rec.output_ids)} tokens for {rec.tag}, not the "
+                           f"{max_tokens} asked for (does it honour ignore_eos?)")
+
+
 def warm_up(arm: Arm, workload: Workload, case: str) -> None:
     """A small copy of the case with other token ids: 4 output tokens, at most two rounds, and
     transformers one request at a time only one request."""
+    if workload.timed:
+        run_workload(arm, workload.warm_up_workload(), case, repeat=-1)
+        return
     small = replace(workload, seed=workload.seed + 7919, output_len=min(workload.output_len, 4))
     if isinstance(arm, TransformersArm) and not arm.batched:
         arm.run_round(small.round_requests(0)[:1])

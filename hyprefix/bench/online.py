@@ -7,6 +7,10 @@ work, a one-token completion with the highest id checks that the server takes it
 it returns ``token_ids``: multi-turn needs the answers' ids, else (llama.cpp) the answer text
 re-tokenized by ``POST /tokenize``, else it stops. Counters come from ``/metrics``
 (``<prefix>:<counter>[_total]``); ``POST /reset_prefix_cache`` empties the cache where it exists.
+A timed workload (``timed.py``) runs one task per session, each turn sent at its time; a turn
+that asks to keep its prefix sends ``"cache_control": {"type": "ephemeral", "ttl": seconds}``
+(only then: a server without the field still takes the rest), and the response's
+``cache_retention`` (what the server kept) becomes the record's ``retained_tokens``.
 """
 
 from __future__ import annotations
@@ -165,12 +169,55 @@ class ServerArm:
             raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed, e.g. {tag}: {first}") from first
         return [r for r in results if not isinstance(r, BaseException)]
 
+    def run_timed(self, workload: Any) -> list[RequestRecord]:
+        """A timed workload's sessions, each turn sent at its scheduled time (its ``sent``)."""
+        return asyncio.run(self._run_timed(workload))
+
+    async def _run_timed(self, workload: Any) -> list[RequestRecord]:
+        sessions = workload.sessions()
+        start = time.perf_counter()
+        limits = httpx.Limits(max_connections=max(1, len(sessions)))
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.timeout, limits=limits) as client:
+
+            async def session(s: Any) -> list[RequestRecord]:
+                records: list[RequestRecord] = []
+                previous, answer, due = None, [], start + s.start_s
+                for k, turn in enumerate(s.turns):
+                    if k:
+                        due = time.perf_counter() + turn.pause_s
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    req = workload.request(s, k, previous, answer)
+                    rec, text = await self._send(client, req)
+                    rec.sent, rec.round = min(due, rec.sent), k
+                    if k + 1 < len(s.turns):
+                        answer = await self._answer(client, rec, text)
+                    previous = req
+                    records.append(rec)
+                return records
+
+            results = await asyncio.gather(*(session(s) for s in sessions), return_exceptions=True)
+        failed = [x for x in results if isinstance(x, BaseException)]
+        if failed:  # a run with failed requests measures something else: stop, after every session ended
+            raise RuntimeError(f"{len(failed)} of {len(sessions)} sessions failed, e.g. {failed[0]}") from failed[0]
+        return [rec for r in results if not isinstance(r, BaseException) for rec in r]
+
+    async def _answer(self, client: Any, rec: RequestRecord, text: str) -> list[int]:
+        """The token ids the next turn appends: the answer's own, else its text re-tokenized."""
+        if not self.answers.startswith("answer text"):
+            return rec.output_ids
+        response = await client.post("/tokenize", json={"content": text, "add_special": False})
+        rec.answer_ids = [int(t) for t in response.json()["tokens"]]
+        return rec.answer_ids
+
     async def _send(self, client: Any, req: BenchRequest) -> tuple[RequestRecord, str]:
         body: dict[str, Any] = {"model": self.model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
                                 "temperature": req.temperature, "top_p": 1.0, "stream": True, "ignore_eos": True,
                                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if req.seed is not None:
             body["seed"] = req.seed
+        if req.cache_ttl_s > 0:  # only when asked: a server without the field still takes the request
+            body["cache_control"] = {"type": "ephemeral", "ttl": req.cache_ttl_s}
+        retained: int | None = None
         sent = time.perf_counter()
         stamps: list[tuple[float, int]] = []  # (arrival time, tokens in the chunk)
         ids: list[int] = []
@@ -188,6 +235,8 @@ class ServerArm:
                 if "error" in event or event.get("object") == "error":
                     raise RuntimeError(f"{self.url} streamed an error: {event.get('error', event)}")
                 usage = event.get("usage") or usage
+                if isinstance(event.get("cache_retention"), dict):  # a choice's last chunk: what was kept
+                    retained = event["cache_retention"].get("tokens")
                 for choice in event.get("choices", []):
                     text.append(choice.get("text") or "")
                     if choice.get("token_ids") or choice.get("text"):
@@ -197,7 +246,8 @@ class ServerArm:
         n_out = len(ids) or int(usage.get("completion_tokens") or sum(n for _, n in stamps))
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return RequestRecord(req.tag, len(req.prompt), ids or [UNKNOWN_TOKEN] * n_out, sent,
-                             chunk_token_times(stamps), end, cached_tokens=cached), "".join(text)
+                             chunk_token_times(stamps), end, cached_tokens=cached,
+                             retained_tokens=retained), "".join(text)
 
 
 def chunk_token_times(stamps: Sequence[tuple[float, int]]) -> list[float]:

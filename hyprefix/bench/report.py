@@ -97,6 +97,7 @@ def _request_rows(result: dict[str, Any], names: list[str]) -> list[list[str]]:
         ["sibling waits", *per_arm(stat("sibling_waits"))],
         ["preemptions", *per_arm(stat("num_preemptions"))],
     ]
+    rows[5:5] = _timed_rows(arms, names)
     if any((a.get("stats") or {}).get("mamba_checkpoints_capacity") for a in arms.values()):
         rows += [["mamba checkpoints used / capacity", *per_arm(
                      lambda a: f"{stat('mamba_checkpoints_used')(a)} / {stat('mamba_checkpoints_capacity')(a)}")],
@@ -104,6 +105,23 @@ def _request_rows(result: dict[str, Any], names: list[str]) -> list[list[str]]:
         rows.append(["Mamba checkpoint (MiB)", *per_arm(  # a server's /metrics may not say
             lambda a: _fmt(a["stats"]["mamba_checkpoint_bytes"] / 2**20)
             if (a.get("stats") or {}).get("mamba_checkpoint_bytes") is not None else "-")])
+    return rows
+
+
+def _timed_rows(arms: dict[str, dict[str, Any]], names: list[str]) -> list[list[str]]:
+    """Timed workloads: the longest wait, and latency and rate of each request class (hot, cold)."""
+    if not any("longest_wait_seconds" in a for a in arms.values()):
+        return []
+    rows = [["longest wait: max TTFT (s)", *[_fmt(arms[n].get("longest_wait_seconds"), 3) for n in names]]]
+    classes = dict.fromkeys(c for a in arms.values() for c in a.get("by_class", {}))
+    for c in classes:
+        by = {n: arms[n].get("by_class", {}).get(c) for n in names}
+        rows += [
+            [f"{c}: TTFT p50 / p99 / max (s)", *[
+                " / ".join(_fmt(b["ttft_seconds"][q], 3) for q in ("p50", "p99", "max")) if b else "-"
+                for b in by.values()]],
+            [f"{c}: requests/s", *[_range(b["requests_per_s"], 2) if b else "-" for b in by.values()]],
+            [f"{c}: output tok/s", *[_range(b["output_tokens_per_s"], 1) if b else "-" for b in by.values()]]]
     return rows
 
 

@@ -95,6 +95,11 @@ def summarise_case(runs: Sequence[WorkloadRun], case: Workload) -> dict[str, Any
     if case.num_rounds > 1:
         summary["ttft_p50_by_round"] = [percentile([rec.ttft for rec in records if rec.round == k
                                                     and rec.ttft is not None], 50) for k in range(case.num_rounds)]
+    if case.timed:  # the longest wait: a starved request shows here, not in the percentiles
+        summary["longest_wait_seconds"] = summary["ttft_seconds"]["max"]
+    classes = getattr(case, "request_classes", ())
+    if classes:
+        summary["by_class"] = {name: class_summary(runs, name) for name in classes}
     stats = runs[-1].stats
     if stats is not None:
         summary["stats"] = stats
@@ -103,6 +108,22 @@ def summarise_case(runs: Sequence[WorkloadRun], case: Workload) -> dict[str, Any
             for r in runs)
         summary["computed_vs_ideal"] = ratio(stats.get("prefill_computed_tokens"), case.ideal_prefill_tokens())
     return summary
+
+
+def class_summary(runs: Sequence[WorkloadRun], name: str) -> dict[str, Any]:
+    """The requests whose tag starts with ``name/`` ("hot/r3"): their latencies over every repeat,
+    and their rates per repeat over their own span (first one's scheduled start to last one's end)."""
+    mine = [[rec for rec in r.requests if rec.tag.split("/", 1)[0] == name] for r in runs]
+    records = [rec for recs in mine for rec in recs]
+
+    def rate(count: Any) -> dict[str, Any] | None:
+        spans = [(count(recs), max(x.end for x in recs) - min(x.sent for x in recs)) for recs in mine if recs]
+        return spread([n / t for n, t in spans if t > 0])
+
+    return {"requests": len(mine[0]), "output_tokens": sum(len(rec.output_ids) for rec in mine[0]),
+            "ttft_seconds": distribution([rec.ttft for rec in records]),
+            "e2e_seconds": distribution([rec.end - rec.sent for rec in records]),
+            "requests_per_s": rate(len), "output_tokens_per_s": rate(lambda recs: sum(len(x.output_ids) for x in recs))}
 
 
 def server_pairs(arms: Sequence[str], servers: Sequence[str]) -> list[tuple[str, str]]:

@@ -30,6 +30,7 @@ class BenchRequest:
     seed: int | None = None
     group: int = 0  # system-prompt group, prompt index or conversation index
     tag: str = ""  # a readable id: "g0/r3", "p0/s5", "c2/t4"
+    cache_ttl_s: float = 0.0  # > 0: keep its prefix this long after it ends (SamplingParams.cache_ttl_s)
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +42,7 @@ class Workload:
     """Base of the workloads: seed, output length, token range and the round interface."""
 
     name: ClassVar[str] = ""
+    timed: ClassVar[bool] = False  # requests arrive over time (timed.py), not in rounds
     hf_batched: ClassVar[bool] = False  # transformers runs a round as one batch (else one request at a time)
     greedy: ClassVar[bool] = True
     output_len: int = 32
@@ -84,6 +86,10 @@ class Workload:
     def prompt_lens(self) -> list[list[int]]:
         """Prompt length of every request, per round (known in advance: outputs have a fixed length)."""
         raise NotImplementedError
+
+    def kv_blocks(self, block_size: int) -> int:
+        """KV blocks for every token of every request (the engine arms' default pool)."""
+        return sum(-(-(n + self.output_len) // block_size) for lens in self.prompt_lens() for n in lens)
 
     def ideal_prefill_tokens(self) -> int | None:
         """Prompt tokens to compute when every distinct prefix is computed exactly once."""
