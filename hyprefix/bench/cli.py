@@ -386,7 +386,8 @@ def _server_arms(ns: argparse.Namespace, names: list[str], server_names: list[st
             if name in names:
                 servers[name] = ServerArm(url, ns.served_model, vocab_size=vocab, name=name,
                                           needs_answers=workload.num_rounds > 1, max_concurrency=ns.max_concurrency,
-                                          request_rate=ns.request_rate, seed=ns.seed)
+                                          request_rate=None if workload.timed else ns.request_rate,  # timed: its own
+                                          seed=ns.seed)
     return servers
 
 

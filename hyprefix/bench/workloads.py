@@ -5,7 +5,8 @@ Prompts are random token ids in ``[3, vocab_size)`` (0-2: the demo tokenizer's s
 workload's name and ``seed``, so every arm gets the same ids. Every request produces exactly
 ``output_len`` tokens (``ignore_eos``). A workload is one or more *cases* (throughput: prefill,
 decode@B), each a sequence of *rounds* submitted one after another; ``round_requests(k,
-previous, answers)`` builds round ``k`` (multi-turn appends each arm's answers).
+previous, answers)`` builds round ``k`` (multi-turn appends each arm's answers). Timed
+workloads, whose requests arrive over time, are in ``timed.py``.
 """
 
 from __future__ import annotations
