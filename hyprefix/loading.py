@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from hyprefix.cache.checkpoint_policy import CheckpointPolicy
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.plan import PoolPlan, build_cache, plan_pools
 from hyprefix.disk.connector import DiskConnector
 from hyprefix.engine_config import EngineConfig
+from hyprefix.engine_stats import recompute_cost
 from hyprefix.kernels import decode_attention, kv_write
 from hyprefix.models import kv_quant
 from hyprefix.models.loader import LoadedModel, gguf_parsed_once, load_model, load_tokenizer
@@ -62,7 +64,7 @@ def load_parts(config: EngineConfig) -> EngineParts:
     cache_config, model = config.cache, loaded.model
     kv_dtype = kv_cache_storage(cache_config.kv_cache_dtype, model, device, loaded.dtype)
     if kv_dtype != loaded.dtype:  # the K/V's format is part of every block's identity: memory, disk, events
-        loaded = replace(loaded, identity=f"{loaded.identity}|kv={cache_config.kv_cache_dtype}")
+        loaded = replace(loaded, identity=f"{loaded.identity}|kv={cache_config.kv_cache_dtype}/{kv_quant.FORMAT}")
     state_dtype = getattr(torch, cache_config.state_dtype)
     state_bytes = ModelRunner.state_bytes_per_slot(model, loaded.dtype, state_dtype)
     layout = model.kv_layout
@@ -78,7 +80,8 @@ def load_parts(config: EngineConfig) -> EngineParts:
     cache = build_cache(plan.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                         loaded.identity, events, max_seqs, attention=bool(layout.num_layers), window=plan.window,
                         window_blocks=plan.num_window_blocks,
-                        checkpoints=plan.num_checkpoints if model.state_layout is not None else None)
+                        checkpoints=plan.num_checkpoints if model.state_layout is not None else None,
+                        checkpoint_policy=CheckpointPolicy(cache_config.state_eviction_policy, recompute_cost(model)))
     k = config.speculative.k if config.speculative is not None else 0
     # Hybrids verify drafts in as many rows a step as their scratch states fit in its budget.
     draft_rows = min(max_seqs, max(1, SPEC_SCRATCH_BYTES // (k * state_bytes))) if k and state_bytes else None

@@ -63,17 +63,17 @@ def paged_attention(
     if not kv_quant.is_quantized(k_cache):
         write_kv(k, v, k_cache, v_cache, batch, window)
         return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
-    # 8-bit rows: K, V and the queries rotated (kv_quant.rotation: q . k unchanged, the outliers
-    # of a few channels spread over all), and every attention reads the K/V as stored, cached or new
-    # (in float32: K and V are written from float32 rows, rounded once, into their codes)
-    dtype, invariant = q.dtype, batch.batch_invariant
-    q, k, v = (kv_quant.rotate(t.float(), invariant=invariant) for t in (q, k, v))
+    # 8-bit rows: K and the queries rotated (kv_quant.rotation: q . k unchanged, the outliers of a
+    # few channels spread over all; V as it is, kv_quant's docstring says why), and every attention
+    # reads the K/V as stored, cached or new (K written from float32 rows, rounded once, into codes)
+    dtype = q.dtype
+    q, k = (kv_quant.rotate(t.float(), invariant=batch.batch_invariant) for t in (q, k))
     q = q.to(dtype)
-    write_kv(k, v, k_cache, v_cache, batch, window)
-    if batch.prefills:
-        k, v = (kv_quant.as_stored(t, k_cache.dtype, dtype) for t in (k, v))
-    out = attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
-    return kv_quant.rotate(out.float(), inverse=True, invariant=invariant).to(dtype)
+    if not batch.prefills:
+        write_kv(k, v, k_cache, v_cache, batch, window)
+    else:  # a prefill reads its own rows as stored: the write op returns them
+        k, v = (t.to(dtype) for t in write_kv_stored(k, v, k_cache, v_cache, batch, window))
+    return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -96,6 +96,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             flat.index_copy_(0, slot_mapping, rows)
         elif slot_mapping.numel():
             flat.index_copy_(0, slot_mapping, rows.index_select(0, batch.write_index))
+
+
+def write_kv_stored(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: ForwardBatch, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``write_kv`` into 8-bit caches (``kv_quant``), returning every row of k and v as stored, read
+    back in float32 (``kv_quant.as_stored``'s values, from the write op's own pass)."""
+    view = batch.kv_view(window)
+    slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
+    k_stored = kv_write.kv_write_8bit_stored(k, k_cache, slot_mapping, batch.write_index)
+    if v_cache is k_cache:  # a latent cache is its own V
+        return k_stored, k_stored
+    return k_stored, kv_write.kv_write_8bit_stored(v, v_cache, slot_mapping, batch.write_index)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -53,7 +53,7 @@ from torch import nn
 from hyprefix.forward import ForwardBatch
 from hyprefix.kernels import quant_linear as quant_kernel
 from hyprefix.models import kv_quant
-from hyprefix.models.attention import attend, write_kv
+from hyprefix.models.attention import attend, write_kv, write_kv_stored
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.fused_moe import Experts
@@ -155,10 +155,10 @@ class LatentAttention(nn.Module):
             write_kv(latent, latent, cache, cache, batch, None)
             return latent
         rows = self.rotated(latent.float(), batch.batch_invariant)  # quantized from float32, rounded once
-        write_kv(rows, rows, cache, cache, batch, None)
         if not batch.prefills:  # decode rows read the cache alone
+            write_kv(rows, rows, cache, cache, batch, None)
             return rows.to(latent.dtype)
-        return kv_quant.as_stored(rows, cache.dtype, latent.dtype)
+        return write_kv_stored(rows, rows, cache, cache, batch, None)[0].to(latent.dtype)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
                   batch: ForwardBatch, spans: set[int] | None = None, rows: torch.Tensor | None = None,

@@ -10,14 +10,18 @@ outlier channels of one token from costing the precision of others, and needs no
 earlier rows as a block fills (a scale per block would). The float16 scale costs 2 bytes a row: D
 = 64 stores 66 bytes where bfloat16 stores 128 (1.94x), D = 128 130 against 256 (1.97x).
 
-Before quantizing, K and V rows are rotated by a fixed orthogonal R (``rotation``: a Walsh-Hadamard
+Before quantizing, K rows are rotated by a fixed orthogonal R (``rotation``: a Walsh-Hadamard
 matrix with seeded random signs for a power-of-two D, else a seeded random orthogonal one), and
-the queries with them, so q . k is unchanged and the attention output is un-rotated by R^T
-(``attention.paged_attention``). A few channels of K (RoPE's low frequencies, say) often hold most
-of a row's magnitude and would set its scale; rotated, every channel carries a share of them, the
-scale falls to near the row's typical value and the codes keep more of every channel. On the real
-SmolLM2 file (weights as float) it cut int8's mean next-token KL from 5.9e-4 to 1.5e-4
-(docs/benchmarks.md).
+the queries with them, so q . k is unchanged (``attention.paged_attention``). A few channels of K
+(RoPE's low frequencies, say) often hold most of a row's magnitude and would set its scale;
+rotated, every channel carries a share of them, the scale falls to near the row's typical value
+and the codes keep more of every channel. On the real SmolLM2 file (weights as float) it cut
+int8's mean next-token KL from 5.9e-4 to 1.5e-4 (docs/benchmarks.md). V is stored as it is:
+rotating it too (and turning each output back by R^T) lowered the KL only from 1.64e-4 to
+1.43e-4 (SmolLM2) and 5.45e-4 to 4.87e-4 (Gemma 3) and cost half the rotations' time, about 8 %
+of a 1,024-token prefill. The latent (MLA) cache, whose rows are both K and V, rotates them whole
+(``deepseek.LatentAttention.rotated``). ``FORMAT`` names this layout in the model identity, so
+blocks written under another one are never read as these.
 
 ``quantize_rows`` / ``dequantize_rows`` are the reference arithmetic: the write op reproduces the
 former bit for bit (``kernels/kv_write.cpp``), the SDPA paths that gather blocks run the latter;
@@ -60,6 +64,9 @@ def stored_head_dim(head_dim: int, dtype: torch.dtype) -> int:
 
 
 ROTATION_SEED = 67  # fixed: the rotation is part of the format (a stored block's bytes depend on it)
+# The layout's version in the model identity (``loading``: "|kv=int8/k-rotated"): bumped whenever
+# what a stored block's bytes mean changes (here: K rotated, V not)
+FORMAT = "k-rotated"
 
 
 def _rotation(head_dim: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ def test_blocks_per_gib_and_identity(qwen3_dir, kv_cache_dtype):
     assert facts.kv_cache_dtype == kv_cache_dtype
     assert facts.kv_bytes_per_token * head_dim * 2 == pytest.approx(plain.engine.model_facts.kv_bytes_per_token
                                                                     * (head_dim + 2))
-    assert packed.engine.model_identity == f"{plain.engine.model_identity}|kv={kv_cache_dtype}"
+    assert packed.engine.model_identity == f"{plain.engine.model_identity}|kv={kv_cache_dtype}/{kv_quant.FORMAT}"
     stats, plain_stats = packed.get_stats(), plain.get_stats()
     for key in ("kv_blocks_per_gib", "kv_tokens_per_gib"):
         assert stats[key] / plain_stats[key] == pytest.approx(2 * head_dim / (head_dim + 2))
