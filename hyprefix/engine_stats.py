@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyprefix.cache.checkpoint_policy import RecomputeCost
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.models.deepseek import LatentAttention
 from hyprefix.models.llama import Attention
@@ -41,15 +42,11 @@ def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vo
                 state_bytes: int, quantization: str | None, kv_dtype: torch.dtype | None = None,
                 kv_cache_dtype: str = "auto") -> ModelFacts:
     """``kv_dtype``: the K/V tensors' (None: ``dtype``)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = getattr(model, "lm_head", None)
-    attention = [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
-    latent = [m for m in attention if isinstance(m, LatentAttention)]  # W_UK, W_UV: per-head matmuls, not linears
+    attention = _attention_modules(model)
     return ModelFacts(
         dtype=str(dtype).replace("torch.", ""),
         vocab_size=vocab_size,
-        matmul_params=sum(m.in_features * m.out_features for m in linears if m is not head)
-        + sum(m.absorb_params for m in latent),
+        matmul_params=_matmul_params(model),
         lm_head_params=hidden_size * vocab_size,
         attention_layers=len(attention),
         attention_width=attention[0].q_size if attention else 0,
@@ -59,6 +56,26 @@ def model_facts(model: torch.nn.Module, dtype: torch.dtype, hidden_size: int, vo
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
     )
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, Attention | LatentAttention)]
+
+
+def _matmul_params(model: torch.nn.Module) -> int:
+    """Multiply-adds per token of every linear layer but the LM head (MLA: W_UK, W_UV too)."""
+    head = getattr(model, "lm_head", None)
+    linears = sum(m.in_features * m.out_features for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m is not head)
+    return linears + sum(m.absorb_params for m in _attention_modules(model) if isinstance(m, LatentAttention))
+
+
+def recompute_cost(model: torch.nn.Module) -> RecomputeCost:
+    """The prefill FLOPs of L tokens less the LM head, as ``bench/summary.prefill_flops`` counts
+    them: what a state checkpoint at L saves (``cache/checkpoint_policy.py``)."""
+    attention = _attention_modules(model)
+    width = attention[0].q_size if attention else 0
+    return RecomputeCost(2.0 * _matmul_params(model), 4.0 * len(attention) * width)
 
 
 def engine_stats(scheduler: Scheduler, cache: CacheCoordinator, runner: ModelRunner,

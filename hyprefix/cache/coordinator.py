@@ -41,7 +41,7 @@ from hyprefix.cache.block_pool import ImportHold
 from hyprefix.cache.events import AllBlocksCleared, SaveLog
 from hyprefix.cache.kv import KVCacheManager
 from hyprefix.cache.retention import Retention
-from hyprefix.cache.state_pool import block_of
+from hyprefix.cache.state_pool import block_of, checkpoint_position
 from hyprefix.request import Request
 
 DISK_WAIT = "<disk>"  # ``PrefixHit.wait_for`` of a request whose blocks a lower tier is loading
@@ -420,7 +420,8 @@ class CacheCoordinator:
             else:
                 hold.window_dropped = True
         if state_key is not None and self._states is not None:
-            hold.state_key, hold.state_slot = state_key, self._states.reserve(state_key, for_import=True)
+            position = checkpoint_position(request.block_hashes, state_key, self.block_size)
+            hold.state_key, hold.state_slot = state_key, self._states.reserve(state_key, position, for_import=True)
         return hold
 
     def publish_load(self, request: Request, hold: LoadHold) -> None:

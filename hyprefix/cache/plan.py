@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hyprefix.cache.checkpoint_policy import CheckpointPolicy
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
@@ -100,14 +101,15 @@ def checkpoint_slots(args: CacheConfig, state_bytes: int) -> int:
 
 def build_cache(num_blocks: int, block_size: int, caching: bool, model_identity: str, events: EventLog | None,
                 max_seqs: int, attention: bool = True, window: int | None = None, window_blocks: int = 0,
-                checkpoints: int | None = None) -> CacheCoordinator:
+                checkpoints: int | None = None, checkpoint_policy: CheckpointPolicy | None = None) -> CacheCoordinator:
     """The cache of a model with full-attention layers (``attention``), sliding-window
     layers with a pool of ``window_blocks`` of their own (``window``) and recurrent layers
-    with ``checkpoints`` checkpoint slots (None: no recurrent layers), as the engine wires it."""
+    with ``checkpoints`` checkpoint slots (None: no recurrent layers) that ``checkpoint_policy``
+    evicts (None: LRU), as the engine wires it."""
     kinds: list[CacheKind] = [AttentionKV()] if attention else []
     if window is not None:
         kinds.append(SlidingWindowKV(window_blocks, block_size, window, caching))
     if checkpoints is not None:
-        kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events), block_size))
+        kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events, checkpoint_policy), block_size))
     kv = KVCacheManager(num_blocks, block_size, caching, model_identity, events)
     return CacheCoordinator(kv, kinds)

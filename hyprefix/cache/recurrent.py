@@ -128,7 +128,7 @@ class RecurrentStateCache(CacheKind):
         hashes = request.block_hashes
         taps = []
         for pos, provisional in wanted:
-            slot = self.pool.reserve(self._key(hashes, pos))
+            slot = self.pool.reserve(self._key(hashes, pos), pos)
             if slot is not None:
                 taps.append((pos, slot))
                 plan.reserved.append((slot, provisional, self._commit_after(pos)))

@@ -6,9 +6,11 @@ right after the last token of the block whose hash keys it. Rules:
 - A slot is reserved when the scheduler plans the step that will compute the
   state (the runner writes it during that step) and committed, i.e. becomes
   findable, only after the step has finished.
-- Committed checkpoints are evicted least recently used first (a hit counts as
-  a use) when a reservation finds no free slot; reservations never evict each
-  other. Retained checkpoints (``mark_retained``: at the end of a finished
+- When a reservation finds no free slot, a committed checkpoint is evicted:
+  the least recently used (a hit counts as a use), or under the cost-aware
+  policy the one of least recency + FLOPs saved (``checkpoint_policy.py``;
+  ``reserve`` takes the position the checkpoint sits at); reservations never
+  evict each other. Retained checkpoints (``mark_retained``: at the end of a finished
   request's kept prefix, ``retention.py``) go only when no other one is left.
 - A checkpoint dies with its KV block: ``drop`` is called for every hash the
   block pool forgets (``CacheCoordinator`` passes them on).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from hyprefix.cache.checkpoint_policy import CheckpointPolicy
 from hyprefix.cache.events import EventLog, SaveLog, StateRemoved, StateStored
 
 _BEFORE_LAST = b"#before-last"
@@ -40,9 +43,20 @@ def block_of(key: bytes) -> bytes:
     return key[: -len(_BEFORE_LAST)] if key.endswith(_BEFORE_LAST) else key
 
 
+def checkpoint_position(block_hashes: list[bytes], key: bytes, block_size: int) -> int:
+    """The tokens the state ``key`` follows in a request with these block hashes (0 when its
+    block is not among them): what a hit on it skips."""
+    block = block_of(key)
+    if block not in block_hashes:
+        return 0
+    return (block_hashes.index(block) + 1) * block_size - (block != key)
+
+
 class StatePool:
-    def __init__(self, num_live_slots: int, num_checkpoint_slots: int, events: EventLog | None = None) -> None:
+    def __init__(self, num_live_slots: int, num_checkpoint_slots: int, events: EventLog | None = None,
+                 policy: CheckpointPolicy | None = None) -> None:
         self.capacity = num_checkpoint_slots
+        self.policy = policy if policy is not None else CheckpointPolicy()
         self.events = events if events is not None else EventLog()  # StateStored / StateRemoved
         self._free_ckpt = list(range(num_checkpoint_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._index: dict[bytes, int] = {}  # committed: hash -> slot
@@ -51,6 +65,9 @@ class StatePool:
         self._retention_lost: list[int] = []  # retained slots evicted or dropped since the last take
         self._reserved: dict[int, bytes] = {}  # slot -> key being written (not findable yet)
         self._import_slots: set[int] = set()  # those of them a lower tier's import fills
+        self._flops: dict[int, float] = {}  # reserved or committed slot -> FLOPs a hit on it saves
+        self._last_use: dict[int, int] = {}  # committed slot -> ``_clock`` at its commit or latest use
+        self._clock = 0  # logical time: bumped by every commit, touch and end of retention
         # A min-heap: the lowest free slot first, so requests admitted together get
         # ascending slots and decode reads their states as one slice.
         self._free_live = list(range(num_live_slots))
@@ -93,33 +110,60 @@ class StatePool:
         for lru in (self._lru, self._kept):
             if slot in lru:
                 lru.move_to_end(slot)
+                self._used(slot)
+
+    def _used(self, slot: int) -> None:
+        self._clock += 1
+        self._last_use[slot] = self._clock
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self._index or block_hash in self._reserved.values()
 
-    def reserve(self, block_hash: bytes, for_import: bool = False) -> int | None:
+    def reserve(self, block_hash: bytes, position: int = 0, for_import: bool = False) -> int | None:
         """A slot for a checkpoint to be written (by this step's taps, or ``for_import``: by a
         lower tier's copy, which may span steps), or None (already present or being written,
-        or no capacity). ``commit`` or ``cancel`` ends the reservation."""
+        no capacity, or refused by the cost-aware admission). ``position``: the tokens the state
+        follows, i.e. what a hit on it skips (the cost-aware policy's value; 0 values it at
+        nothing). ``commit`` or ``cancel`` ends the reservation."""
         if self.capacity == 0 or self.has(block_hash):
             return None
+        flops = self.policy.flops_saved(position)
         if self._free_ckpt:
             slot = self._free_ckpt.pop()
-        elif self._lru or self._kept:
-            if self._lru:
-                slot, old_hash = self._lru.popitem(last=False)
-            else:  # only retained checkpoints are left: the least recently used goes, its retention with it
-                slot, old_hash = self._kept.popitem(last=False)
-                self._retention_lost.append(slot)
-            del self._index[old_hash]
-            if self.save_log is not None:
-                self.save_log.entries.append((old_hash, slot))
-            self._announce(StateRemoved, old_hash)
         else:
-            return None
+            slot = self._evict_for(flops)
+            if slot is None:
+                return None
+        self._flops[slot] = flops
         self._reserved[slot] = block_hash
         if for_import:
             self._import_slots.add(slot)
+        return slot
+
+    def _evict_for(self, new_flops: float) -> int | None:
+        """Evict a committed checkpoint for a new one saving ``new_flops``; its slot, or None
+        (only reservations are left, or the admission refuses the new one)."""
+        if self._lru and self.policy.cost_aware:
+            slots = list(self._lru)  # least recently used first: ties go to the least recent
+            last_use = [self._last_use[s] for s in slots]
+            flops = [self._flops[s] for s in slots]
+            victim = self.policy.victim(last_use, flops)
+            if not self.policy.admits(last_use, flops, victim, self._clock + 1, new_flops):
+                return None
+            slot = slots[victim]
+            old_hash = self._lru.pop(slot)
+        elif self._lru:  # O(1)
+            slot, old_hash = self._lru.popitem(last=False)
+        elif self._kept:  # only retained checkpoints are left: the least recently used goes, its retention with it
+            slot, old_hash = self._kept.popitem(last=False)
+            self._retention_lost.append(slot)
+        else:
+            return None
+        del self._index[old_hash]
+        del self._last_use[slot]
+        if self.save_log is not None:
+            self.save_log.entries.append((old_hash, slot))
+        self._announce(StateRemoved, old_hash)
         return slot
 
     def commit(self, slot: int) -> bytes | None:
@@ -130,6 +174,7 @@ class StatePool:
         self._import_slots.discard(slot)
         self._index[block_hash] = slot
         self._lru[slot] = block_hash
+        self._used(slot)
         self._announce(StateStored, block_hash)
         if self.save_log is not None and self.save_log.on_publish:
             self.save_log.entries.append((block_hash, slot))
@@ -138,6 +183,7 @@ class StatePool:
     def cancel(self, slot: int) -> None:
         self._import_slots.discard(slot)
         if self._reserved.pop(slot, None) is not None:
+            del self._flops[slot]
             self._free_ckpt.append(slot)
 
     def drop_key(self, key: bytes) -> bool:
@@ -149,6 +195,7 @@ class StatePool:
             self._retention_lost.append(slot)
         else:
             del self._lru[slot]
+        del self._flops[slot], self._last_use[slot]
         self._free_ckpt.append(slot)
         self._announce(StateRemoved, key)
         return True
@@ -182,6 +229,7 @@ class StatePool:
         for slot in slots:
             if slot in self._kept:
                 self._lru[slot] = self._kept.pop(slot)
+                self._used(slot)
 
     def retained_ids(self) -> set[int]:
         return set(self._kept)
@@ -207,5 +255,8 @@ class StatePool:
             assert kv_lookup(block_of(block_hash)) is not None, "checkpoint on a block that is no longer cached"
         used = set(self._index.values()) | set(self._reserved)
         assert len(used) + len(self._free_ckpt) == self.capacity and not used & set(self._free_ckpt)
+        assert self._flops.keys() == used and self._last_use.keys() == set(self._index.values()), \
+            "checkpoint costs or uses out of sync"
+        assert all(0 < use <= self._clock for use in self._last_use.values())
         live = set(self._live.values())
         assert len(live) == len(self._live) and not live & set(self._free_live)

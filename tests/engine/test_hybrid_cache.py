@@ -172,3 +172,25 @@ def test_no_checkpoint_budget_still_correct(hybrid_models, budget_gb, caplog):
     stats = llm.get_stats()
     assert stats["mamba_checkpoints_capacity"] == 0 and stats["mamba_checkpoints_used"] == 0
     assert stats["prefix_cache_hits"] == 0 and stats["hybrid_hit_tokens_lost"] == 48
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost-aware"])
+def test_cost_aware_eviction_keeps_a_conversation_through_one_off_prompts(hybrid_models, policy):
+    """Three checkpoint slots: one-off prompts push the conversation's finish checkpoint out
+    under lru; cost-aware keeps it (it saves the most FLOPs), and the next turn hits it. Outputs
+    are those of caching off either way."""
+    path, _ = hybrid_models["nemotron_h"]
+    llm = make(path, max_state_checkpoints=3, max_num_seqs=1, state_cache_eviction_policy=policy)
+    pool = state_kind(llm.engine.scheduler).pool
+    assert pool.policy.name == policy
+    assert pool.policy.cost.linear_flops_per_token == 2.0 * llm.engine.model_facts.matmul_params
+    prompt, *one_offs = random_prompts([100, 30, 30, 30], seed=91)
+    history = prompt + greedy(llm, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert checkpoint_at(llm, history, 128)
+    for one_off in one_offs:  # each takes two checkpoints: at 16 (its last boundary) and 32 (its finish)
+        greedy(llm, [one_off])
+    follow_up = history + random_prompts([5], seed=92)[0]
+    reference = greedy(make(path, enable_prefix_caching=False), [follow_up])
+    out = llm.generate([follow_up], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == (128 if policy == "cost-aware" else 0)
+    assert [out.outputs[0].token_ids] == reference
