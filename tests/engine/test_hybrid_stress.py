@@ -46,9 +46,9 @@ class Probe:
         sc = state_kind(engine.scheduler).pool
         reserve = sc.reserve
 
-        def counting_reserve(block_hash):
+        def counting_reserve(block_hash, *args, **kwargs):
             evicting = not sc._free_ckpt and bool(sc._lru) and not sc.has(block_hash)
-            slot = reserve(block_hash)
+            slot = reserve(block_hash, *args, **kwargs)
             self.evictions += evicting and slot is not None
             return slot
 
