@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from hyprefix.bench.arms import RequestRecord
-from hyprefix.bench.workloads import BenchRequest, Workload
+from hyprefix.bench.workloads import BenchRequest, Workload, check_range_ratio, length_range
 
 
 @dataclass(frozen=True)
@@ -118,15 +118,13 @@ class AgentWorkload(TimedWorkload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"range-ratio must be in [0, 1), got {self.range_ratio!r}")
+        check_range_ratio(self.range_ratio)
         _check_seconds("tool_pause_s", self.tool_pause_s)
         _check_seconds("cache_ttl_s", self.cache_ttl_s)
         _check_seconds("request_rate", self.request_rate, positive=True)
 
     def _length(self, rng: random.Random) -> int:
-        low = max(1, round(self.message_len * (1 - self.range_ratio)))
-        return rng.randint(low, max(low, round(self.message_len * (1 + self.range_ratio))))
+        return rng.randint(*length_range(self.message_len, self.range_ratio))
 
     def make_sessions(self) -> list[Session]:
         rng, pauses = self._rng(), self._rng("pauses")
@@ -150,8 +148,7 @@ class AgentWorkload(TimedWorkload):
                        request_rate=math.inf, cache_ttl_s=0.0)
 
     def describe(self) -> str:
-        low = max(1, round(self.message_len * (1 - self.range_ratio)))
-        high = max(low, round(self.message_len * (1 + self.range_ratio)))
+        low, high = length_range(self.message_len, self.range_ratio)
         ttl = (f"every turn but the last asks to keep its prefix {self.cache_ttl_s:g} s" if self.cache_ttl_s
                else "no retention asked")
         return (f"{self.num_sessions} agent sessions x {self.turns} turns, started at {self.request_rate:g} "

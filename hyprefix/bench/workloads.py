@@ -21,6 +21,17 @@ TOKEN_LOW = 3  # ids 0, 1, 2 are <|endoftext|>, <|im_start|>, <|im_end|> in the 
 DEFAULT_VOCAB = 4096  # the demo tokenizer's size: the range when nothing says otherwise
 
 
+def check_range_ratio(ratio: float) -> None:
+    if not 0 <= ratio < 1:
+        raise ValueError(f"range-ratio must be in [0, 1), got {ratio!r}")
+
+
+def length_range(mean: int, ratio: float) -> tuple[int, int]:
+    """The lengths (lowest, highest) drawn uniformly around ``mean`` +/- ``ratio``, at least 1."""
+    low = max(1, round(mean * (1 - ratio)))
+    return low, max(low, round(mean * (1 + ratio)))
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload round."""
@@ -236,13 +247,11 @@ class RandomWorkload(OneRoundWorkload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"range-ratio must be in [0, 1), got {self.range_ratio!r}")
+        check_range_ratio(self.range_ratio)
 
     def _lens(self) -> list[int]:
         rng = self._rng("lengths")
-        low = max(1, round(self.prompt_len * (1 - self.range_ratio)))
-        high = max(low, round(self.prompt_len * (1 + self.range_ratio)))
+        low, high = length_range(self.prompt_len, self.range_ratio)
         return [rng.randint(low, high) for _ in range(self.num_requests)]
 
     def requests(self) -> list[BenchRequest]:
