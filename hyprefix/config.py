@@ -67,10 +67,10 @@ class EngineArgs:
         "priority (a 400 otherwise); priority and cache-aware share slots between tenants (API key or "
         "cache_salt) among equals"), "choices": SCHEDULING_POLICIES})
     scheduling_max_wait_s: float | None = field(default=None, metadata={"help": (
-        "aging bound, seconds: under cache-aware a request that has waited this long goes ahead of every "
-        "request preferred for its cached prefix (default 3), under priority it is promoted above every "
-        "priority (default 60), so none waits more than about this beyond its first-come-first-served turn "
-        "(0: first come first served)")})
+        "aging bound, seconds: under cache-aware a request that has waited this long past its "
+        "first-come-first-served turn (when FCFS would have admitted it) goes ahead of every request "
+        "preferred for its cached prefix (default 3); under priority one that has waited this long since "
+        "it arrived is promoted above every priority (default 60) (0: first come first served)")})
     highest_request_priority: int | None = field(default=None, metadata={"help": (
         "priority: the most urgent priority (the lowest value) a request may have; one asking for a lower "
         "value gets this one, and the response's priority field says what was granted (default: any)")})

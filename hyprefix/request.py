@@ -58,6 +58,9 @@ class Request:
     # Promoted by the priority policy's aging (scheduling_policy.py): it waited the bound, and
     # from then on ranks before every priority, waiting or running
     aged: bool = False
+    # The cache-aware policy's aging clock (scheduling_policy.py): when first come, first served
+    # would have admitted it (as many admissions as requests waited ahead of it on arrival)
+    fcfs_due_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

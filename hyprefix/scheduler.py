@@ -107,6 +107,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.policy.arrived(request, self.waiting, self._running_in_group, self.clock())
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -250,6 +251,7 @@ class Scheduler:
             budget -= n
         for request in admitted:
             self.waiting.remove(request)
+        self.policy.admitted(len(admitted), now)
         return budget
 
     def _run(self, request: Request) -> None:
@@ -319,6 +321,7 @@ class Scheduler:
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.policy.arrived(request, None, self._running_in_group, self.clock())  # FCFS puts it first again
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------- update

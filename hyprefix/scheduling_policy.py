@@ -18,10 +18,14 @@ preempts first (plain data, no torch). ``--scheduling-policy`` takes vLLM's and 
 - ``cache-aware``: the waiting requests admission looks at are ranked by how many of their
   tokens the cache holds now (``CacheCoordinator.cached_tokens``: nothing allocated, no LRU
   moved), most first (SGLang's longest-prefix-match), with aging: a request that has waited
-  ``max_wait_s`` (``--scheduling-max-wait-s``, default ``DEFAULT_MAX_WAIT_S``) or longer since
-  it arrived goes before every request that has not, in FCFS order among themselves. So no
-  request waits more than about ``max_wait_s`` beyond where FCFS would have admitted it: once
-  aged, only requests FCFS would also have put first (older aged ones) go before it.
+  ``max_wait_s`` (``--scheduling-max-wait-s``, default ``DEFAULT_MAX_WAIT_S``) or longer past
+  its FCFS turn goes before every request that has not, in FCFS order among themselves. Its
+  FCFS turn is when first come, first served would have admitted it: once the scheduler has
+  admitted as many requests since it arrived as ``fcfs``'s order had ahead of it then
+  (``WaitQueue.ahead_of_new``; a preempted request's turn is at once). So no request waits
+  more than about ``max_wait_s`` beyond where FCFS would have admitted it: once aged, only
+  older aged ones go before it. Counting from arrival instead would, in a burst longer than
+  the bound, age every request and serve the whole burst FCFS.
 
 Fair shares (``priority`` and ``cache-aware``): among waiting requests of equal rank (the same
 priority; the same cached tokens; or both aged), tenants with fewer running requests go first,
@@ -43,6 +47,7 @@ vLLM refuses it.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -211,6 +216,13 @@ class Fcfs:
         preempted (and so put back to wait): only then may fairness preempt it."""
         return True
 
+    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int],
+                now: float) -> None:
+        """``request`` is about to join ``waiting`` (None: a preempted one, which goes first)."""
+
+    def admitted(self, count: int, now: float) -> None:
+        """A step admitted ``count`` waiting requests."""
+
     def check_invariants(self, waiting: WaitQueue, running: Sequence[Request]) -> None:
         if self.running_key is not None:
             keys = [self.running_key(request) for request in running]
@@ -248,13 +260,40 @@ class Priority(Fcfs):
 
 
 class CacheAware(Fcfs):
+    """Longest cached prefix first, with aging measured from each request's FCFS turn: the time
+    first come, first served would have admitted it, taken as the moment the scheduler has made
+    as many admissions since it arrived as ``fcfs``'s order had requests ahead of it (whoever
+    they admitted). Aged once ``max_wait_s`` has passed since then. Counted from arrival instead, a
+    burst that outlasts the bound would age every request and serve the burst FCFS."""
+
     name = CACHE_AWARE
 
     def __init__(self, max_wait_s: float) -> None:
         self.max_wait_s = max_wait_s
+        self._admissions = 0
+        self._turns: list[tuple[int, int, Request]] = []  # a min-heap of (FCFS turn, seq, request) not yet due
+        self._seq = itertools.count()
+
+    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int],
+                now: float) -> None:
+        if request.fcfs_due_time is not None:  # preempted after its turn came: it keeps that time
+            return
+        ahead = 0 if waiting is None else waiting.ahead_of_new(request, running_in_group)
+        if ahead == 0:
+            request.fcfs_due_time = request.arrival_time
+        else:
+            heapq.heappush(self._turns, (self._admissions + ahead, next(self._seq), request))
+
+    def admitted(self, count: int, now: float) -> None:
+        self._admissions += count
+        while self._turns and self._turns[0][0] <= self._admissions:
+            request = heapq.heappop(self._turns)[2]
+            if request.fcfs_due_time is None:  # an admitted or aborted one's time is set harmlessly
+                request.fcfs_due_time = now
 
     def aged(self, request: Request, now: float) -> bool:
-        return now - request.arrival_time >= self.max_wait_s
+        due = request.fcfs_due_time
+        return due is not None and now - due >= self.max_wait_s
 
     def admission_order(self, waiting: WaitQueue, running: Sequence[Request], running_in_group: Counter[str],
                         scan: int, now: float, cached_tokens: Callable[[Request], int]) -> Iterator[Request]:
@@ -277,6 +316,12 @@ class CacheAware(Fcfs):
     def may_displace(self, head: Request, victim: Request, now: float) -> bool:
         # a preempted victim keeps its blocks cached, so it would outrank a head that is not aged
         return self.aged(head, now)
+
+    def check_invariants(self, waiting: WaitQueue, running: Sequence[Request]) -> None:
+        super().check_invariants(waiting, running)
+        pending = {id(entry[2]) for entry in self._turns}
+        assert all(r.fcfs_due_time is not None or id(r) in pending for r in waiting), "a request without a turn"
+        assert all(turn > self._admissions for turn, _, _ in self._turns), "a turn that came but was not marked"
 
 
 def make_policy(name: str, max_wait_s: float | None = None) -> Fcfs:

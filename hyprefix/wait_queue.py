@@ -11,7 +11,7 @@ removing (abort, admission) are O(1); nothing compares requests by value.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from hyprefix.request import Request
 
@@ -60,6 +60,23 @@ class WaitQueue:
         self._len -= 1
         if not queue:
             del self._groups[request.group_id]
+
+    def ahead_of_new(self, request: Request, num_running: Mapping[str, int]) -> int:
+        """How many waiting requests ``in_turn`` would try before ``request`` were it appended now
+        (its first-come-first-served place, round k + 1 of the rotation): the k of its own group
+        already waiting, up to k + 1 of every other group that runs no more requests than its
+        group (sorted before it; ties counted ahead) and up to k of every one that runs more.
+        ``num_running``: running requests by group, absent ones 0. O(groups running) for a
+        request that is first in its group, O(groups) otherwise."""
+        own = request.group_id
+        k = len(self._groups.get(own, ()))
+        mine = num_running.get(own, 0)
+        if k == 0:  # one of every other waiting group, less those that run more than its group
+            others = len(self._groups) - (own in self._groups)
+            return others - sum(1 for group, running in num_running.items()
+                                if running > mine and group != own and group in self._groups)
+        return k + sum(min(len(queue), k + (num_running.get(group, 0) <= mine))
+                       for group, queue in self._groups.items() if group != own)
 
     def in_turn(self, num_running: Callable[[str], int]) -> Iterator[Request]:
         """Waiting requests in admission order: the first of every group, then the second

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -27,6 +28,7 @@ from hyprefix.scheduling_policy import (
     grant_priority,
 )
 from hyprefix.speculative import SpeculativeConfig
+from hyprefix.wait_queue import WaitQueue
 from tests.support.plain_scheduling import expected_output, kv, make_scheduler, run_to_end, step, toks
 
 HOT = toks(1000, 16)  # four blocks of 4 tokens, cached by ``warm``
@@ -289,8 +291,48 @@ def test_a_request_waiting_past_the_bound_goes_before_cache_preferred_ones(now, 
     clock.t = now
     order = first_scheduled(s, clock=clock)
     assert order[0] == first
-    if first == "c1":  # aged requests in FCFS order among themselves
-        assert order[:2] == ["c1", "c2"]
+    if first == "c1":  # c2's FCFS turn came when c1 was admitted (3.0, a step a second): aged at 6.0
+        assert order == ["c1", "h1", "h2", "c2", "h3"]
+
+
+def test_ahead_of_new_is_the_place_fcfs_order_gives_a_request_appended_now():
+    queue = WaitQueue()
+    for rid, group in [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("c1", None)]:
+        queue.append(cold(rid, group=group))
+    running = Counter({"B": 2})
+    for rid, group in [("new", None), ("a4", "A"), ("b2", "B"), ("d1", "D")]:
+        r = cold(rid, group=group)
+        probe = WaitQueue()
+        for w in queue:
+            probe.append(w)
+        probe.append(r)
+        order = [w.request_id for w in probe.in_turn(running.__getitem__)]
+        assert queue.ahead_of_new(r, running) == order.index(rid), (rid, order)
+
+
+def test_cache_aware_ages_a_request_from_its_fcfs_turn_not_from_its_arrival():
+    """A burst longer than the bound, one admission per 0.5-s step: aged from its arrival, the
+    cold request behind 6 others would go before the hot ones that came after it at 2 s. Its
+    FCFS turn comes with the 6th admission (2.5 s), and it ages 2 s after that."""
+    clock = Clock()
+    s = make("cache-aware", clock, max_wait_s=2.0, caching=True)
+    warm(s)
+    early = [cold(f"e{i}", 0.0) for i in range(6)]
+    for r in early:
+        s.add_request(r)
+    c = cold("cold", 0.0)
+    s.add_request(c)
+    hots = []
+    for i in range(8):
+        hots.append(hot(f"h{i}", clock.t))
+        s.add_request(hots[-1])
+    while not c.is_finished:
+        step(s)
+        clock.t += 0.5
+    assert c.fcfs_due_time == 2.5
+    assert c.first_scheduled_time - c.fcfs_due_time >= 2.0  # the bound, counted from its turn
+    assert [h.request_id for h in hots if h.first_scheduled_time is not None] == ["h0", "h1", "h2", "h3"]
+    run_to_end(s)
 
 
 def test_cache_aware_ranks_by_the_length_of_the_hit():
@@ -334,9 +376,12 @@ def test_a_steady_stream_of_hot_requests_does_not_starve_a_cold_one():
 def test_no_request_waits_more_than_the_bound_beyond_the_requests_before_it(policy, arrivals, max_wait_s,
                                                                              max_tokens):
     """One slot; every request holds it ``max_tokens`` steps of 1 s; hot requests are cached
-    (cache-aware) or urgent (priority -1 against 3). Once a request has waited the bound only
-    older ones go before it, so it waits at most the bound plus one turn for each request that
-    arrived before it and one for the request running then: nothing waits forever."""
+    (cache-aware) or urgent (priority -1 against 3). Once a request has aged only older ones go
+    before it. Under priority it ages the bound after it arrived, so it waits at most the bound
+    plus one turn for each request that arrived before it and one for the request running then.
+    Under cache-aware it ages the bound after its FCFS turn, which comes within one turn per
+    request waiting ahead of it on arrival (at most every one before it) plus the running one's:
+    a turn more per request before it. Either way nothing waits forever."""
     clock = Clock()
     s = make(policy, clock, max_wait_s=max_wait_s, num_blocks=512)
     warm(s)
@@ -354,9 +399,10 @@ def test_no_request_waits_more_than_the_bound_beyond_the_requests_before_it(poli
             break
         step(s)
         clock.t += 1.0
+    turns_per_earlier = 2 if policy == "cache-aware" else 1
     for before, r in enumerate(added):
         assert r.is_finished
-        assert r.first_scheduled_time - r.arrival_time <= max_wait_s + max_tokens * (before + 1) + 1
+        assert r.first_scheduled_time - r.arrival_time <= max_wait_s + max_tokens * (turns_per_earlier * before + 2) + 1
 
 
 # ------------------------------------------------------------------------- tenant shares
