@@ -158,25 +158,83 @@ inline void prefetch_row(const T* next, int64_t offset) {
   for (p -= reinterpret_cast<uintptr_t>(p) % 64; p < end; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
+// out[t] = the sum of the lanes of tile[t] for the Vec::size() vectors of a tile (one vector a
+// key): a transposed sum, every key's sum at once. Per key it is about 3 shuffles and adds where
+// reducing each vector alone takes 8 or more in a dependent chain; the order of the additions
+// differs from vec_reduce_all's (a float32 rounding difference, the same for every cache format).
+inline Vec sum_lanes(const float* tile) {
+  constexpr int64_t w = Vec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: keys 2i, 2i+1, lanes 0+2 and 1+3
+    const __m512 x = _mm512_load_ps(tile + 2 * i * w), y = _mm512_load_ps(tile + (2 * i + 1) * w);
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: keys 4i .. 4i+3, that block's sum
+    const __m512d x = _mm512_castps_pd(r[2 * i]), y = _mm512_castps_pd(r[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // blocks: keys 8i..8i+3 over blocks 0+1, 2+3; keys 8i+4.. likewise
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r[4], t[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = _mm256_load_ps(tile + 2 * i * w), y = _mm256_load_ps(tile + (2 * i + 1) * w);
+    r[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(r[2 * i]), y = _mm256_castps_pd(r[2 * i + 1]);
+    t[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20), _mm256_permute2f128_ps(t[0], t[1], 0x31));
+#else
+  float out[w];
+  for (int64_t t = 0; t < w; ++t)
+    out[t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, Vec::loadu(tile + t * w));
+  return Vec::loadu(out);
+#endif
+}
+
 // scores[g * ld + i] = q_g . k_i for GB query heads and `count` K rows `stride` apart; next: where
-// the same rows of the next block start (prefetch_row), or nullptr.
+// the same rows of the next block start (prefetch_row), or nullptr. Vec::size() keys at a time:
+// each key's GB products go to a tile (a vector each), summed per head by sum_lanes; the keys
+// left over one at a time.
 template <int64_t D, int64_t GB, typename T>
 inline void block_scores(const float* q, const T* k, int64_t stride, int64_t count, float* scores, int64_t ld,
                          Prefetcher& ahead, const T* next) {
-  constexpr int64_t n_vec = D / Vec::size();
+  constexpr int64_t n_vec = D / Vec::size(), w = Vec::size();
   Vec qv[GB][n_vec];
   for (int64_t g = 0; g < GB; ++g)
     for (int64_t i = 0; i < n_vec; ++i) qv[g][i] = Vec::loadu(q + g * D + i * Vec::size());
-  for (int64_t j = 0; j < count; ++j) {
+  const auto products = [&](int64_t j, Vec (&a)[GB]) {  // key j's products with each head, unsummed
     Vec kr[n_vec];
     ahead.row();
     prefetch_row<D>(next, j * stride);
     load_row<D>(k + j * stride, kr);
     for (int64_t g = 0; g < GB; ++g) {
-      Vec a = qv[g][0] * kr[0];
-      for (int64_t i = 1; i < n_vec; ++i) a = at::vec::fmadd(qv[g][i], kr[i], a);
-      scores[g * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+      a[g] = qv[g][0] * kr[0];
+      for (int64_t i = 1; i < n_vec; ++i) a[g] = at::vec::fmadd(qv[g][i], kr[i], a[g]);
     }
+  };
+  int64_t j = 0;
+  if (count >= w) {
+    alignas(64) float tile[GB][w * w];
+    for (; j + w <= count; j += w) {
+      for (int64_t t = 0; t < w; ++t) {
+        Vec a[GB];
+        products(j + t, a);
+        for (int64_t g = 0; g < GB; ++g) a[g].store(tile[g] + t * w);
+      }
+      for (int64_t g = 0; g < GB; ++g) sum_lanes(tile[g]).store(scores + g * ld + j);
+    }
+  }
+  for (; j < count; ++j) {
+    Vec a[GB];
+    products(j, a);
+    for (int64_t g = 0; g < GB; ++g)
+      scores[g * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a[g]);
   }
 }
 

@@ -61,7 +61,7 @@ inline float code_value(E4m3Code c) {
   return static_cast<float>(c10::Float8_e4m3fn(c.bits, c10::Float8_e4m3fn::from_bits()));
 }
 
-// Vec::size() codes from p as floats (the codes, not yet scaled).
+// Vec::size() codes from p as floats, not yet scaled: the codes' values / kCodeUnit<C>.
 inline Vec lanes(const Int8Code* p) {
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -74,36 +74,31 @@ inline Vec lanes(const Int8Code* p) {
 #endif
 }
 
-// E4M3 by its bits, every lane at once (a table lookup would be a gather, slow on these ISAs):
-// with e = the exponent field and m the mantissa, a normal code (e > 0) is the float32 whose
-// exponent and mantissa fields are (e + 120, m << 20), since 127 - 7 = 120; a subnormal (e = 0)
-// is m * 2^-9, converted as an integer (exact; no float32 subnormal, so denormals-are-zero modes
-// do not touch it); e and m all ones is NaN; the sign bit moves to bit 31.
+// E4M3 by its bits, every lane at once (a table lookup would be a gather, slow on these ISAs),
+// through float16: a code's exponent and mantissa fields (e, m: 4 and 3 bits, bias 7), shifted
+// left 7 within a 16-bit lane, become a float16's (5 and 10 bits, bias 15) of value code * 2^-8,
+// normal (e > 0) and subnormal (e = 0) alike, since 15 - 7 = 8 and float16's subnormal unit is
+// E4M3's times 2^-8; the sign bit moves from bit 7 to 15 as (x + (x & 0x80)) << 7 carries it. The
+// hardware's float16 conversion (vcvtph2ps, F16C) then gives float32 exactly, and the caller's
+// scale carries the 2^8 back (kCodeUnit: exact, a power of two). E4M3's NaN (e and m all ones)
+// would be float16's 1.875; it is set to float16's NaN (0x7e00) first, so a NaN code stays NaN.
+template <typename C>
+inline constexpr float kCodeUnit = std::is_same_v<C, E4m3Code> ? 256.0f : 1.0f;
+
 inline Vec lanes(const E4m3Code* p) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
-  __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, sub);
-  v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), v,
-                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x80))), 7);
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+  return _mm512_cvtph_ps(_mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00)));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
-  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
-  const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f)));
-  __m256 v = _mm256_blendv_ps(normal, sub, is_sub);
-  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_slli_epi16(_mm_add_epi16(x, _mm_and_si128(x, _mm_set1_epi16(0x80))), 7);
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+  return _mm256_cvtph_ps(_mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan));
 #else
   float f[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = code_value(p[i]);
+  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = code_value(p[i]) / kCodeUnit<E4m3Code>;
   return Vec::loadu(f);
 #endif
 }
@@ -111,7 +106,7 @@ inline Vec lanes(const E4m3Code* p) {
 // A packed row of D values (D a multiple of Vec::size()) into registers, dequantized.
 template <int64_t D, typename C>
 inline void load_row(const C* p, Vec (&r)[D / Vec::size()]) {
-  const Vec scale(row_scale(p, D));
+  const Vec scale(row_scale(p, D) * kCodeUnit<C>);
   for (int64_t i = 0; i < D / Vec::size(); ++i) r[i] = lanes(p + i * Vec::size()) * scale;
 }
 
@@ -119,7 +114,7 @@ inline void load_row(const C* p, Vec (&r)[D / Vec::size()]) {
 template <typename C>
 inline void to_float(const C* src, float* dst, int64_t n) {
   const float scale = row_scale(src, n);
-  const Vec s(scale);
+  const Vec s(scale * kCodeUnit<C>);
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) (lanes(src + i) * s).store(dst + i);
   for (; i < n; ++i) dst[i] = code_value(src[i]) * scale;
@@ -135,7 +130,7 @@ inline void to_type(const C* src, T* dst, int64_t n) {
   } else {
     constexpr int64_t w = Vec::size();
     const float scale = row_scale(src, n);
-    const Vec s(scale);
+    const Vec s(scale * kCodeUnit<C>);
     int64_t i = 0;
     for (; i + 2 * w <= n; i += 2 * w)
       at::vec::convert_from_float<T>(lanes(src + i) * s, lanes(src + i + w) * s).store(dst + i);
