@@ -76,14 +76,20 @@ def paged_attention(
     return attend(q, k, v, k_cache, v_cache, batch, scale, window, sinks, v_dim=v_dim)
 
 
+def _write_slots(batch: ForwardBatch, window: int | None) -> torch.Tensor:
+    """The cache slots this step's rows go to: the window pool's for a sliding-window layer with
+    a pool of its own, else the main pool's."""
+    view = batch.kv_view(window)
+    return view.slot_mapping if view is not None else batch.slot_mapping
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
              window: int | None) -> None:
     """This step's K/V into the paged cache (the window pool's slots for a layer with one); a
     latent cache (``KVLayout.latent``) is its own V: written once. An 8-bit cache
     (``kv_quant``) takes each row quantized as it is written."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    view = batch.kv_view(window)  # a sliding-window layer with a pool of its own
-    slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
+    slot_mapping = _write_slots(batch, window)
     flats = [(k_cache, k)] if v_cache is k_cache else [(k_cache, k), (v_cache, v)]
     for cache, rows in flats:
         if kv_quant.is_quantized(cache):
@@ -102,8 +108,7 @@ def write_kv_stored(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                     batch: ForwardBatch, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``write_kv`` into 8-bit caches (``kv_quant``), returning every row of k and v as stored, read
     back in float32 (``kv_quant.as_stored``'s values, from the write op's own pass)."""
-    view = batch.kv_view(window)
-    slot_mapping = view.slot_mapping if view is not None else batch.slot_mapping
+    slot_mapping = _write_slots(batch, window)
     k_stored = kv_write.kv_write_8bit_stored(k, k_cache, slot_mapping, batch.write_index)
     if v_cache is k_cache:  # a latent cache is its own V
         return k_stored, k_stored
