@@ -59,7 +59,7 @@ class Request:
     # from then on ranks before every priority, waiting or running
     aged: bool = False
     # The cache-aware policy's aging clock (scheduling_policy.py): when first come, first served
-    # would have admitted it (as many admissions as requests waited ahead of it on arrival)
+    # would have admitted it (as many admissions as fcfs's order had ahead of it on arrival)
     fcfs_due_time: float | None = None
 
     @property

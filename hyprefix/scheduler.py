@@ -107,7 +107,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.policy.arrived(request, self.waiting, self._running_in_group, self.clock())
+        self.policy.arrived(request, self.waiting, self._running_in_group)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -321,7 +321,7 @@ class Scheduler:
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.policy.arrived(request, None, self._running_in_group, self.clock())  # FCFS puts it first again
+        self.policy.arrived(request, None, self._running_in_group)  # FCFS puts it first again
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------- update

@@ -216,8 +216,7 @@ class Fcfs:
         preempted (and so put back to wait): only then may fairness preempt it."""
         return True
 
-    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int],
-                now: float) -> None:
+    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int]) -> None:
         """``request`` is about to join ``waiting`` (None: a preempted one, which goes first)."""
 
     def admitted(self, count: int, now: float) -> None:
@@ -274,8 +273,7 @@ class CacheAware(Fcfs):
         self._turns: list[tuple[int, int, Request]] = []  # a min-heap of (FCFS turn, seq, request) not yet due
         self._seq = itertools.count()
 
-    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int],
-                now: float) -> None:
+    def arrived(self, request: Request, waiting: WaitQueue | None, running_in_group: Mapping[str, int]) -> None:
         if request.fcfs_due_time is not None:  # preempted after its turn came: it keeps that time
             return
         ahead = 0 if waiting is None else waiting.ahead_of_new(request, running_in_group)

@@ -71,10 +71,9 @@ class WaitQueue:
         own = request.group_id
         k = len(self._groups.get(own, ()))
         mine = num_running.get(own, 0)
-        if k == 0:  # one of every other waiting group, less those that run more than its group
-            others = len(self._groups) - (own in self._groups)
-            return others - sum(1 for group, running in num_running.items()
-                                if running > mine and group != own and group in self._groups)
+        if k == 0:  # one of every waiting group (its own has none), less those that run more than its group
+            return len(self._groups) - sum(1 for group, running in num_running.items()
+                                           if running > mine and group in self._groups)
         return k + sum(min(len(queue), k + (num_running.get(group, 0) <= mine))
                        for group, queue in self._groups.items() if group != own)
 

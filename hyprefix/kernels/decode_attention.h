@@ -218,17 +218,15 @@ inline void block_scores(const float* q, const T* k, int64_t stride, int64_t cou
       for (int64_t i = 1; i < n_vec; ++i) a[g] = at::vec::fmadd(qv[g][i], kr[i], a[g]);
     }
   };
+  alignas(64) float tile[GB][w * w];
   int64_t j = 0;
-  if (count >= w) {
-    alignas(64) float tile[GB][w * w];
-    for (; j + w <= count; j += w) {
-      for (int64_t t = 0; t < w; ++t) {
-        Vec a[GB];
-        products(j + t, a);
-        for (int64_t g = 0; g < GB; ++g) a[g].store(tile[g] + t * w);
-      }
-      for (int64_t g = 0; g < GB; ++g) sum_lanes(tile[g]).store(scores + g * ld + j);
+  for (; j + w <= count; j += w) {
+    for (int64_t t = 0; t < w; ++t) {
+      Vec a[GB];
+      products(j + t, a);
+      for (int64_t g = 0; g < GB; ++g) a[g].store(tile[g] + t * w);
     }
+    for (int64_t g = 0; g < GB; ++g) sum_lanes(tile[g]).store(scores + g * ld + j);
   }
   for (; j < count; ++j) {
     Vec a[GB];

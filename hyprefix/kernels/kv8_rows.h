@@ -21,7 +21,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
