@@ -7,6 +7,7 @@ import warnings
 from dataclasses import InitVar, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from hyprefix.cache.kv_eviction import POLICIES as KV_EVICTION_POLICIES
 from hyprefix.sampling import MAX_PRIORITY, MIN_PRIORITY
 
 if TYPE_CHECKING:
@@ -106,6 +107,14 @@ class EngineArgs:
         "does for KV): lru = the least recently used; cost-aware = the one with the least recency + prefill "
         "FLOPs a hit on it saves (Marconi's utility: a long conversation's checkpoint outlives short one-off "
         "prompts' even when older). Retained checkpoints go last under both"), "choices": STATE_EVICTION_POLICIES})
+    # cache/kv_eviction.py; docs/architecture.md "Prefix caching".
+    kv_cache_eviction_policy: str = field(default="lru", metadata={"help": (
+        "which free KV block is reused when the pool is full: lru = the least recently freed (a request's "
+        "blocks are freed tail first); cost-aware = one without a hash first, else among the least recently "
+        "freed a cached block no cached block extends (chains stay whole), the one with the least recency + "
+        "prefill FLOPs of recomputing it (Marconi's utility, as --state-cache-eviction-policy's: a deep block of "
+        "a long conversation outlives a short one-off prompt's). Retained blocks go last under both"),
+        "choices": KV_EVICTION_POLICIES})
     # models/recurrent_state.py: the matrix states of live slots and checkpoints.
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"help": (
         "hybrid models: dtype of the recurrent matrix states (Mamba2's SSM state, Gated DeltaNet's delta-rule "
@@ -215,9 +224,10 @@ class EngineArgs:
             raise ValueError(f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.state_cache_eviction_policy not in STATE_EVICTION_POLICIES:
-            raise ValueError(f"state_cache_eviction_policy must be one of {STATE_EVICTION_POLICIES}, got "
-                             f"{self.state_cache_eviction_policy!r}")
+        for name, policies in (("state_cache_eviction_policy", STATE_EVICTION_POLICIES),
+                               ("kv_cache_eviction_policy", KV_EVICTION_POLICIES)):
+            if getattr(self, name) not in policies:
+                raise ValueError(f"{name} must be one of {policies}, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         wait = self.scheduling_max_wait_s

@@ -61,6 +61,7 @@ class CacheConfig:
     disk: DiskCacheConfig | None
     kv_cache_dtype: str = "auto"  # one of ``config.KV_CACHE_DTYPES`` (models/kv_quant.py)
     state_eviction_policy: str = "lru"  # one of ``config.STATE_EVICTION_POLICIES`` (cache/checkpoint_policy.py)
+    kv_eviction_policy: str = "lru"  # one of ``config.KV_EVICTION_POLICIES`` (cache/kv_eviction.py)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class EngineConfig:
                               args.max_state_checkpoints,
                               "bfloat16" if args.mamba_ssm_cache_dtype == "bfloat16" else "float32",
                               args.swa_full_tokens_ratio, args.disable_hybrid_swa_memory, disk, args.kv_cache_dtype,
-                              args.state_cache_eviction_policy),
+                              args.state_cache_eviction_policy, args.kv_cache_eviction_policy),
             scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                       speculative=args.speculative_config, policy=args.scheduling_policy,
                                       max_wait_s=args.scheduling_max_wait_s,

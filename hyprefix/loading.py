@@ -17,6 +17,7 @@ import torch
 from hyprefix.cache.checkpoint_policy import CheckpointPolicy
 from hyprefix.cache.coordinator import CacheCoordinator
 from hyprefix.cache.events import EventLog
+from hyprefix.cache.kv_eviction import KVEvictionPolicy
 from hyprefix.cache.plan import PoolPlan, build_cache, plan_pools
 from hyprefix.disk.connector import DiskConnector
 from hyprefix.engine_config import EngineConfig
@@ -77,11 +78,13 @@ def load_parts(config: EngineConfig) -> EngineParts:
                       state_bytes)
     events = EventLog(enabled=config.events is not None)
     max_seqs = config.scheduler.max_num_seqs
+    cost = recompute_cost(model)  # what a state checkpoint's hit or a KV block's recompute is worth
     cache = build_cache(plan.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                         loaded.identity, events, max_seqs, attention=bool(layout.num_layers), window=plan.window,
                         window_blocks=plan.num_window_blocks,
                         checkpoints=plan.num_checkpoints if model.state_layout is not None else None,
-                        checkpoint_policy=CheckpointPolicy(cache_config.state_eviction_policy, recompute_cost(model)))
+                        checkpoint_policy=CheckpointPolicy(cache_config.state_eviction_policy, cost),
+                        kv_eviction=KVEvictionPolicy(cache_config.kv_eviction_policy, cost, cache_config.block_size))
     k = config.speculative.k if config.speculative is not None else 0
     # Hybrids verify drafts in as many rows a step as their scratch states fit in its budget.
     draft_rows = min(max_seqs, max(1, SPEC_SCRATCH_BYTES // (k * state_bytes))) if k and state_bytes else None

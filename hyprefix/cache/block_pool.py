@@ -8,6 +8,10 @@ Invariants (see ``check_invariants``):
 - retained blocks (``mark_retained``: a finished request's prefix kept for a while,
   ``retention.py``) are reused only when no other free block is left: free ones wait
   in a list of their own, in the order they were freed.
+
+Which unretained free block is reused is the eviction policy's (``kv_eviction.py``): ``lru``
+(the default, no policy object) pops the least recently freed; ``cost-aware`` keeps chains
+whole and weighs recency against recompute FLOPs (a ``ChainBook`` the pool keeps informed).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from hyprefix.cache.events import BlockRemoved, EventLog, SaveLog
+from hyprefix.cache.kv_eviction import ChainBook, KVEvictionPolicy
 
 
 @dataclass
@@ -36,7 +41,8 @@ class ImportHold:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None,
+                 eviction: KVEvictionPolicy | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -52,6 +58,14 @@ class BlockPool:
         # What a lower tier saves (evicted and, write-through, published blocks); None: no lower tier.
         self.save_log: SaveLog | None = None
         self._import_refs: Counter[int] = Counter()  # references ImportHolds keep (``reserve_import``)
+        self._chains: ChainBook | None = None  # LRU: the O(1) pop, nothing tracked
+        if eviction is not None and eviction.cost_aware:  # chains (``publish``'s parents) and free leaves
+            self._chains = ChainBook(eviction, num_blocks, self._free)
+
+    @property
+    def tracks_chains(self) -> bool:
+        """Whether ``publish`` wants each block's parent and chain index (cost-aware eviction)."""
+        return self._chains is not None
 
     @property
     def num_blocks(self) -> int:
@@ -86,7 +100,11 @@ class BlockPool:
         ids = []
         for _ in range(n):
             if self._free:
-                block_id, _ = self._free.popitem(last=False)
+                if self._chains is None:  # LRU
+                    block_id, _ = self._free.popitem(last=False)
+                else:
+                    block_id = self._chains.victim()
+                    del self._free[block_id]
             else:  # only retained blocks are left: the least recently freed goes, its retention with it
                 block_id, _ = self._free_retained.popitem(last=False)
                 self._retained.discard(block_id)
@@ -107,6 +125,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del (self._free_retained if block_id in self._retained else self._free)[block_id]
+                if self._chains is not None:
+                    self._chains.taken(block_id)
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
             block.ref_cnt += 1
@@ -119,7 +139,12 @@ class BlockPool:
             assert block.ref_cnt > 0, f"block {block_id} released with ref count 0"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (self._free_retained if block_id in self._retained else self._free)[block_id] = None
+                if block_id in self._retained:
+                    self._free_retained[block_id] = None
+                else:
+                    self._free[block_id] = None
+                    if self._chains is not None:
+                        self._chains.freed(block_id, block.block_hash is not None)
                 if block.block_hash is not None:
                     self._num_cached_free += 1
 
@@ -130,15 +155,21 @@ class BlockPool:
         """Every (hash, block id) the index holds."""
         return list(self._hash_index.items())
 
-    def publish(self, block_id: int, block_hash: bytes) -> bool:
+    def publish(self, block_id: int, block_hash: bytes, parent: int | None = None, chain_index: int = 0) -> bool:
         """Make a block findable under ``block_hash``. A hash already in the index
-        keeps its block; the new one stays private. Returns whether it was added."""
+        keeps its block; the new one stays private. Returns whether it was added.
+        ``parent`` (the block indexed under the chain's previous hash; None for the first,
+        ``chain_index`` 0) and ``chain_index`` matter only when ``tracks_chains``."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0, f"publishing free block {block_id}"
         if block.block_hash is not None or block_hash in self._hash_index:
+            if self._chains is not None and block.block_hash is None:
+                self._chains.adopt(self._hash_index[block_hash], parent)
             return False
         block.block_hash = block_hash
         self._hash_index[block_hash] = block_id
+        if self._chains is not None:
+            self._chains.published(block_id, parent, chain_index)
         if self.save_log is not None and self.save_log.on_publish:
             self.save_log.entries.append((block_hash, block_id))
         return True
@@ -158,6 +189,8 @@ class BlockPool:
                 self._drop_hash(block)
                 dropped += 1
         self._num_cached_free = 0
+        if self._chains is not None:
+            self._chains.reset()
         return dropped
 
     def _drop_hash(self, block: Block) -> None:
@@ -166,6 +199,8 @@ class BlockPool:
                 del self._hash_index[block.block_hash]
                 self._forgotten.append(block.block_hash)
                 self.events.add(BlockRemoved([block.block_hash]))
+                if self._chains is not None:
+                    self._chains.dropped(block.block_id)
             block.block_hash = None
 
     # -------------------------------------------------------------- retention
@@ -180,6 +215,8 @@ class BlockPool:
             if self.blocks[block_id].ref_cnt == 0:
                 del self._free[block_id]
                 self._free_retained[block_id] = None
+                if self._chains is not None:
+                    self._chains.taken(block_id)
 
     def unmark_retained(self, block_ids: list[int]) -> None:
         """End the retention of these blocks (pass a chain head first): free ones join the free list
@@ -191,6 +228,8 @@ class BlockPool:
             if block_id in self._free_retained:
                 del self._free_retained[block_id]
                 self._free[block_id] = None
+                if self._chains is not None:
+                    self._chains.freed(block_id, self.blocks[block_id].block_hash is not None)
 
     def retained_ids(self) -> set[int]:
         return set(self._retained)
@@ -251,3 +290,5 @@ class BlockPool:
         assert hashed == len(self._hash_index), "a block carries a hash the index does not know"
         cached_free = sum(1 for i in [*self._free, *self._free_retained] if self.blocks[i].block_hash is not None)
         assert cached_free == self._num_cached_free, "cached-free counter out of sync"
+        if self._chains is not None:
+            self._chains.check([b.block_hash for b in self.blocks])

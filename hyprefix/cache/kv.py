@@ -14,6 +14,8 @@ Rules this module keeps (see docs/architecture.md):
   next waits instead of computing it again. Pending entries die with the
   request that owns them (finish, abort, preemption).
 - Blocks are released tail first, so chain tails are evicted before heads.
+- Block i of a table is published after block i - 1, so a pool that keeps chains whole
+  (``--kv-cache-eviction-policy cost-aware``, ``kv_eviction.py``) learns each block's parent.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ from __future__ import annotations
 from hyprefix.cache.block_pool import BlockPool, ImportHold
 from hyprefix.cache.events import BlockStored, EventLog
 from hyprefix.cache.hashing import extend_hashes, root_hash
+from hyprefix.cache.kv_eviction import KVEvictionPolicy
 from hyprefix.request import Request
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_identity: str = "", events: EventLog | None = None) -> None:
+                 model_identity: str = "", events: EventLog | None = None,
+                 eviction: KVEvictionPolicy | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_identity = model_identity
-        self.pool = BlockPool(num_blocks, events)
+        self.pool = BlockPool(num_blocks, events, eviction)  # eviction None: LRU
         self.events = self.pool.events
         self._tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}
@@ -165,8 +169,9 @@ class KVCacheManager:
             return 0
         hashes = self.update_hashes(request)
         added: list[int] = []
+        chains = self.pool.tracks_chains
         for i in range(done, full):
-            if self.pool.publish(table[i], hashes[i]):
+            if self.pool.publish(table[i], hashes[i], self._parent(hashes, i) if chains else None, i):
                 added.append(i)
             if self._pending.get(hashes[i]) == rid:
                 del self._pending[hashes[i]]
@@ -189,12 +194,19 @@ class KVCacheManager:
         blocks ``first_block, first_block + 1, ...`` and let them and the prefix go (tail first):
         cached, findable, held by nobody. Returns how many were indexed (a hash another block got
         meanwhile leaves its copy private, and it returns to the free list unindexed)."""
-        added = [first_block + i for i, b in enumerate(hold.blocks)
-                 if self.pool.publish(b, request.block_hashes[first_block + i])]
+        hashes, chains = request.block_hashes, self.pool.tracks_chains
+        added = [i for i, b in enumerate(hold.blocks, first_block)
+                 if self.pool.publish(b, hashes[i], self._parent(hashes, i) if chains else None, i)]
         if self.events.enabled and added:
             self._announce(request, added)
         self.pool.end_import(hold)
         return len(added)
+
+    def _parent(self, hashes: list[bytes], index: int) -> int | None:
+        """The parent of a request's block ``index`` for a pool that ``tracks_chains``: whichever
+        block the previous hash is indexed under now (published before it, by this request or
+        another; None for the first block, or when that hash has gone since)."""
+        return self.pool.lookup(hashes[index - 1]) if index else None
 
     def _announce(self, request: Request, indices: list[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly indexed blocks."""

@@ -17,6 +17,7 @@ from hyprefix.cache.checkpoint_policy import CheckpointPolicy
 from hyprefix.cache.coordinator import AttentionKV, CacheCoordinator, CacheKind
 from hyprefix.cache.events import EventLog
 from hyprefix.cache.kv import KVCacheManager
+from hyprefix.cache.kv_eviction import KVEvictionPolicy
 from hyprefix.cache.recurrent import RecurrentStateCache
 from hyprefix.cache.sliding import SlidingWindowKV
 from hyprefix.cache.state_pool import StatePool
@@ -101,15 +102,17 @@ def checkpoint_slots(args: CacheConfig, state_bytes: int) -> int:
 
 def build_cache(num_blocks: int, block_size: int, caching: bool, model_identity: str, events: EventLog | None,
                 max_seqs: int, attention: bool = True, window: int | None = None, window_blocks: int = 0,
-                checkpoints: int | None = None, checkpoint_policy: CheckpointPolicy | None = None) -> CacheCoordinator:
+                checkpoints: int | None = None, checkpoint_policy: CheckpointPolicy | None = None,
+                kv_eviction: KVEvictionPolicy | None = None) -> CacheCoordinator:
     """The cache of a model with full-attention layers (``attention``), sliding-window
     layers with a pool of ``window_blocks`` of their own (``window``) and recurrent layers
     with ``checkpoints`` checkpoint slots (None: no recurrent layers) that ``checkpoint_policy``
-    evicts (None: LRU), as the engine wires it."""
+    evicts (None: LRU), as the engine wires it. ``kv_eviction`` picks the main pool's victims
+    (None: LRU); the window pool's stay LRU (its blocks leave as the window moves)."""
     kinds: list[CacheKind] = [AttentionKV()] if attention else []
     if window is not None:
         kinds.append(SlidingWindowKV(window_blocks, block_size, window, caching))
     if checkpoints is not None:
         kinds.append(RecurrentStateCache(StatePool(max_seqs, checkpoints, events, checkpoint_policy), block_size))
-    kv = KVCacheManager(num_blocks, block_size, caching, model_identity, events)
+    kv = KVCacheManager(num_blocks, block_size, caching, model_identity, events, kv_eviction)
     return CacheCoordinator(kv, kinds)

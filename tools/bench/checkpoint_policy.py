@@ -84,6 +84,12 @@ def run(args: argparse.Namespace, workload: str, capacity: int, arm: Arm) -> dic
     if arm.alpha is not None or arm.admission:
         pool.policy = dataclasses.replace(pool.policy, alpha=pool.policy.alpha if arm.alpha is None else arm.alpha,
                                           admission=arm.admission)
+    return drive(llm, args, workload)
+
+
+def drive(llm: LLM, args: argparse.Namespace, workload: str) -> dict[str, float]:
+    """Send ``workload``'s rounds to ``llm``; its token hit rate ("hit"), the long requests' ("long")
+    and the prompt tokens ("prompt"). Also ``tools/bench/kv_eviction_policy.py``'s driver."""
     rng = random.Random(args.seed + 1)
     heads = [tokens(rng, args.first_len) for _ in range(max(args.conversations, args.turns))]
     history = [list(h) for h in heads]
@@ -113,6 +119,21 @@ def run(args: argparse.Namespace, workload: str, capacity: int, arm: Arm) -> dic
             "prompt": skipped + computed}
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workloads' shape (``rounds``, ``drive``), shared with ``tools/bench/kv_eviction_policy.py``."""
+    p.add_argument("--conversations", type=int, default=6, help="long conversations (chat) or documents (docs)")
+    p.add_argument("--turns", type=int, default=6, help="rounds: turns of each conversation, questions per document")
+    p.add_argument("--oneoffs", type=int, default=4, help="unique one-off prompts sent beside each long request")
+    p.add_argument("--first-len", type=int, default=400, help="tokens of a conversation's first prompt / a document")
+    p.add_argument("--user-len", type=int, default=40, help="tokens of each new user message / question")
+    p.add_argument("--answer-len", type=int, default=24, help="tokens of each answer")
+    p.add_argument("--oneoff-len", type=int, nargs=2, default=[40, 160], metavar=("MIN", "MAX"),
+                   help="tokens of a one-off prompt, drawn uniformly")
+    p.add_argument("--hot", type=int, default=16, help="churn: the short prompts repeated round robin")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences running at once")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -124,18 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=["lru", "cost-aware"],
                    help="policies: lru, cost-aware, cost-aware:ALPHA, cost-aware:ALPHA:admit (with the "
                         "admission rule)")
-    p.add_argument("--conversations", type=int, default=6, help="long conversations (chat) or documents (docs)")
-    p.add_argument("--turns", type=int, default=6, help="rounds: turns of each conversation, questions per document")
-    p.add_argument("--oneoffs", type=int, default=4, help="unique one-off prompts sent beside each long request")
-    p.add_argument("--first-len", type=int, default=400, help="tokens of a conversation's first prompt / a document")
-    p.add_argument("--user-len", type=int, default=40, help="tokens of each new user message / question")
-    p.add_argument("--answer-len", type=int, default=24, help="tokens of each answer")
-    p.add_argument("--oneoff-len", type=int, nargs=2, default=[40, 160], metavar=("MIN", "MAX"),
-                   help="tokens of a one-off prompt, drawn uniformly")
-    p.add_argument("--hot", type=int, default=16, help="churn: the short prompts repeated round robin")
     p.add_argument("--kv-blocks", type=int, default=4096, help="KV pool blocks (large: the checkpoints bind)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences running at once")
-    p.add_argument("--seed", type=int, default=0, help="seed of the token ids")
+    add_workload_arguments(p)
     args = p.parse_args(argv)
     arms = [parse_arm(a) for a in args.arms]
     print("| workload | checkpoint slots | policy | token hit rate | long requests' hit rate |")
