@@ -126,7 +126,7 @@ def test_multi_turn_against_the_server(server, tmp_path: Path, capsys, extra):
 
 
 @pytest.mark.slow
-def test_served_and_offline_arms_in_one_run(server, tmp_path: Path, capsys):
+def test_served_and_offline_arms_in_one_run(server, tmp_path: Path, capsys, small_matmul_peak):
     """``--url`` beside an in-process arm on the same model: both run interleaved, and the
     report sets the server against the offline engine; throughput takes ``--url`` too."""
     out = tmp_path / "mixed.json"

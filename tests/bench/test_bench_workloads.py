@@ -4,7 +4,6 @@ rates, never timings)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from dataclasses import replace
@@ -443,7 +442,7 @@ def test_end_to_end(workload: str, tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
+def test_throughput_end_to_end(tmp_path: Path, capsys, small_matmul_peak) -> None:
     out = tmp_path / "throughput.json"
     assert main(["--log-level", "WARNING", "bench", "--workload", "throughput", "--model", "demo-dense-tiny",
                  "--repeats", "1", "--prompt-len", "24", "--decode-prompt-len", "8", "--arms",
@@ -481,9 +480,9 @@ def test_throughput_end_to_end(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("which", ["demo-hybrid-tiny", "mamba2"])
-def test_throughput_on_hybrid_and_mamba2_models(which: str, request, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_throughput_on_hybrid_and_mamba2_models(which: str, request, tmp_path: Path, capsys,
+                                                small_matmul_peak) -> None:
     """KV bytes, state bytes and FLOPs come from the engine's model, whatever its kind (issue 17)."""
-    monkeypatch.setattr(env, "measure_matmul_peak", functools.partial(env.measure_matmul_peak, m=64, k=64, n=64))
     model = str(request.getfixturevalue("hybrid_models")["mamba2"][0]) if which == "mamba2" else which
     out = tmp_path / "throughput.json"
     assert main(["--log-level", "WARNING", "bench", "--workload", "throughput", "--model", model, "--dtype",

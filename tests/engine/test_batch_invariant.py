@@ -49,8 +49,12 @@ def _others(count: int, seed: int) -> list[list[int]]:
 def _assert_invariant(path, dtype: str, **kwargs) -> None:
     target = random_prompts([6 * BLOCK], seed=5)[0]  # whole blocks: a repeat is a full hit
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    # one engine of each kind serves both samplings (the chunked one's cache is emptied before each)
+    plain = _llm(path, dtype, enable_prefix_caching=False, max_num_seqs=16, **kwargs)
+    waves = _llm(path, dtype, enable_prefix_caching=False, max_num_seqs=4, **kwargs)
+    chunked = _llm(path, dtype, max_num_batched_tokens=BLOCK, **kwargs)
     for params in (GREEDY, SEEDED):
-        plain = _llm(path, dtype, enable_prefix_caching=False, max_num_seqs=16, **kwargs)
+        chunked.reset_prefix_cache()
         alone = _results(plain, [target], params)[0]
         assert len(alone[0]) == params.max_tokens and all(len(pos) >= 5 for pos in alone[1])
         # beside 15 others of other lengths, first and last in the batch (every row's matmuls and
@@ -60,12 +64,10 @@ def _assert_invariant(path, dtype: str, **kwargs) -> None:
         assert _results(plain, [*others, target], params)[-1] == alone
         # four running at a time: the others finish after one or two tokens and the waiting ones
         # prefill while the target decodes
-        waves = _llm(path, dtype, enable_prefix_caching=False, max_num_seqs=4, **kwargs)
         mixed = _results(waves, [target, *others[:11]], [params] + [short] * 11)
         assert mixed[0] == alone
         # its prompt in chunks of 16 tokens (beside the others' chunks), its prefix from the
         # cache (another prompt's first 64 tokens), and its whole prompt from the cache
-        chunked = _llm(path, dtype, max_num_batched_tokens=BLOCK, **kwargs)
         assert _results(chunked, [target, *others[:3]], params)[0] == alone
         chunked.reset_prefix_cache()
         chunked.generate([target[:64] + random_prompts([9], seed=7)[0]], short, use_tqdm=False)
