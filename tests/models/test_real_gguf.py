@@ -193,13 +193,16 @@ def test_gemma3_greedy_equals_transformers_with_prefix_hits_across_the_window(ge
     rounds = [[a, b], [a[:600] + tail, a, b[:620] + tail]]  # round 2 shares 600+ tokens with round 1
     assert all(600 <= len(p) <= 900 for r in rounds for p in r)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    expected: dict[tuple[int, ...], list[int]] = {}  # transformers' tokens of each prompt (a repeats)
     for i, prompts in enumerate(rounds):
         outs = gemma_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for prompt, out in zip(prompts, outs, strict=True):
-            with torch.no_grad():
-                ref = gemma_hf.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)
-            assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"round {i} len {len(prompt)}"
+            if tuple(prompt) not in expected:
+                with torch.no_grad():
+                    ref = gemma_hf.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens,
+                                            do_sample=False, eos_token_id=None, pad_token_id=0)
+                expected[tuple(prompt)] = ref[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == expected[tuple(prompt)], f"round {i} len {len(prompt)}"
             if i == 1:
                 assert out.num_cached_tokens > GEMMA3_WINDOW, f"len {len(prompt)}: {out.num_cached_tokens} cached"
     gemma_llm.check_invariants()
