@@ -169,9 +169,8 @@ class KVCacheManager:
             return 0
         hashes = self.update_hashes(request)
         added: list[int] = []
-        chains = self.pool.tracks_chains
         for i in range(done, full):
-            if self.pool.publish(table[i], hashes[i], self._parent(hashes, i) if chains else None, i):
+            if self.pool.publish(table[i], hashes[i], self._parent(hashes, i), i):
                 added.append(i)
             if self._pending.get(hashes[i]) == rid:
                 del self._pending[hashes[i]]
@@ -194,19 +193,19 @@ class KVCacheManager:
         blocks ``first_block, first_block + 1, ...`` and let them and the prefix go (tail first):
         cached, findable, held by nobody. Returns how many were indexed (a hash another block got
         meanwhile leaves its copy private, and it returns to the free list unindexed)."""
-        hashes, chains = request.block_hashes, self.pool.tracks_chains
+        hashes = request.block_hashes
         added = [i for i, b in enumerate(hold.blocks, first_block)
-                 if self.pool.publish(b, hashes[i], self._parent(hashes, i) if chains else None, i)]
+                 if self.pool.publish(b, hashes[i], self._parent(hashes, i), i)]
         if self.events.enabled and added:
             self._announce(request, added)
         self.pool.end_import(hold)
         return len(added)
 
     def _parent(self, hashes: list[bytes], index: int) -> int | None:
-        """The parent of a request's block ``index`` for a pool that ``tracks_chains``: whichever
-        block the previous hash is indexed under now (published before it, by this request or
-        another; None for the first block, or when that hash has gone since)."""
-        return self.pool.lookup(hashes[index - 1]) if index else None
+        """The parent of a request's block ``index``: whichever block the previous hash is indexed
+        under now (published before it, by this request or another; None for the first block, when
+        that hash has gone since, or when the pool does not track chains, an LRU pool)."""
+        return self.pool.lookup(hashes[index - 1]) if index and self.pool.tracks_chains else None
 
     def _announce(self, request: Request, indices: list[int]) -> None:
         """One ``BlockStored`` per run of consecutive newly indexed blocks."""

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacities", nargs="+", type=int, default=[96, 160, 256], help="KV pool blocks (--num-kv-blocks)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="--kv-cache-eviction-policy")
     p.add_argument("--window", type=int, default=None,
-                   help="cost-aware: the free blocks it weighs (default: kv_eviction.DEFAULT_WINDOW)")
+                   help="cost-aware: the least recently freed leaves it weighs (default: kv_eviction.DEFAULT_WINDOW)")
     p.add_argument("--checkpoints", type=int, default=4096,
                    help="hybrids: state checkpoint slots (large: the KV pool binds)")
     p.add_argument("--alloc-cost", action="store_true", help="print the pool's cost per allocated block instead")
