@@ -28,6 +28,7 @@ struct GroupedActivations {  // per row: K int8 values, and per group its scale 
   std::vector<float> scales;
   std::vector<int32_t> starts;
   std::vector<int32_t> halves;  // per group, the sums of its two runs of 16 values (quant_tiles.h's offsets)
+  std::vector<float> sums;      // per group, scale * the sum of its 32 values (quant_tiles.h's Q4 and Q4K offsets)
 };
 
 // Per-group weight scales are float16 (bits), per-row ones float32.
@@ -199,6 +200,7 @@ template <typename T>
 inline void quantize_span(const T* x, int64_t begin, int64_t end, GroupedActivations& q) {
   for (int64_t i = begin; i < end; ++i) {
     q.starts[i] = quantize_group(x + i * kGroup, q.values.data() + i * kGroup, &q.scales[i], &q.halves[2 * i]);
+    q.sums[i] = q.scales[i] * static_cast<float>(q.halves[2 * i] + q.halves[2 * i + 1]);
   }
 }
 
@@ -207,6 +209,7 @@ inline void size_for(GroupedActivations& q, int64_t rows, int64_t k) {
   q.scales.resize(rows * (k / kGroup));
   q.starts.resize(rows * (k / kGroup));
   q.halves.resize(2 * rows * (k / kGroup));
+  q.sums.resize(rows * (k / kGroup));
 }
 
 template <typename T>

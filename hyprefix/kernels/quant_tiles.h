@@ -32,7 +32,9 @@
 // of unsigned bytes. A group's sum over its 32 columns is exact in int32 (AVX512-VNNI: VPDPBUSD of
 // the unsigned weights and signed activations; AVX2: VPMADDUBSW, whose pairs cannot saturate as the
 // weights are below 64, then VPMADDWD), then scaled in float: Q4 adds s * x_scale * sum(q x) and
-// o * x_scale * sum(x) (Q4K the same, its s and o made from the two levels); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
+// o * x_scale * sum(x) (Q4K the same, its s and o made from the two levels; AVX-512 keeps each
+// line's high nibbles in place, 16 times their value, and sums Q4K's scale codes over a super-block
+// before d and dmin: q4_tile_rows); Q6 starts each half's int32 sum at -32 * sum(x) of its 16 activations and
 // adds d * scale * x_scale * sum; MX4 looks each code up (VPSHUFB) as its value plus 12, an unsigned
 // byte below 25, and adds 2^(e - 128) * x_scale * (sum - 12 * sum(x)). Up to 4 activation rows share
 // each weight load (prefill).
@@ -157,105 +159,173 @@ inline __m512 uint8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MB activation rows times one Q4, Q4K or Q6 tile: the 16 rows' results of each into out[i].
-template <TileFormat F, int MB, int NH>  // NH: the AVX2 version's halves a pass (a zmm holds all 16 rows)
-inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
-                            const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+// MB activation rows times one Q4 or Q4K tile (AVX-512). Each line's high nibbles stay in place
+// (masked, not shifted: 16 times their value), so a group's dot is 16 * first + second, and the
+// 1/16 is applied once: Q4K per super-block with d, Q4 at the end. Q4K sums a super-block's 8
+// groups as sum(sc * dot * x_scale) and sum(m * x_scale * sum(x)), then adds d / 16 and -dmin
+// times them: fewer operations a group, which set the kernel's rate once its codes are in cache
+// (docs/perf-log.md, 2026-12-07). A row's operations are the same whatever MB is.
+template <TileFormat F, int MB>
+inline void q4_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
+                         const GroupedActivations& q, int64_t m0, float (*out)[16]) {
   const int64_t groups = k / kGroup;
-  const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
-  const __m512i lifted = _mm512_broadcast_i32x4(_mm_setr_epi8(HYPREFIX_MXFP4_LIFTED));
+  const int64_t run = F == TileFormat::kQ4K ? 8 : groups;  // groups a scale sum spans
+  const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8(static_cast<char>(0xf0));
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = tile + g * group_bytes(F);
-    if (m0 == 0)  // later row blocks find the tile in cache
-      for (int j = 0; j < group_bytes(F) / 64; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
-    const int32_t* x[MB];
-    __m512i first[MB], second[MB];  // Q4: even and odd lines; Q6: the two runs of 16
-    for (int i = 0; i < MB; ++i) {
-      const int64_t at = (m0 + i) * groups + g;
-      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + at * kGroup);
-      if constexpr (F == TileFormat::kQ6) {
-        first[i] = _mm512_set1_epi32(-32 * q.halves[2 * at]);
-        second[i] = _mm512_set1_epi32(-32 * q.halves[2 * at + 1]);
-      } else {
+  for (int64_t g0 = 0; g0 < groups; g0 += run) {
+    __m512 scaled[MB], offsets[MB];  // sum(scale * dot * x_scale), sum(offset * x_scale * sum(x))
+    for (int i = 0; i < MB; ++i) scaled[i] = offsets[i] = _mm512_setzero_ps();
+    for (int64_t g = g0; g < g0 + run; ++g) {
+      const uint8_t* wg = tile + g * group_bytes(F);
+      if (m0 == 0)  // later row blocks find the tile in cache
+        for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      __m512i first[MB], second[MB];  // the low nibbles' dot, the high nibbles' (times 16)
+      const int32_t* x[MB];
+      for (int i = 0; i < MB; ++i) {
+        x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
         first[i] = second[i] = _mm512_setzero_si512();
       }
-    }
-    __m512i crumbs[2];
-    if constexpr (F == TileFormat::kQ6) {
-      crumbs[0] = _mm512_loadu_si512(wg + 4 * 64);
-      crumbs[1] = _mm512_loadu_si512(wg + 5 * 64);
-    }
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(wg + p * 64);
-      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (F == TileFormat::kQ6) {  // lines 2p and 2p + 1: crumbs 2p % 4 and 2p % 4 + 1 of line p / 2
-        const __m512i c = crumbs[p / 2];
-        const int s = 2 * (p % 2);  // line 2p's crumb sits at bits 2 * (2p % 4) = 2s
-        lo = _mm512_or_si512(lo, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 4) : c, high2));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(s == 0 ? _mm512_slli_epi16(c, 2) : _mm512_srli_epi16(c, 2), high2));
-      } else if constexpr (F == TileFormat::kMX4) {
-        lo = _mm512_shuffle_epi8(lifted, lo);
-        hi = _mm512_shuffle_epi8(lifted, hi);
-      }
-      for (int i = 0; i < MB; ++i) {
-        __m512i& sum = (F == TileFormat::kQ6 && p >= 2) ? second[i] : first[i];
-        sum = _mm512_dpbusd_epi32(sum, lo, _mm512_set1_epi32(x[i][2 * p]));
-        if constexpr (F == TileFormat::kQ6) {
-          sum = _mm512_dpbusd_epi32(sum, hi, _mm512_set1_epi32(x[i][2 * p + 1]));
-        } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(wg + p * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(v, high4);
+        for (int i = 0; i < MB; ++i) {
+          first[i] = _mm512_dpbusd_epi32(first[i], lo, _mm512_set1_epi32(x[i][2 * p]));
           second[i] = _mm512_dpbusd_epi32(second[i], hi, _mm512_set1_epi32(x[i][2 * p + 1]));
         }
       }
-    }
-    if constexpr (F == TileFormat::kMX4) {
-      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(tile_scales) + g * 16)));
-      const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
-      for (int i = 0; i < MB; ++i) {
-        const int64_t at = (m0 + i) * groups + g;
-        const __m512i lift = _mm512_set1_epi32(kMxfp4Lift * (q.halves[2 * at] + q.halves[2 * at + 1]));
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(first[i], second[i]), lift));
-        acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(q.scales[at])), acc[i]);
-      }
-    } else if constexpr (F == TileFormat::kQ4 || F == TileFormat::kQ4K) {
-      __m512 s, o;
+      __m512 s, o;  // Q4K: the codes sc and m as floats; Q4: s and o
       if constexpr (F == TileFormat::kQ4K) {
-        if (g % 8 == 0) {
-          d = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32);
-          dmin = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 32 + 16);
-        }
         const uint8_t* sm = static_cast<const uint8_t*>(tile_scales) + g * 32;
-        s = _mm512_mul_ps(d, uint8x16(sm));
-        o = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, uint8x16(sm + 16)));
+        s = uint8x16(sm);
+        o = uint8x16(sm + 16);
       } else {
         s = half16(static_cast<const uint16_t*>(tile_scales) + g * 16);
         o = half16(static_cast<const uint16_t*>(tile_extra) + g * 16);
       }
       for (int i = 0; i < MB; ++i) {
         const int64_t at = (m0 + i) * groups + g;
-        const float xs = q.scales[at];
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(first[i], second[i]));
-        acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs)), acc[i]);
-        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs * static_cast<float>(q.halves[2 * at] + q.halves[2 * at + 1])),
-                                 acc[i]);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(first[i], 4), second[i]));
+        scaled[i] = _mm512_fmadd_ps(_mm512_mul_ps(dot, s), _mm512_set1_ps(q.scales[at]), scaled[i]);
+        offsets[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(q.sums[at]), offsets[i]);
       }
+    }
+    if constexpr (F == TileFormat::kQ4K) {
+      const uint16_t* dd = static_cast<const uint16_t*>(tile_extra) + (g0 / 8) * 32;
+      const __m512 d = _mm512_mul_ps(half16(dd), _mm512_set1_ps(1.0f / 16)), dmin = half16(dd + 16);
+      for (int i = 0; i < MB; ++i) acc[i] = _mm512_fnmadd_ps(dmin, offsets[i], _mm512_fmadd_ps(d, scaled[i], acc[i]));
     } else {
-      if (g % 8 == 0) d = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16);
-      const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32;
-      const __m512 s0 = _mm512_mul_ps(d, int8x16(sc)), s1 = _mm512_mul_ps(d, int8x16(sc + 16));
-      for (int i = 0; i < MB; ++i) {
-        const __m512 xs = _mm512_set1_ps(q.scales[(m0 + i) * groups + g]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[i]), _mm512_mul_ps(s0, xs), acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[i]), _mm512_mul_ps(s1, xs), acc[i]);
-      }
+      for (int i = 0; i < MB; ++i)
+        acc[i] = _mm512_fmadd_ps(scaled[i], _mm512_set1_ps(1.0f / 16), _mm512_add_ps(acc[i], offsets[i]));
     }
   }
   for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// MB activation rows times one Q6 tile (AVX-512): each line's 2 high bits or'ed onto its nibbles.
+// (Scaling a super-block's runs in int32 or float before d, as q4_tile_rows does, measured no
+// faster within the VM's noise: docs/perf-log.md, 2026-12-07.)
+template <int MB>
+inline void q6_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
+                         const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = tile + g * group_bytes(TileFormat::kQ6);
+    if (m0 == 0)  // later row blocks find the tile in cache
+      for (int j = 0; j < 6; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    const int32_t* x[MB];
+    __m512i first[MB], second[MB];  // the two runs of 16 columns
+    for (int i = 0; i < MB; ++i) {
+      const int64_t at = (m0 + i) * groups + g;
+      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + at * kGroup);
+      first[i] = _mm512_set1_epi32(-32 * q.halves[2 * at]);
+      second[i] = _mm512_set1_epi32(-32 * q.halves[2 * at + 1]);
+    }
+    const __m512i crumbs[2] = {_mm512_loadu_si512(wg + 4 * 64), _mm512_loadu_si512(wg + 5 * 64)};
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {  // lines 2p and 2p + 1: crumbs 2p % 4 and 2p % 4 + 1 of line p / 2
+      const __m512i v = _mm512_loadu_si512(wg + p * 64), c = crumbs[p / 2];
+      const bool even = p % 2 == 0;  // line 2p's crumb sits at bits 0 (even p) or 4, 2p + 1's 2 higher
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4),
+                                         _mm512_and_si512(even ? _mm512_slli_epi16(c, 4) : c, high2));
+      const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                         _mm512_and_si512(even ? _mm512_slli_epi16(c, 2) : _mm512_srli_epi16(c, 2), high2));
+      for (int i = 0; i < MB; ++i) {
+        __m512i& sum = p < 2 ? first[i] : second[i];
+        sum = _mm512_dpbusd_epi32(sum, lo, _mm512_set1_epi32(x[i][2 * p]));
+        sum = _mm512_dpbusd_epi32(sum, hi, _mm512_set1_epi32(x[i][2 * p + 1]));
+      }
+    }
+    if (g % 8 == 0) d = half16(static_cast<const uint16_t*>(tile_extra) + (g / 8) * 16);
+    const int8_t* sc = static_cast<const int8_t*>(tile_scales) + g * 32;
+    const __m512 s0 = _mm512_mul_ps(d, int8x16(sc)), s1 = _mm512_mul_ps(d, int8x16(sc + 16));
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xs = _mm512_set1_ps(q.scales[(m0 + i) * groups + g]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[i]), _mm512_mul_ps(s0, xs), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[i]), _mm512_mul_ps(s1, xs), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// MB activation rows times one MX4 tile (AVX-512): each code looked up as its value plus 12.
+template <int MB>
+inline void mx4_tile_rows(const uint8_t* tile, const void* tile_scales, int64_t k, const GroupedActivations& q,
+                          int64_t m0, float (*out)[16]) {
+  const int64_t groups = k / kGroup;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i lifted = _mm512_broadcast_i32x4(_mm_setr_epi8(HYPREFIX_MXFP4_LIFTED));
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = tile + g * group_bytes(TileFormat::kMX4);
+    if (m0 == 0)  // later row blocks find the tile in cache
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+    const int32_t* x[MB];
+    __m512i first[MB], second[MB];  // even and odd lines
+    for (int i = 0; i < MB; ++i) {
+      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+      first[i] = second[i] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(wg + p * 64);
+      const __m512i lo = _mm512_shuffle_epi8(lifted, _mm512_and_si512(v, low4));
+      const __m512i hi = _mm512_shuffle_epi8(lifted, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      for (int i = 0; i < MB; ++i) {
+        first[i] = _mm512_dpbusd_epi32(first[i], lo, _mm512_set1_epi32(x[i][2 * p]));
+        second[i] = _mm512_dpbusd_epi32(second[i], hi, _mm512_set1_epi32(x[i][2 * p + 1]));
+      }
+    }
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(tile_scales) + g * 16)));
+    const __m512 s = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
+    for (int i = 0; i < MB; ++i) {
+      const int64_t at = (m0 + i) * groups + g;
+      const __m512i lift = _mm512_set1_epi32(kMxfp4Lift * (q.halves[2 * at] + q.halves[2 * at + 1]));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(first[i], second[i]), lift));
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(q.scales[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+// MB activation rows times one Q4, Q4K, Q6 or MX4 tile: the 16 rows' results of each into out[i].
+template <TileFormat F, int MB, int NH>  // NH: the AVX2 version's halves a pass (a zmm holds all 16 rows)
+inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const void* tile_extra, int64_t k,
+                            const GroupedActivations& q, int64_t m0, float (*out)[16]) {
+  if constexpr (F == TileFormat::kQ6) {
+    q6_tile_rows<MB>(tile, tile_scales, tile_extra, k, q, m0, out);
+  } else if constexpr (F == TileFormat::kMX4) {
+    mx4_tile_rows<MB>(tile, tile_scales, k, q, m0, out);
+  } else {
+    q4_tile_rows<F, MB>(tile, tile_scales, tile_extra, k, q, m0, out);
+  }
 }
 
 #else  // AVX2
