@@ -23,6 +23,13 @@ constexpr int64_t kGroup = 32;
 // rows prefetches: prefill's later blocks reread the tile from cache.
 constexpr int64_t kAheadBytes = 2048;
 
+// Pulls the `lines` 64-byte lines kAheadBytes past `at` into L2, not L1: streamed tiles read
+// 10-20 % faster so than with the same prefetches into L1, at 2 to 8 KiB ahead, one thread or
+// two (docs/perf-log.md, 2026-12-07).
+inline void prefetch_ahead(const uint8_t* at, int lines) {
+  for (int j = 0; j < lines; ++j) _mm_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes + j * 64, _MM_HINT_T1);
+}
+
 struct GroupedActivations {  // per row: K int8 values, and per group its scale (and, for VNNI, -128 * sum)
   std::vector<int8_t> values;
   std::vector<float> scales;
@@ -78,7 +85,7 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
     }
     const uint8_t* wg = tile + g * kGroup * 16;
     if (m0 == 0)  // later row blocks find the tile in cache
-      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      prefetch_ahead(wg, 8);
 #pragma GCC unroll 4
     for (int j = 0; j < 8; j += 2) {
       __m512i w0 = _mm512_loadu_si512(wg + j * 64), w1 = _mm512_loadu_si512(wg + (j + 1) * 64);
@@ -156,7 +163,7 @@ inline void tile_rows(const uint8_t* tile, const WeightScale<kPerGroup>* tile_sc
     for (int i = 0; i < MB; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
     const uint8_t* wg = tile + g * kGroup * 16;
     if (m0 == 0)  // later row blocks find the tile in cache
-      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      prefetch_ahead(wg, 8);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i x_bytes[MB], x_abs[MB];  // 4 activation bytes, broadcast

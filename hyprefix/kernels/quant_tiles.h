@@ -179,7 +179,7 @@ inline void q4_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
     for (int64_t g = g0; g < g0 + run; ++g) {
       const uint8_t* wg = tile + g * group_bytes(F);
       if (m0 == 0)  // later row blocks find the tile in cache
-        for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+        prefetch_ahead(wg, 4);
       __m512i first[MB], second[MB];  // the low nibbles' dot, the high nibbles' (times 16)
       const int32_t* x[MB];
       for (int i = 0; i < MB; ++i) {
@@ -237,7 +237,7 @@ inline void q6_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = tile + g * group_bytes(TileFormat::kQ6);
     if (m0 == 0)  // later row blocks find the tile in cache
-      for (int j = 0; j < 6; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      prefetch_ahead(wg, 6);
     const int32_t* x[MB];
     __m512i first[MB], second[MB];  // the two runs of 16 columns
     for (int i = 0; i < MB; ++i) {
@@ -285,7 +285,7 @@ inline void mx4_tile_rows(const uint8_t* tile, const void* tile_scales, int64_t 
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = tile + g * group_bytes(TileFormat::kMX4);
     if (m0 == 0)  // later row blocks find the tile in cache
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      prefetch_ahead(wg, 4);
     const int32_t* x[MB];
     __m512i first[MB], second[MB];  // even and odd lines
     for (int i = 0; i < MB; ++i) {
@@ -358,9 +358,7 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
     for (int j = 0; j < NH; ++j) d[j] = dmin[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wg = tile + g * group_bytes(F);
-      if (m0 == 0 && h0 == 0)
-        for (int j = 0; j < group_bytes(F) / 64; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(wg) + kAheadBytes + j * 64, _MM_HINT_T0);
+      if (m0 == 0 && h0 == 0) prefetch_ahead(wg, group_bytes(F) / 64);
       const int32_t* x[MB];
       for (int i = 0; i < MB; ++i)
         x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
