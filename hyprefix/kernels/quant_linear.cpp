@@ -175,15 +175,20 @@ at::Tensor quant_moe(const at::Tensor& x, const at::Tensor& chosen, const at::Te
   float* dn_out = act + pairs * inter;
   const float* xp = xf.const_data_ptr<float>();
   std::vector<int64_t> row_expert(pairs);
-  for (int64_t r = 0; r < pairs; ++r) {
-    row_expert[r] = id[order[r]];
-    std::memcpy(rows_in + r * hidden, xp + order[r] / top * hidden, hidden * sizeof(float));
-  }
+  for (int64_t r = 0; r < pairs; ++r) row_expert[r] = id[order[r]];
   std::vector<ExpertJob> jobs;
   for (int64_t r = 0; r < pairs;) {
     int64_t end = r;
     while (end < pairs && row_expert[end] == row_expert[r]) ++end;
-    jobs.push_back({row_expert[r], end - r, rows_in + r * hidden, gu + r * gate_up_rows, act + r * inter, dn_out + r * hidden});
+    // An expert's rows gathered together; one pair reads its token's row of x in place, so
+    // experts_matmul quantizes a decode token's row once for all its experts.
+    const float* in = xp + order[r] / top * hidden;
+    if (end - r > 1) {
+      for (int64_t j = r; j < end; ++j)
+        std::memcpy(rows_in + j * hidden, xp + order[j] / top * hidden, hidden * sizeof(float));
+      in = rows_in + r * hidden;
+    }
+    jobs.push_back({row_expert[r], end - r, in, gu + r * gate_up_rows, act + r * inter, dn_out + r * hidden});
     r = end;
   }
   const at::Tensor up_bias = gate_up_bias ? gate_up_bias->to(at::kFloat).contiguous() : at::Tensor();

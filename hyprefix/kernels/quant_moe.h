@@ -47,21 +47,30 @@ struct ExpertStack {
   }
 };
 
-// Every item's rows times its expert's matrix of one projection, the activations quantized per item,
-// all items' tiles as the tasks of one parallel loop.
+// Every item's rows times its expert's matrix of one projection, the activations quantized once per
+// distinct input (a decode token's experts all read its one row), all items' tiles as the tasks of
+// one parallel loop.
 inline void experts_matmul(const ExpertStack& stack, const std::vector<ExpertRows>& items) {
   const int64_t n = stack.n, k = stack.k;
   std::vector<std::vector<TilePart>> parts;
   std::vector<GroupedActivations> q;
-  for (const ExpertRows& item : items) {
-    parts.push_back(stack.expert(item.expert));
-    q.push_back(quantize_groups(item.in, item.rows, k));
+  std::vector<size_t> input_of;  // item -> its quantized input in q
+  for (size_t i = 0; i < items.size(); ++i) {
+    parts.push_back(stack.expert(items[i].expert));
+    size_t same = 0;
+    while (same < i && !(items[same].in == items[i].in && items[same].rows == items[i].rows)) ++same;
+    if (same < i) {
+      input_of.push_back(input_of[same]);
+    } else {
+      input_of.push_back(q.size());
+      q.push_back(quantize_groups(items[i].in, items[i].rows, k));
+    }
   }
   const int64_t tiles = n / 16, tasks = static_cast<int64_t>(items.size()) * tiles;
   at::parallel_for(0, tasks, std::max<int64_t>(1, (1 << 15) / (8 * k)), [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b;) {  // a run of one item's tiles
       const int64_t i = task / tiles, t0 = task % tiles, t1 = std::min(tiles, t0 + (b - task));
-      parts_span(parts[i], q[i], items[i].rows, n, k, items[i].out, t0, t1);
+      parts_span(parts[i], q[input_of[i]], items[i].rows, n, k, items[i].out, t0, t1);
       task += t1 - t0;
     }
   });
