@@ -159,6 +159,12 @@ inline __m512 uint8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The MB activation rows' words of group g (4 int8 values each), for broadcasting.
+template <int MB>
+inline void group_words(const GroupedActivations& q, int64_t m0, int64_t groups, int64_t g, const int32_t* (&x)[MB]) {
+  for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+}
+
 // MB activation rows times one Q4 or Q4K tile (AVX-512). Each line's high nibbles stay in place
 // (masked, not shifted: 16 times their value), so a group's dot is 16 * first + second, and the
 // 1/16 is applied once: Q4K per super-block with d, Q4 at the end. Q4K sums a super-block's 8
@@ -182,10 +188,8 @@ inline void q4_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
         prefetch_ahead(wg, 4);
       __m512i first[MB], second[MB];  // the low nibbles' dot, the high nibbles' (times 16)
       const int32_t* x[MB];
-      for (int i = 0; i < MB; ++i) {
-        x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
-        first[i] = second[i] = _mm512_setzero_si512();
-      }
+      group_words<MB>(q, m0, groups, g, x);
+      for (int i = 0; i < MB; ++i) first[i] = second[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
         const __m512i v = _mm512_loadu_si512(wg + p * 64);
@@ -239,10 +243,10 @@ inline void q6_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
     if (m0 == 0)  // later row blocks find the tile in cache
       prefetch_ahead(wg, 6);
     const int32_t* x[MB];
+    group_words<MB>(q, m0, groups, g, x);
     __m512i first[MB], second[MB];  // the two runs of 16 columns
     for (int i = 0; i < MB; ++i) {
       const int64_t at = (m0 + i) * groups + g;
-      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + at * kGroup);
       first[i] = _mm512_set1_epi32(-32 * q.halves[2 * at]);
       second[i] = _mm512_set1_epi32(-32 * q.halves[2 * at + 1]);
     }
@@ -287,11 +291,9 @@ inline void mx4_tile_rows(const uint8_t* tile, const void* tile_scales, int64_t 
     if (m0 == 0)  // later row blocks find the tile in cache
       prefetch_ahead(wg, 4);
     const int32_t* x[MB];
+    group_words<MB>(q, m0, groups, g, x);
     __m512i first[MB], second[MB];  // even and odd lines
-    for (int i = 0; i < MB; ++i) {
-      x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
-      first[i] = second[i] = _mm512_setzero_si512();
-    }
+    for (int i = 0; i < MB; ++i) first[i] = second[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(wg + p * 64);
