@@ -138,7 +138,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& flat
 // quant_moe(x, chosen, weights, gate_up, gate_up_rows, down, down_rows, activation, gate_up_bias,
 // down_bias, alpha, limit): the experts of a MoE block on their tiles (fused_moe.py). The (token,
 // slot) pairs are ordered by expert (experts increasing, each expert's tokens in order) into one
-// buffer; per expert gate_up (+ its bias), the activation, down (+ its bias); each token's sum taken
+// buffer (an expert with a single pair reads its token's row of x in place); per expert gate_up (+ its bias), the activation, down (+ its bias); each token's sum taken
 // over its pairs in that order, so a row's result does not depend on the others. activation "silu":
 // gated, silu(gate) * up of the gate rows then the up rows; "relu2": not gated, relu(up)^2
 // (NemotronH), gate_up holding the up rows alone; "swiglu_oai": gpt-oss's clamped SwiGLU with alpha
