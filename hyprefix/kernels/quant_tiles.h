@@ -145,6 +145,18 @@ inline std::vector<TilePart> parts_of(const std::vector<at::Tensor>& flat, int64
   return parts;
 }
 
+// Group g of a tile in format F: returns its codes, after pulling the lines kAheadBytes on toward
+// L2 where `prefetch` (only a tile's first pass streams it: later row blocks find it in cache), and
+// points x at the MB activation rows' words of the group (4 int8 values each, for broadcasting).
+template <TileFormat F, int MB>
+inline const uint8_t* start_group(const uint8_t* tile, int64_t g, bool prefetch, const GroupedActivations& q,
+                                  int64_t m0, int64_t groups, const int32_t* (&x)[MB]) {
+  const uint8_t* wg = tile + g * group_bytes(F);
+  if (prefetch) prefetch_ahead(wg, group_bytes(F) / 64);
+  for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+  return wg;
+}
+
 #if defined(__AVX512VNNI__)
 
 inline __m512 half16(const uint16_t* p) {
@@ -157,12 +169,6 @@ inline __m512 int8x16(const int8_t* p) {
 
 inline __m512 uint8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// The MB activation rows' words of group g (4 int8 values each), for broadcasting.
-template <int MB>
-inline void group_words(const GroupedActivations& q, int64_t m0, int64_t groups, int64_t g, const int32_t* (&x)[MB]) {
-  for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
 }
 
 // MB activation rows times one Q4 or Q4K tile (AVX-512). Each line's high nibbles stay in place
@@ -183,12 +189,9 @@ inline void q4_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
     __m512 scaled[MB], offsets[MB];  // sum(scale * dot * x_scale), sum(offset * x_scale * sum(x))
     for (int i = 0; i < MB; ++i) scaled[i] = offsets[i] = _mm512_setzero_ps();
     for (int64_t g = g0; g < g0 + run; ++g) {
-      const uint8_t* wg = tile + g * group_bytes(F);
-      if (m0 == 0)  // later row blocks find the tile in cache
-        prefetch_ahead(wg, 4);
-      __m512i first[MB], second[MB];  // the low nibbles' dot, the high nibbles' (times 16)
       const int32_t* x[MB];
-      group_words<MB>(q, m0, groups, g, x);
+      const uint8_t* wg = start_group<F, MB>(tile, g, m0 == 0, q, m0, groups, x);
+      __m512i first[MB], second[MB];  // the low nibbles' dot, the high nibbles' (times 16)
       for (int i = 0; i < MB; ++i) first[i] = second[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
@@ -239,11 +242,8 @@ inline void q6_tile_rows(const uint8_t* tile, const void* tile_scales, const voi
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   __m512 d = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = tile + g * group_bytes(TileFormat::kQ6);
-    if (m0 == 0)  // later row blocks find the tile in cache
-      prefetch_ahead(wg, 6);
     const int32_t* x[MB];
-    group_words<MB>(q, m0, groups, g, x);
+    const uint8_t* wg = start_group<TileFormat::kQ6, MB>(tile, g, m0 == 0, q, m0, groups, x);
     __m512i first[MB], second[MB];  // the two runs of 16 columns
     for (int i = 0; i < MB; ++i) {
       const int64_t at = (m0 + i) * groups + g;
@@ -287,11 +287,8 @@ inline void mx4_tile_rows(const uint8_t* tile, const void* tile_scales, int64_t 
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = tile + g * group_bytes(TileFormat::kMX4);
-    if (m0 == 0)  // later row blocks find the tile in cache
-      prefetch_ahead(wg, 4);
     const int32_t* x[MB];
-    group_words<MB>(q, m0, groups, g, x);
+    const uint8_t* wg = start_group<TileFormat::kMX4, MB>(tile, g, m0 == 0, q, m0, groups, x);
     __m512i first[MB], second[MB];  // even and odd lines
     for (int i = 0; i < MB; ++i) first[i] = second[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -359,11 +356,8 @@ inline void quant_tile_rows(const uint8_t* tile, const void* tile_scales, const 
     __m256 d[NH], dmin[NH];
     for (int j = 0; j < NH; ++j) d[j] = dmin[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* wg = tile + g * group_bytes(F);
-      if (m0 == 0 && h0 == 0) prefetch_ahead(wg, group_bytes(F) / 64);
       const int32_t* x[MB];
-      for (int i = 0; i < MB; ++i)
-        x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
+      const uint8_t* wg = start_group<F, MB>(tile, g, m0 == 0 && h0 == 0, q, m0, groups, x);
       if (g % 8 == 0) {
         for (int j = 0; j < NH; ++j) {
           const int h = h0 + j;
