@@ -145,14 +145,22 @@ inline std::vector<TilePart> parts_of(const std::vector<at::Tensor>& flat, int64
   return parts;
 }
 
-// Group g of a tile in format F: returns its codes, after pulling the lines kAheadBytes on toward
-// L2 where `prefetch` (only a tile's first pass streams it: later row blocks find it in cache), and
-// points x at the MB activation rows' words of the group (4 int8 values each, for broadcasting).
+// How far ahead the low-bit tiles prefetch: further than the int8 tiles' kAheadBytes. At batch 1
+// their kernels compute about as fast as a VM's memory reads in its faster modes, so a core's
+// misses must be issued earlier to overlap; 6 KiB against 2 KiB took 1.3 % off the median
+// batch-1 TPOT of a Q4_K_M MoE file over 125 alternated pairs at 44-55 GB/s (docs/perf-log.md,
+// 2026-12-07).
+constexpr int64_t kLowBitAheadBytes = 6144;
+
+// Group g of a tile in format F: returns its codes, after pulling the lines kLowBitAheadBytes on
+// toward L2 where `prefetch` (only a tile's first pass streams it: later row blocks find it in
+// cache), and points x at the MB activation rows' words of the group (4 int8 values each, for
+// broadcasting).
 template <TileFormat F, int MB>
 inline const uint8_t* start_group(const uint8_t* tile, int64_t g, bool prefetch, const GroupedActivations& q,
                                   int64_t m0, int64_t groups, const int32_t* (&x)[MB]) {
   const uint8_t* wg = tile + g * group_bytes(F);
-  if (prefetch) prefetch_ahead(wg, group_bytes(F) / 64);
+  if (prefetch) prefetch_ahead(wg, group_bytes(F) / 64, kLowBitAheadBytes);
   for (int i = 0; i < MB; ++i) x[i] = reinterpret_cast<const int32_t*>(q.values.data() + ((m0 + i) * groups + g) * kGroup);
   return wg;
 }

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from hyprefix.kernels import quant_linear as ql
+from hyprefix.runner.huge_pages import move_to_huge_pages
 
 
 def q4k_matrix(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--mats", type=int, default=96, help="streamed matrices")
     parser.add_argument("--threads", type=int, nargs="+", default=[2], help="torch threads, each a run")
     parser.add_argument("--format", choices=("q4k", "q6"), default="q4k", help="the tiles' format (GGUF Q4_K, Q6_K)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="stream from transparent huge pages, as the engine's weights are (runner/huge_pages.py)")
     args = parser.parse_args()
     if not ql.available():
         raise SystemExit("the quant_linear kernel is not built for this CPU")
@@ -65,6 +68,8 @@ def main() -> None:
     x = torch.randn(1, args.k)
     matrix = q4k_matrix if args.format == "q4k" else q6_matrix
     streamed = [matrix(args.stream_rows, args.k, gen) for _ in range(args.mats)]
+    if args.huge_pages and not move_to_huge_pages([t for m in streamed for t in m]):
+        raise SystemExit("transparent huge pages are not available here")
     stream_bytes = sum(t.numel() * t.element_size() for m in streamed for t in m)
     flat = torch.ones(stream_bytes // 4)
     for threads in args.threads:
