@@ -90,8 +90,8 @@ class DecodeGraphs:
         # build of our extern kernels (another op schema) would crash if loaded from its cache.
         # Inductor's own loops split across threads only past 8192 elements a thread. Its default,
         # 512, made a fork-join of each norm and add over one hidden row, each costing more than
-        # the loop (a Qwen3-MoE layer's step: 5 fork-joins, now 1, the router's). Batch-1 TPOT:
-        # 0.6 % lower median over 185 alternated pairs, no worse (docs/perf-log.md, 2026-12-07).
+        # the loop (a Qwen3-MoE layer's step: 5 fork-joins, now 1, the router's). Batch-1 TPOT
+        # changed no more than two identical engines differ (docs/perf-log.md, 2026-12-07).
         self._options = {"size_asserts": False, "post_grad_custom_post_pass": _KERNEL_SOURCES_KEY,
                          "cpp.min_chunk_size": 8192,
                          **({"cpp_wrapper": True} if uses_tile_kernels(model) else {})}
