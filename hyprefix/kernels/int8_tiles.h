@@ -23,10 +23,9 @@ constexpr int64_t kGroup = 32;
 // rows prefetches: prefill's later blocks reread the tile from cache.
 constexpr int64_t kAheadBytes = 2048;
 
-// Pulls the `lines` 64-byte lines `ahead` bytes past `at` into L2, not L1: in a probe streamed
-// tiles read 10-20 % faster so than with the same prefetches into L1, at 2 to 8 KiB ahead, one
-// thread or two, in a VM's slow read mode; in its fast mode no hint differed within the noise
-// (docs/perf-log.md, 2026-12-07 and 2026-11-29).
+// Pulls the `lines` 64-byte lines `ahead` bytes past `at` into L2, not L1: in a VM's slow read
+// mode streamed tiles read faster so than with the same prefetches into L1; in its fast mode no
+// hint differed within the noise (docs/perf-log.md, 2026-12-07 and 2026-11-29).
 inline void prefetch_ahead(const uint8_t* at, int lines, int64_t ahead = kAheadBytes) {
   for (int j = 0; j < lines; ++j) _mm_prefetch(reinterpret_cast<const char*>(at) + ahead + j * 64, _MM_HINT_T1);
 }

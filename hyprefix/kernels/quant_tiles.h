@@ -145,10 +145,10 @@ inline std::vector<TilePart> parts_of(const std::vector<at::Tensor>& flat, int64
   return parts;
 }
 
-// How far ahead the low-bit tiles prefetch: further than the int8 tiles' kAheadBytes. 6 KiB
-// against 2 KiB took 1.3 % off the median batch-1 TPOT of a Q4_K_M MoE file over 125 alternated
-// pairs where the VM read 42-55 GB/s (sign test p = 0.02); where it read ~30 GB/s, 2 to 8 KiB
-// streamed alike (docs/perf-log.md, 2026-12-07).
+// How far ahead the low-bit tiles prefetch: further than the int8 tiles' kAheadBytes. Where memory
+// reads about as fast as these kernels compute, a core's misses must be issued earlier to overlap
+// the two; where memory is the bound, the distance does not matter (the A/B: docs/perf-log.md,
+// 2026-12-07, tenth session).
 constexpr int64_t kLowBitAheadBytes = 6144;
 
 // Group g of a tile in format F: returns its codes, after pulling the lines kLowBitAheadBytes on

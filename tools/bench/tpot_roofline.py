@@ -22,6 +22,7 @@ import os
 import random
 import statistics
 import time
+from unittest.mock import patch
 
 from hyprefix import LLM, SamplingParams
 from hyprefix.bench.env import read_rate_now
@@ -38,20 +39,11 @@ def tpot(llm: LLM, rng: random.Random) -> float:
     return (m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
 
 
-def build(model: str, env: tuple[str, str] | None, rng: random.Random) -> LLM:
+def build(model: str, env: dict[str, str], rng: random.Random) -> LLM:
     """An engine, warmed up by one round, built with ``env`` set (then restored)."""
-    saved = None
-    if env:
-        saved = os.environ.get(env[0])
-        os.environ[env[0]] = env[1]
-    try:
+    with patch.dict(os.environ, env):
         llm = LLM(model=model)
         tpot(llm, rng)
-    finally:
-        if env and saved is None:
-            os.environ.pop(env[0], None)
-        elif env:
-            os.environ[env[0]] = saved
     return llm
 
 
@@ -71,10 +63,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    engines = {"A": build(args.model, None, rng)}
+    engines = {"A": build(args.model, {}, rng)}
     if args.ab:
         var, _, value = args.ab.partition("=")
-        engines["B"] = build(args.model, (var, value), rng)
+        engines["B"] = build(args.model, {var: value}, rng)
     weight_bytes = engines["A"].engine.model_facts.decode_weight_bytes
     end = time.time() + 60 * args.minutes if args.minutes else math.inf
     results: dict[str, list[float]] = {name: [] for name in engines}
