@@ -165,9 +165,8 @@ class ServerMetrics:
                 self.queue_time.labels(*values).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:
                 self.ttft.labels(*values).observe(max(0.0, m.first_token_time - m.arrival_time))
-                longest = max(len(c.token_ids) for c in out.outputs)
-                if m.finished_time is not None and longest > 1:
-                    self.tpot.labels(*values).observe(max(0.0, m.finished_time - m.first_token_time) / (longest - 1))
+                if out.tpot is not None:
+                    self.tpot.labels(*values).observe(out.tpot)
             if m.finished_time is not None:
                 self.e2e.labels(*values).observe(max(0.0, m.finished_time - m.arrival_time))
 

@@ -153,6 +153,16 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first, over its longest sequence (vLLM's
+        ``time_per_output_token``); None until finished or with fewer than two tokens."""
+        m = self.metrics
+        longest = max((len(c.token_ids) for c in self.outputs), default=0)
+        if m.first_token_time is None or m.finished_time is None or longest < 2:
+            return None
+        return max(0.0, m.finished_time - m.first_token_time) / (longest - 1)
+
+    @property
     def retention(self) -> RetentionGrant | None:
         """What the retention of its prefix got (``cache_ttl_s``), the least over its samples
         (None: none asked, or not finished)."""

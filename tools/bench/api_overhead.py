@@ -53,8 +53,7 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def offline(llm: LLM, batch: int, args, seed: int, variant: dict) -> list[float]:
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=args.tokens, ignore_eos=True, **variant)
     outs = llm.generate(prompts(batch, args.prompt_len, llm.engine.vocab_size, seed), params, use_tqdm=False)
-    return [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-            for o in outs]
+    return [o.tpot for o in outs]
 
 
 async def served(url: str, model: str, batch: int, args, seed: int, variant: dict, vocab: int) -> list[float]:

@@ -37,8 +37,7 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def tpot(llm: LLM, batch: int, args, seed: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     outs = llm.generate(prompts(batch, args.decode_prompt_len, llm.engine.vocab_size, seed), params, use_tqdm=False)
-    return statistics.median((o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-                             for o in outs)
+    return statistics.median(o.tpot for o in outs)
 
 
 def prefill(llm: LLM, args, seed: int) -> float:

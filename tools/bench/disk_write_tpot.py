@@ -88,8 +88,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 outs = arms[name].generate(prompts, params, use_tqdm=False)
                 busy_s[name] += time.perf_counter() - t0
-                per = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-                       for o in outs]
+                per = [o.tpot for o in outs]
                 tpot[name].append(statistics.median(per) * 1e3)
             print(f"round {r + 1}: " + ", ".join(f"{n} {tpot[n][-1]:.2f} ms" for n in names), flush=True)
         for llm in arms.values():

@@ -56,9 +56,7 @@ def main() -> None:
         for name, llm in (("plain", plain), ("speculative", spec)):
             for prompt in prompts:
                 llm.engine.reset_prefix_cache()
-                out = llm.generate([prompt], params, use_tqdm=False)[0]
-                m = out.metrics
-                times[name].append((m.finished_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1))
+                times[name].append(llm.generate([prompt], params, use_tqdm=False)[0].tpot)
     a, b = statistics.median(times["plain"]), statistics.median(times["speculative"])
     stats = spec.get_stats()
     print(f"{args.model}: plain {a * 1e3:.1f} ms/token, speculative with right drafts {b * 1e3:.1f} ms/token = "
