@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench/tpot_roofline.py MODEL.gguf [--rounds 6] [--min-rate 45]
     .venv/bin/python tools/bench/tpot_roofline.py MODEL.gguf --minutes 14 --ab HYPREFIX_X=1
+    .venv/bin/python tools/bench/tpot_roofline.py MODEL.gguf --per-token --minutes 10 --min-rate 60
 
 A round is one request through ``LLM``: a fresh random 128-token prompt (no prefix hit) and 64
 greedy tokens; its TPOT is (finish - first token) / 63 from the request's metrics. The roofline is
@@ -87,8 +88,8 @@ def per_token(llm: LLM, rng: random.Random, args: argparse.Namespace) -> None:
         summary = f", median {statistics.median(fast):.2f}x" if fast else ""
         print(f"{time.strftime('%H:%M:%S')}  {len(got)} steps, median step {step_ms:.2f} ms, pass {pass_ms:.2f} ms;"
               f" at >= {args.min_rate:g} GB/s: {len(fast)} steps{summary}", flush=True)
-    for label, chosen in (("all", pairs), (f">= {args.min_rate:g} GB/s",
-                                           [p for p in pairs if weight_bytes / p[1] / 1e9 >= args.min_rate])):
+    fast_pairs = [p for p in pairs if weight_bytes / p[1] / 1e9 >= args.min_rate] if args.min_rate > 0 else []
+    for label, chosen in (("all", pairs), (f">= {args.min_rate:g} GB/s", fast_pairs)):
         if chosen:
             multiples = sorted(s / r for s, r in chosen)
             print(f"{label}: {len(chosen)} steps, step / pass median {statistics.median(multiples):.3f}x "
@@ -116,7 +117,9 @@ def main() -> None:
     parser.add_argument("model", help="a GGUF file or model directory")
     parser.add_argument("--rounds", type=int, default=6, help="rounds (pairs with --ab) to time, unless --minutes")
     parser.add_argument("--minutes", type=float, default=None, help="time rounds for this long instead")
-    parser.add_argument("--min-rate", type=float, default=0.0, help="skip moments whose read rate (GB/s) is below")
+    parser.add_argument("--min-rate", type=float, default=0.0,
+                        help="skip moments whose read rate (GB/s) is below (--per-token: also sum up apart the "
+                             "steps whose pass read at least this)")
     parser.add_argument("--ab", default=None, metavar="VAR=VALUE", help="time a second engine built with VAR=VALUE")
     parser.add_argument("--per-token", action="store_true",
                         help="pair every decode step with a read pass of the step's weight bytes")
