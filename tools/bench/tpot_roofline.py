@@ -29,6 +29,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from unittest.mock import patch
 
 import torch
@@ -70,16 +71,23 @@ def paired_steps(llm: LLM, rng: random.Random, stream: torch.Tensor) -> list[tup
     return pairs
 
 
+def rounds_left(args: argparse.Namespace) -> Callable[[int], bool]:
+    """Whether another round runs after ``done`` ones: until ``--minutes`` pass, else ``--rounds``."""
+    if args.minutes:
+        end = time.time() + 60 * args.minutes
+        return lambda done: time.time() < end
+    return lambda done: done < args.rounds
+
+
 def per_token(llm: LLM, rng: random.Random, args: argparse.Namespace) -> None:
     """``--per-token``: rounds of paired steps; each round's line, then the medians."""
     weight_bytes = llm.engine.model_facts.decode_weight_bytes
     stream = torch.ones(weight_bytes // 4)
     if not move_to_huge_pages([stream]):
         print("note: no transparent huge pages here; the pass streams 4 KiB pages")
-    end = time.time() + 60 * args.minutes if args.minutes else math.inf
+    more, rounds = rounds_left(args), 0
     pairs: list[tuple[float, float]] = []
-    rounds = 0
-    while (time.time() < end) if args.minutes else rounds < args.rounds:
+    while more(rounds):
         got = paired_steps(llm, rng, stream)
         rounds += 1
         pairs += got
@@ -135,14 +143,10 @@ def main() -> None:
         var, _, value = args.ab.partition("=")
         engines["B"] = build(args.model, {var: value}, rng)
     weight_bytes = engines["A"].engine.model_facts.decode_weight_bytes
-    end = time.time() + 60 * args.minutes if args.minutes else math.inf
+    more = rounds_left(args)
     results: dict[str, list[float]] = {name: [] for name in engines}
     ratios: list[float] = []
-
-    def more() -> bool:
-        return time.time() < end if args.minutes else len(results["A"]) < args.rounds
-
-    while more():
+    while more(len(results["A"])):
         rate = read_rate_now()
         if rate < args.min_rate:
             time.sleep(0.5)
