@@ -14,6 +14,7 @@
 //   a = attention of q over each row's K/V through its block table (decode_attention.h)
 //   res += (a @ o^T + o_bias) * s;  h = rms_norm(res) * post_norm
 //   gate, up = split(h @ gate_up^T + gate_up_bias);  out = (silu(gate) * up) @ down^T + down_bias
+//   (or, in a MoE layer, out = its sparse block of h: decode_moe.h)
 //
 // then hidden = out * s + res of the last layer, or logits = rms_norm(res + out * s) * final_norm
 // @ head^T / logits_scale.
@@ -38,160 +39,23 @@
 //
 // Not traced by torch.compile: the K/V caches it writes are held here, not arguments.
 #include "decode_attention.h"
-#include "quant_codes.h"
+#include "decode_moe.h"
+#include "decode_rows.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <unistd.h>
-
 #include <atomic>
 #include <optional>
 
 namespace {
 
-// A weight: int8 tiles (int8_tiles.h, scales per row or per group: ``Int8Tiles``), or a list of
-// parts in quant_tiles.h's formats (``QuantTiles``: a GGUF's low-bit and Q8_0 blocks).
-struct Matrix {
-  std::vector<TilePart> parts;  // empty: the int8 tiles below
-  const uint8_t* tiles = nullptr;
-  const void* scales = nullptr;
-  bool per_group = false;
-  const float* bias = nullptr;  // or nullptr
-  int64_t n = 0, k = 0;
-
-  // Where tile t's bytes start, and how many of tiles [t, t1) lie in a row from there (one part).
-  const uint8_t* tile(int64_t t) const {
-    if (parts.empty()) return tiles + t * 16 * k;
-    const TilePart& p = part_of(t);
-    return p.data + (t - p.tile0) * p.tile_bytes(k);
-  }
-  int64_t bytes(int64_t t, int64_t t1) const {
-    if (t >= t1) return 0;
-    if (parts.empty()) return (t1 - t) * 16 * k;
-    const TilePart& p = part_of(t);
-    return (std::min(t1, p.tile0 + p.tiles) - t) * p.tile_bytes(k);
-  }
-  const TilePart& part_of(int64_t t) const {
-    for (const TilePart& p : parts)
-      if (t < p.tile0 + p.tiles) return p;
-    return parts.back();
-  }
-};
-
-// A weight from its tensors: [tiles, scales] (int8 tiles) or [data, scales, extra] per part.
-Matrix matrix(const std::vector<at::Tensor>& tensors, const std::optional<at::Tensor>& bias, int64_t n,
-              const char* name) {
-  Matrix w;
-  w.n = n;
-  if (tensors.size() == 2) {
-    const at::Tensor &tiles = tensors[0], &scales = tensors[1];
-    w.per_group = check_tiles(tiles, scales, n, "DecodeModel");
-    TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "DecodeModel: ", name,
-                " tiles and scales must be contiguous");
-    w.tiles = tiles.const_data_ptr<uint8_t>();
-    w.scales = scales.const_data_ptr();
-    w.k = tiles.size(1) * 4;
-  } else {
-    TORCH_CHECK(!tensors.empty() && tensors.size() % 3 == 0, "DecodeModel: ", name,
-                " takes [tiles, scales] or [data, scales, extra] per part");
-    const at::Tensor& data = tensors[0];
-    w.k = data.size(2) == 16 ? data.size(1) * 4 : data.size(1) * kGroup;
-    w.parts = parts_of(tensors, n, w.k, "DecodeModel");
-  }
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "DecodeModel: ", name, " bias must be float32 [", n, "]");
-    w.bias = bias->const_data_ptr<float>();
-  }
-  return w;
-}
-
-// Tiles [t0, t1) of w times q's rows: their columns of out [rows, w.n], plus the bias.
-void matmul_tiles(const Matrix& w, const GroupedActivations& q, int64_t rows, float* out, int64_t t0, int64_t t1) {
-  if (t0 >= t1) return;
-  if (!w.parts.empty()) {
-    parts_span(w.parts, q, rows, w.n, w.k, out, t0, t1);
-  } else if (w.per_group) {
-    tile_span<true>(q, w.tiles, static_cast<const uint16_t*>(w.scales), rows, w.n, w.n, w.k, out, t0, t1);
-  } else {
-    tile_span<false>(q, w.tiles, static_cast<const float*>(w.scales), rows, w.n, w.n, w.k, out, t0, t1);
-  }
-  if (w.bias == nullptr) return;
-  const int64_t c0 = t0 * 16, c1 = std::min(t1 * 16, w.n);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = c0; c < c1; ++c) out[r * w.n + c] += w.bias[c];
-}
-
-// Weight lines prefetched per K/V row an attention task reads, and at most how many bytes a
-// thread prefetches during one layer's attention: 384 KB, or half of L2 where it is smaller.
-constexpr int64_t kAheadLinesPerRow = 8;
-
-int64_t ahead_budget() {
-  static const int64_t budget = [] {
-    int64_t bytes = 384 << 10;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    if (l2 > 0) bytes = std::min<int64_t>(bytes, l2 / 2);
-#endif
-    return bytes;
-  }();
-  return budget;
-}
-
-// Thread tid's even share [lo, hi) of n items.
-inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
-  return {n * tid / threads, n * (tid + 1) / threads};
-}
-
-// dst = weight * (src * rsqrt(mean(src^2) + eps)) over n values, as models/fused.py's rms_norm.
-void rms_norm(const float* src, const float* weight, float eps, int64_t n, float* dst) {
-  const float ss = at::vec::map_reduce_all<float>([](Vec x) { return x * x; },
-                                                  [](Vec a, Vec b) { return a + b; }, src, n);
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  at::vec::map2([&](Vec x, Vec w) { return w * (x * Vec(r)); }, dst, src, weight, n);
-}
-
-// res += out * scale over n values (scale 1: a plain add, as a layer without a residual multiplier).
-inline void add_scaled(float* res, const float* out, float scale, int64_t n) {
-  if (scale == 1.0f) {
-    for (int64_t j = 0; j < n; ++j) res[j] += out[j];
-  } else {
-    for (int64_t j = 0; j < n; ++j) res[j] += out[j] * scale;
-  }
-}
-
-// Every row's norm of res [rows, n], quantized into q (sized for it) for the next matmul; h: scratch.
-void norm_rows(const float* res, const float* weight, float eps, int64_t rows, int64_t n, float* h,
-               GroupedActivations& q) {
-  for (int64_t r = 0; r < rows; ++r) rms_norm(res + r * n, weight, eps, n, h + r * n);
-  quantize_span(h, 0, rows * (n / kGroup), q);
-}
-
-// The first index of x's largest value (a NaN counts as larger than any number) into best/index
-// where it beats them; n values from column `first`.
-void argmax_span(const float* x, int64_t n, int64_t first, float& best, int64_t& index) {
-  constexpr int64_t kChunk = 256;
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t len = std::min(kChunk, n - c);
-    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x + c, len);
-    const bool nan = std::isnan(top);
-    if (index >= 0 && !(top > best) && !(nan && !std::isnan(best))) continue;
-    for (int64_t i = c; i < c + len; ++i) {
-      if (x[i] == top || (nan && std::isnan(x[i]))) {
-        best = x[i];
-        index = first + i;
-        break;
-      }
-    }
-  }
-}
-
 struct Layer {
   const float *input_norm, *qk_norm, *post_norm;  // qk_norm: nullptr where none
-  Matrix qkv, o, gate_up, down;
+  Matrix qkv, o, gate_up, down;  // gate_up, down: empty in a MoE layer
+  std::shared_ptr<MoeBlock> moe;  // a sparse MoE block in place of the gated MLP (decode_moe.h), or null
   float *k_cache, *v_cache;
   size_t plan;  // its window's index in DecodeModel::windows
   bool rope;  // false: a NoPE layer (q and k not rotated)
@@ -281,7 +145,6 @@ struct DecodeModel : torch::CustomClassHolder {
       dim = k_cache.size(3);
       block_size = k_cache.size(1);
       cache_slots = k_cache.size(0) * block_size;
-      intermediate = matrix(down_w, std::nullopt, hidden, "down").k;
       TORCH_CHECK(num_heads % kv_heads == 0, "DecodeModel: ", num_heads, " heads over ", kv_heads, " KV heads");
       TORCH_CHECK(dim % 16 == 0 && rotary_dim <= dim, "DecodeModel: head dim ", dim,
                   " (a multiple of 16, at least rotary_dim ", rotary_dim, ")");
@@ -297,9 +160,13 @@ struct DecodeModel : torch::CustomClassHolder {
     l.qk_norm = qk_norm ? qk_norm->const_data_ptr<float>() : nullptr;
     l.qkv = matrix(qkv_w, qkv_bias, qkv_n, "qkv");
     l.o = matrix(o_w, o_bias, hidden, "o_proj");
-    l.gate_up = matrix(gate_up_w, gate_up_bias, 2 * intermediate, "gate_up");
-    l.down = matrix(down_w, down_bias, hidden, "down");
-    TORCH_CHECK(l.qkv.k == hidden && l.o.k == q_size && l.gate_up.k == hidden && l.down.k == intermediate,
+    const bool dense = !down_w.empty();  // else a MoE layer: set_moe gives its block
+    if (dense && intermediate == 0) intermediate = matrix(down_w, std::nullopt, hidden, "down").k;
+    if (dense) {
+      l.gate_up = matrix(gate_up_w, gate_up_bias, 2 * intermediate, "gate_up");
+      l.down = matrix(down_w, down_bias, hidden, "down");
+    }
+    TORCH_CHECK(l.qkv.k == hidden && l.o.k == q_size && (!dense || (l.gate_up.k == hidden && l.down.k == intermediate)),
                 "DecodeModel: layer ", layers.size(), "'s weights do not fit hidden ", hidden, ", ", num_heads, " x ",
                 dim, ", intermediate ", intermediate);
     l.k_cache = k_cache.mutable_data_ptr<float>();
@@ -314,12 +181,27 @@ struct DecodeModel : torch::CustomClassHolder {
       if (t->has_value()) held.push_back(**t);
     layers.push_back(l);
   }
+
+  // The last layer added (with no gate_up or down) takes a sparse MoE block: router float32
+  // [experts, hidden]; the experts' stacked tiles, one part each ([data, scales, extra]),
+  // gate_up_rows (2 * its intermediate: gate rows, then up rows) and `hidden` rows an expert.
+  void set_moe(at::Tensor router, int64_t top_k, bool renormalize, std::vector<at::Tensor> gate_up_w,
+               int64_t gate_up_rows, std::vector<at::Tensor> down_w) {
+    TORCH_CHECK(!layers.empty() && layers.back().down.n == 0 && !layers.back().moe,
+                "DecodeModel: set_moe follows an add_layer with no gate_up or down");
+    check_vector(router, router.numel(), "router");
+    layers.back().moe = moe_block_of(router, top_k, renormalize, gate_up_w, gate_up_rows, down_w, hidden);
+    held.push_back(router);
+    held.insert(held.end(), gate_up_w.begin(), gate_up_w.end());
+    held.insert(held.end(), down_w.begin(), down_w.end());
+  }
 };
 
 struct ThreadScratch {  // one thread's: its copy of res, its activations, its merged attention heads
   std::vector<float> res, h, attn, merged;
-  GroupedActivations q;
+  GroupedActivations q, expert_rows;  // expert_rows: an expert's rows of q (decode_moe.h)
   Scratch attention;
+  MoeRoute route;  // each thread routes every row itself
 };
 
 // Buffers of the calling thread, kept between calls (no allocation a step but the results).
@@ -328,6 +210,7 @@ struct StepScratch {
   std::vector<int64_t> best_index;
   GroupedActivations q_attn, q_act;  // o_proj's and down's inputs, each thread quantizing its groups
   std::vector<ThreadScratch> threads;
+  MoeScratch moe;  // the MoE layers' (decode_moe.h)
 };
 
 // QK-norm (where given) and RoPE (in a layer that rotates) of heads [h0, h1) of each row's q, k, v
@@ -420,6 +303,14 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
     t.merged.resize(d);
     size_for(t.q, rows, n);
   }
+  int64_t most_experts = 0, most_top = 0, most_inter = 0;
+  for (const Layer& l : m.layers)
+    if (l.moe) {
+      most_experts = std::max(most_experts, l.moe->experts);
+      most_top = std::max(most_top, l.moe->top_k);
+      most_inter = std::max(most_inter, l.moe->inter);
+    }
+  if (most_experts > 0) w.moe.size(rows, rows * most_top, most_experts, most_inter, n);
   w.best.resize(threads_wanted * rows);
   w.best_index.resize(threads_wanted * rows);
   float* out = w.out.data();
@@ -453,16 +344,19 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
 #pragma omp barrier
       if (!attention.serial || tid == 0) {
         // this thread's o_proj tiles, then its gate and up tiles, as far as the budget goes
+        // (a MoE layer's experts are not chosen yet: o_proj alone)
         Prefetcher& ahead = mine.attention.ahead;
         ahead.start(kAheadLinesPerRow);
         const int64_t o_bytes = std::min(ahead_budget(), l.o.bytes(o0, o1));
-        const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2,
-                                            l.gate_up.bytes(2 * u0, std::min(2 * u1, gate_tiles)));
-        const int64_t up_bytes = std::min((ahead_budget() - o_bytes) / 2,
-                                          l.gate_up.bytes(gate_tiles + 2 * u0, gate_tiles + 2 * u1));
         ahead.add(0, l.o.tile(o0), o_bytes);
-        ahead.add(1, l.gate_up.tile(2 * u0), gate_bytes);
-        ahead.add(2, l.gate_up.tile(gate_tiles + 2 * u0), up_bytes);
+        if (!l.moe) {
+          const int64_t gate_bytes = std::min((ahead_budget() - o_bytes) / 2,
+                                              l.gate_up.bytes(2 * u0, std::min(2 * u1, gate_tiles)));
+          const int64_t up_bytes = std::min((ahead_budget() - o_bytes) / 2,
+                                            l.gate_up.bytes(gate_tiles + 2 * u0, gate_tiles + 2 * u1));
+          ahead.add(1, l.gate_up.tile(2 * u0), gate_bytes);
+          ahead.add(2, l.gate_up.tile(gate_tiles + 2 * u0), up_bytes);
+        }
         for (int64_t t = next.fetch_add(1); t < attention.tasks; t = next.fetch_add(1))
           attention.task(t, mine.attention);
       }
@@ -473,6 +367,11 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
 #pragma omp barrier
       add_scaled(res, out, l.residual_scale, rows * n);
       norm_rows(res, l.post_norm, m.norm_eps, rows, n, mine.h.data(), mine.q);
+      if (l.moe) {
+        moe_block(*l.moe, mine.h.data(), mine.q, mine.route, mine.expert_rows, w.moe, rows, n, tid, threads, o0, o1,
+                  out);
+        continue;
+      }
       matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), 2 * u0, 2 * u1);
       matmul_tiles(l.gate_up, mine.q, rows, w.gate_up.data(), gate_tiles + 2 * u0, gate_tiles + 2 * u1);
       for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up of its columns, quantized
@@ -571,7 +470,8 @@ TORCH_LIBRARY_FRAGMENT(hyprefix, m) {
   m.class_<DecodeModel>("DecodeModel")
       .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, at::Tensor, std::vector<at::Tensor>, at::Tensor,
                        at::Tensor, int64_t, double, double, double, double, double>())
-      .def("add_layer", &DecodeModel::add_layer);
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("set_moe", &DecodeModel::set_moe);
   m.def("decode_model_hidden(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "
         "Tensor slot_mapping, Tensor tables, Tensor context_lens) -> Tensor");
   m.def("decode_model_logits(__torch__.torch.classes.hyprefix.DecodeModel model, Tensor input_ids, Tensor positions, "

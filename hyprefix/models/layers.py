@@ -88,12 +88,15 @@ class Linear(nn.Linear):
         # False: ``--quantization`` leaves this matrix in float (a MoE router: a rounded logit can
         # change which experts a token reaches; vLLM and llama.cpp keep routers unquantized too).
         self.quantizable = True
+        # True: the plain weight stays beside a packed form whatever the step paths (a MoE
+        # router, which ``DecodeModel`` reads: ``kernels/decode_moe.h``).
+        self.keeps_plain = False
 
     def pack(self, keep_plain: bool = False, eager_tiles: bool = False) -> None:
         """Add the packed form where the device allows it; ``keep_plain``: compiled decode steps
         read the matrix, so keep the plain weight (or bf16 tiles in its place); ``eager_tiles``:
         eager decode steps multiply its bf16 tiles (``MatrixForms.tiles_take``)."""
-        if self.forms.pack(self.weight, keep_plain, self.pack_halves, eager_tiles):
+        if self.forms.pack(self.weight, keep_plain or self.keeps_plain, self.pack_halves, eager_tiles):
             drop_plain(self.weight)
 
     def quantize(self) -> None:

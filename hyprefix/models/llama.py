@@ -11,6 +11,7 @@ from hyprefix.models.attention import paged_attention
 from hyprefix.models.base import CausalLM, KVLayout, Target, last_layer_rows
 from hyprefix.models.fused import Kernels
 from hyprefix.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, RopeTables
+from hyprefix.models.moe import SparseMoE
 from hyprefix.models.quant import Int8Tiles, QuantTiles
 from hyprefix.models.weights import MatrixForms
 
@@ -109,13 +110,19 @@ class DecoderLayer(nn.Module):
 
     def fits_decode_kernel(self) -> bool:
         """Whether ``hyprefix::DecodeModel`` can run this layer: float32, int8 or low-bit tiles for
-        every matmul, SiLU, no output gate, a head dim of a multiple of 16."""
+        every matmul, no output gate, a head dim of a multiple of 16, and a SiLU gated MLP or a
+        sparse MoE block it runs (``SparseMoE.fits_decode_kernel``)."""
         attn, mlp = self.attn, self.mlp
-        return (isinstance(mlp, GatedMLP) and self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
-                and attn.sinks is None
-                and mlp.act is ACTIVATIONS["silu"][0] and attn.head_dim % 16 == 0
+        if isinstance(mlp, SparseMoE):
+            mlp_fits = mlp.fits_decode_kernel()
+        else:
+            mlp_fits = (isinstance(mlp, GatedMLP) and mlp.act is ACTIVATIONS["silu"][0]
+                        and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
+                                for linear in (mlp.gate_up, mlp.down)))
+        return (mlp_fits and self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
+                and attn.sinks is None and attn.head_dim % 16 == 0
                 and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
-                        for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)))
+                        for linear in (attn.qkv, attn.o_proj)))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -249,10 +256,16 @@ def _build_decode_model(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Ten
         model.logits_scaling)
     for layer, (k, v) in zip(model.layers, kv_caches, strict=True):
         attn, mlp = layer.attn, layer.mlp
+        moe = isinstance(mlp, SparseMoE)  # its block follows the layer (``set_moe``)
         out.add_layer(layer.input_norm.weight, _tensors(attn.qkv.forms), attn.qkv.bias, attn.qk_norm_weight,
                       _tensors(attn.o_proj.forms), attn.o_proj.bias, layer.post_norm.weight,
-                      _tensors(mlp.gate_up.forms), mlp.gate_up.bias, _tensors(mlp.down.forms), mlp.down.bias, k, v,
+                      [] if moe else _tensors(mlp.gate_up.forms), None if moe else mlp.gate_up.bias,
+                      [] if moe else _tensors(mlp.down.forms), None if moe else mlp.down.bias, k, v,
                       attn.window or 0, layer.uses_rope, layer.residual_multiplier)
+        if moe:
+            gate_up, down = mlp.experts_gate_up, mlp.experts_down
+            out.set_moe(mlp.router.weight, mlp.routing.top_k, mlp.routing.renormalize, gate_up.forms.quant.tensors,
+                        gate_up.rows, down.forms.quant.tensors)
     return out, bool(head)
 
 

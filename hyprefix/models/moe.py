@@ -108,6 +108,7 @@ class SparseMoE(nn.Module):
         self.routing, self.activation = routing, activation
         self.router = Linear(hidden, num_experts, bias=biases, dtype=dtype, device=device)
         self.router.quantizable = False
+        self.router.keeps_plain = True  # DecodeModel's MoE blocks read it (``fits_decode_kernel``)
         self.correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) \
             if correction_bias else None
         self.latent_in = Linear(hidden, width, bias=latent_bias, dtype=dtype, device=device) if latent else None
@@ -132,6 +133,21 @@ class SparseMoE(nn.Module):
     def ungated(self) -> bool:
         """Whether the experts have no gate projection (ReLU^2: gate_up holds the up rows alone)."""
         return self.activation.name == "relu2"
+
+    def fits_decode_kernel(self) -> bool:
+        """Whether ``hyprefix::DecodeModel`` can run this block (``kernels/decode_moe.h``): softmax
+        over every expert, top-k, renormalised or not, unscaled; a float32 router without a bias;
+        SiLU experts without biases, both stacks in tiles of one part with whole tiles an expert;
+        no shared expert, latent projections or correction bias."""
+        routing, up, down = self.routing, self.experts_gate_up, self.experts_down
+        quant = [stack.forms.quant for stack in (up, down)]
+        return (routing.scoring == "softmax" and not routing.softmax_after_topk and routing.groups == 1
+                and routing.scale == 1.0 and self.activation.name == "silu" and self.shared is None
+                and self.latent_in is None and self.correction_bias is None and self.router.bias is None
+                and self.router.weight.dtype == torch.float32
+                and self.router.weight.shape == (self.num_experts, self.hidden)
+                and up.bias is None and down.bias is None and up.rows % 32 == 0 and down.rows % 16 == 0
+                and all(q is not None and len(q.tensors) == 3 for q in quant))
 
     def active_expert_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of expert weights one token reads (``CausalLM.decode_weight_bytes``): top-k of

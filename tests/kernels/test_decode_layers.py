@@ -101,3 +101,34 @@ def test_decode_layers_serve_only_what_they_fit(tiny_models):
     assert not LLM(str(path), dtype="float32", num_kv_blocks=64).engine.runner.model.decode_kernel
     assert not LLM(str(path), dtype="bfloat16", num_kv_blocks=64,
                    quantization="int8").engine.runner.model.decode_kernel
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint (tests/support/models.py's: 8 experts, top 2, renormalised)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.models import save_tiny_checkpoint, tiny_moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe"), dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("decode-moe") / "qwen3_moe"
+    save_tiny_checkpoint(model, path)
+    return path
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_decode_layers_run_qwen3_moe_blocks(tiny_qwen3_moe, quantization):
+    """Qwen3-MoE's sparse blocks inside the one call (``decode_moe.h``) equal quant_moe op by op:
+    rows that share experts and rows that do not, int8 and low-bit expert tiles; and a row's
+    result is the same whether it decodes alone or beside others."""
+    llm = LLM(str(tiny_qwen3_moe), dtype="float32", num_kv_blocks=128, block_size=16, quantization=quantization,
+              enforce_eager=True)
+    model = llm.engine.runner.model
+    assert model.decode_kernel and all(layer.mlp.fits_decode_kernel() for layer in model.layers)
+    prompts = random_prompts((6, 19, 40, 70), seed=13)
+    kernel, ops = _both_paths(llm, prompts)
+    _assert_close(kernel, ops)
+    alone, _ = _both_paths(llm, prompts[2:3])
+    torch.testing.assert_close(alone["hidden"][0], kernel["hidden"][2], rtol=0, atol=0)
+    llm.check_invariants()
