@@ -423,6 +423,8 @@ void run_step(const DecodeModel& m, const StepInputs& in, const at::Tensor& tabl
 StepInputs check_step(const DecodeModel& m, const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& context_lens) {
   TORCH_CHECK(!m.layers.empty(), "DecodeModel: no layers");
+  for (const Layer& l : m.layers)
+    TORCH_CHECK(l.down.n > 0 || l.moe, "DecodeModel: a layer added without gate_up or down has no set_moe");
   const int64_t rows = input_ids.numel();
   for (const auto* t : {&input_ids, &positions, &slot_mapping, &context_lens})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows,
