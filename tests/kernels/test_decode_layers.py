@@ -8,6 +8,7 @@ import torch
 
 from hyprefix import LLM
 from hyprefix.kernels import decode_layers
+from hyprefix.models.moe import SparseMoE
 from hyprefix.models.quant import Int8Weight
 from tests.kernels.test_decode_graph import _decode_batch
 from tests.support.compare import our_last_logits, random_prompts
@@ -105,13 +106,16 @@ def test_decode_layers_serve_only_what_they_fit(tiny_models):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_moe(tmp_path_factory):
-    """A tiny Qwen3-MoE checkpoint (tests/support/models.py's: 8 experts, top 2, renormalised)."""
+    """A tiny Qwen3-MoE checkpoint (tests/support/models.py's: 8 experts, top 2, renormalised),
+    its middle layer dense (``mlp_only_layers``): the one call holds both kinds."""
     from transformers import AutoModelForCausalLM
 
     from tests.support.models import save_tiny_checkpoint, tiny_moe_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe"), dtype=torch.float32).eval()
+    config = tiny_moe_config("qwen3_moe")
+    config.mlp_only_layers = [1]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("decode-moe") / "qwen3_moe"
     save_tiny_checkpoint(model, path)
     return path
@@ -125,7 +129,8 @@ def test_decode_layers_run_qwen3_moe_blocks(tiny_qwen3_moe, quantization):
     llm = LLM(str(tiny_qwen3_moe), dtype="float32", num_kv_blocks=128, block_size=16, quantization=quantization,
               enforce_eager=True)
     model = llm.engine.runner.model
-    assert model.decode_kernel and all(layer.mlp.fits_decode_kernel() for layer in model.layers)
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert model.decode_kernel and len(moe) == 2 and all(mlp.fits_decode_kernel() for mlp in moe)
     prompts = random_prompts((6, 19, 40, 70), seed=13)
     kernel, ops = _both_paths(llm, prompts)
     # An expert's input across an int8 rounding boundary moves its row further than a dense
