@@ -189,7 +189,6 @@ struct DecodeModel : torch::CustomClassHolder {
                int64_t gate_up_rows, std::vector<at::Tensor> down_w) {
     TORCH_CHECK(!layers.empty() && layers.back().down.n == 0 && !layers.back().moe,
                 "DecodeModel: set_moe follows an add_layer with no gate_up or down");
-    check_vector(router, router.numel(), "router");
     layers.back().moe = moe_block_of(router, top_k, renormalize, gate_up_w, gate_up_rows, down_w, hidden);
     held.push_back(router);
     held.insert(held.end(), gate_up_w.begin(), gate_up_w.end());

@@ -19,6 +19,7 @@
 #include "decode_rows.h"
 #include "quant_moe.h"
 
+#include <algorithm>
 #include <memory>
 #include <numeric>
 
@@ -63,43 +64,57 @@ struct MoeRoute {
   std::vector<int64_t> pair_row;                 // pairs by item, each item's rows increasing
   std::vector<float> pair_weight;
   std::vector<float> scores;
+  std::vector<int64_t> order;  // a row's experts by score, then the pairs by expert
+  std::vector<int64_t> pair_expert;
+  std::vector<float> row_weight;
 
   int64_t items() const { return static_cast<int64_t>(item_expert.size()); }
   int64_t rows_of(int64_t i) const { return item_first[i + 1] - item_first[i]; }
 
-  // logits [rows, experts] -> softmax, the top_k (the first of equal scores), renormalised.
+  // logits [rows, experts] -> softmax, the top_k (the first of equal scores), renormalised; then
+  // the pairs stably sorted by expert, as quant_moe orders them.
   void route(const float* logits, int64_t rows, const MoeBlock& b) {
-    const int64_t e_count = b.experts, k = std::min(b.top_k, e_count);
-    std::vector<std::vector<std::pair<int64_t, float>>> by_expert(e_count);
+    const int64_t e_count = b.experts, k = b.top_k;
     scores.resize(e_count);
+    pair_expert.clear();
+    row_weight.clear();
     for (int64_t r = 0; r < rows; ++r) {
       const float* x = logits + r * e_count;
       const float top = *std::max_element(x, x + e_count);
       float sum = 0.0f;
       for (int64_t e = 0; e < e_count; ++e) sum += scores[e] = std::exp(x[e] - top);
       for (int64_t e = 0; e < e_count; ++e) scores[e] /= sum;
-      std::vector<int64_t> order(e_count);
+      order.resize(e_count);
       std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int64_t a, int64_t c) { return scores[a] > scores[c] || (scores[a] == scores[c] && a < c); });
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t c) {
+        return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
+      });
       float chosen_sum = 0.0f;
       for (int64_t j = 0; j < k; ++j) chosen_sum += scores[order[j]];
-      for (int64_t j = 0; j < k; ++j)
-        by_expert[order[j]].push_back({r, b.renormalize ? scores[order[j]] / chosen_sum : scores[order[j]]});
-    }
-    item_expert.clear();
-    item_first.assign(1, 0);
-    pair_row.clear();
-    pair_weight.clear();
-    for (int64_t e = 0; e < e_count; ++e) {
-      if (by_expert[e].empty()) continue;
-      item_expert.push_back(e);
-      for (const auto& [r, weight] : by_expert[e]) {
-        pair_row.push_back(r);
-        pair_weight.push_back(weight);
+      for (int64_t j = 0; j < k; ++j) {
+        pair_expert.push_back(order[j]);
+        row_weight.push_back(b.renormalize ? scores[order[j]] / chosen_sum : scores[order[j]]);
       }
-      item_first.push_back(static_cast<int64_t>(pair_row.size()));
     }
+    const int64_t pairs = rows * k;
+    order.resize(pairs);  // pair ids (row * k + slot), by expert, each expert's rows in order
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t c) { return pair_expert[a] < pair_expert[c]; });
+    item_expert.clear();
+    item_first.clear();
+    pair_row.resize(pairs);
+    pair_weight.resize(pairs);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t id = order[p], expert = pair_expert[id];
+      if (item_expert.empty() || item_expert.back() != expert) {
+        item_expert.push_back(expert);
+        item_first.push_back(p);
+      }
+      pair_row[p] = id / k;
+      pair_weight[p] = row_weight[id];
+    }
+    item_first.push_back(pairs);
   }
 };
 
@@ -165,8 +180,7 @@ inline void experts_up(const MoeBlock& b, const MoeRoute& route, const GroupedAc
     for (int64_t r = 0; r < count; ++r) {
       const float* g = gu + r * 2 * inter;
       const int64_t c0 = u0 * kGroup, c1 = u1 * kGroup;
-      at::vec::map2([](Vec gate, Vec up) { return gate / (Vec(1.f) + (Vec(0.f) - gate).exp_u20()) * up; },
-                    act + r * inter + c0, g + c0, g + inter + c0, c1 - c0);
+      silu_times_up(g + c0, g + inter + c0, act + r * inter + c0, c1 - c0);
       quantize_span(act, r * groups + u0, r * groups + u1, s.q_act[i]);
     }
   }

@@ -87,6 +87,13 @@ struct ExpertActivation {
   int64_t gate_up_rows, inter;
 };
 
+// silu(gate) * up over n values (out may be gate): the gated experts' activation, one definition
+// for quant_moe and DecodeModel's MoE blocks (decode_moe.h), so both compute the same bits.
+inline void silu_times_up(const float* gate, const float* up, float* out, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.f) + (Vec(0.f) - g).exp_u20()) * u; }, out, gate, up, n);
+}
+
 // The activation on `rows` rows of gate_up results gu [rows, gate_up_rows] of expert `expert` into
 // act [rows, inter]: ATen's vector loops (at batch 1 the scalar exp alone was 3% of the block).
 inline void activate_rows(const float* gu, float* act, int64_t rows, int64_t expert, const ExpertActivation& a) {
@@ -104,8 +111,7 @@ inline void activate_rows(const float* gu, float* act, int64_t rows, int64_t exp
     if (a.kind == Activation::kRelu2) {
       at::vec::map([](Vec u) { const Vec p = at::vec::maximum(u, Vec(0.f)); return p * p; }, o, g, inter);
     } else if (a.kind == Activation::kSilu) {
-      at::vec::map2([](Vec gate, Vec up) { return gate / (Vec(1.f) + (Vec(0.f) - gate).exp_u20()) * up; }, o, g,
-                    g + inter, inter);
+      silu_times_up(g, g + inter, o, inter);
     } else {  // swiglu_oai (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
       const Vec alpha(a.alpha), limit(a.limit), low(-a.limit), one(1.f);
       at::vec::map2([&](Vec gate, Vec up) {

@@ -113,16 +113,15 @@ class DecoderLayer(nn.Module):
         every matmul, no output gate, a head dim of a multiple of 16, and a SiLU gated MLP or a
         sparse MoE block it runs (``SparseMoE.fits_decode_kernel``)."""
         attn, mlp = self.attn, self.mlp
+        matrices = [attn.qkv, attn.o_proj]
         if isinstance(mlp, SparseMoE):
             mlp_fits = mlp.fits_decode_kernel()
         else:
-            mlp_fits = (isinstance(mlp, GatedMLP) and mlp.act is ACTIVATIONS["silu"][0]
-                        and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
-                                for linear in (mlp.gate_up, mlp.down)))
+            mlp_fits = isinstance(mlp, GatedMLP) and mlp.act is ACTIVATIONS["silu"][0]
+            matrices += [mlp.gate_up, mlp.down] if mlp_fits else []
         return (mlp_fits and self.input_norm.weight.dtype == torch.float32 and not attn.output_gate
                 and attn.sinks is None and attn.head_dim % 16 == 0
-                and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles)
-                        for linear in (attn.qkv, attn.o_proj)))
+                and all(isinstance(linear.forms.quantized, Int8Tiles | QuantTiles) for linear in matrices))
 
 
 class LlamaForCausalLM(CausalLM):
